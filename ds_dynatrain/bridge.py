@@ -1,0 +1,204 @@
+"""The DeepSpeed bridge: reads ZeRO geometry and state out of a live engine and puts state back.
+
+Everything that touches DeepSpeed internals lives here (``DeepSpeedZeroOptimizer`` of
+``deepspeed/runtime/zero/stage_1_and_2.py``, the ``_hp_mapping`` fragments of
+``deepspeed/utils/tensor_fragment.py``, the cached groups of ``deepspeed.utils.groups`` and the
+comm backend of ``deepspeed.comm``), so the rest of the plugin deals in layouts and flat tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .errors import DynatrainError, LayoutMismatchError
+from .layout import Fragment, ZeroLayout, param_metas_from_groups
+
+MASTER = "fp32"  # state kind of the fp32 master partition
+
+
+def zero_optimizer_of(engine):
+    """The engine's ZeRO-1/2 optimizer wrapper.
+
+    Raises:
+        DynatrainError: the engine does not run ZeRO stage 1 or 2.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        raise DynatrainError(f"online resizing needs ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer); the engine runs "
+                             f"{type(opt).__name__} at ZeRO stage {engine.zero_optimization_stage()}")
+    return opt
+
+
+def layout_of(engine) -> ZeroLayout:
+    """The :class:`ZeroLayout` of a live ZeRO-1/2 engine, from its groups and config."""
+    opt = zero_optimizer_of(engine)
+    zcfg = engine._config.zero_config
+    groups = param_metas_from_groups(list(engine.module.named_parameters()), opt.bit16_groups)
+    return ZeroLayout(world_size=engine.dp_world_size, groups=groups, round_robin=bool(zcfg.round_robin_gradients),
+                      parameter_alignment=bool(zcfg.parameter_alignment), stage=engine.zero_optimization_stage())
+
+
+def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dtype: torch.dtype) -> ZeroLayout:
+    """The layout DeepSpeed will build for ``groups`` of a model not yet wrapped by an engine.
+
+    ``dtype`` is the working dtype the engine will cast parameters to (bf16/fp16/fp32).
+    """
+    metas = param_metas_from_groups(named_params, groups)
+    dname = str(dtype).replace("torch.", "")
+    metas = tuple(tuple(type(m)(m.key, m.shape, dname) for m in g) for g in metas)
+    z = ds_config.get("zero_optimization", {})
+    return ZeroLayout(world_size, metas, bool(z.get("round_robin_gradients", False)),
+                      bool(z.get("parameter_alignment", False)), int(z.get("stage", 0)))
+
+
+def engine_fragments(engine) -> Tuple[Fragment, ...]:
+    """The fragments this rank really holds, read from each parameter's ``_hp_mapping``.
+
+    This is DeepSpeed's own account of the layout; tests compare it with
+    :meth:`ZeroLayout.fragments`.
+    """
+    opt = zero_optimizer_of(engine)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = []
+    for gi, params in enumerate(opt.bit16_groups):
+        for p in params:
+            m = getattr(p, "_hp_mapping", None)
+            if m is None:
+                continue
+            out.append(Fragment(gi, names[id(p)], m.lp_fragment_address.start, m.lp_fragment_address.numel,
+                                m.hp_fragment_address.start))
+    return tuple(sorted(out, key=lambda f: (f.group, f.local)))
+
+
+@dataclass
+class PartitionState:
+    """One rank's optimizer state for every parameter group.
+
+    Attributes:
+        tensors: per group, ``{kind: 1-D fp32 tensor of the partition}``; kind ``"fp32"`` is the
+            master partition, the others are optimizer states of the same shape (``exp_avg``,
+            ``exp_avg_sq`` for Adam).
+        scalars: per group, the optimizer states that are not partition-shaped (Adam's ``step``).
+    """
+
+    tensors: List[Dict[str, torch.Tensor]]
+    scalars: List[Dict[str, Any]]
+
+    def kinds(self, group: int) -> Tuple[str, ...]:
+        return tuple(self.tensors[group])
+
+
+def extract_partitions(engine) -> PartitionState:
+    """References (no copies) to this rank's fp32 master partitions and their optimizer states."""
+    opt = zero_optimizer_of(engine)
+    tensors, scalars = [], []
+    for fp32 in opt.single_partition_of_fp32_groups:
+        state = opt.optimizer.state.get(fp32, {})
+        kinds = {MASTER: fp32.detach()}
+        sc = {}
+        for k in sorted(state):
+            v = state[k]
+            if torch.is_tensor(v) and v.shape == fp32.shape:
+                kinds[k] = v.detach()
+            else:
+                sc[k] = v.detach().clone() if torch.is_tensor(v) else v
+        tensors.append(kinds)
+        scalars.append(sc)
+    return PartitionState(tensors, scalars)
+
+
+def inject_partitions(engine, state: PartitionState) -> None:
+    """Install received partitions into a freshly built engine of the new layout.
+
+    The fp32 master partition is copied into the tensor the optimizer already references; the
+    optimizer state dict entry is created (torch Adam has none before its first ``step``) with the
+    received tensors; DeepSpeed's fragment links (``_hp_mapping.optim_fragment``) are made so
+    ``deepspeed.utils.safe_get_full_optimizer_state`` sees the injected moments.
+
+    Raises:
+        LayoutMismatchError: a received partition has another size than the engine's.
+    """
+    opt = zero_optimizer_of(engine)
+    for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+        kinds = state.tensors[gi]
+        if kinds[MASTER].numel() != fp32.numel():
+            raise LayoutMismatchError(f"parameter group {gi}: received partition of {kinds[MASTER].numel()} elements, "
+                                      f"engine partition has {fp32.numel()}")
+        with torch.no_grad():
+            fp32.copy_(kinds[MASTER])
+        entry = {}
+        for k, v in state.scalars[gi].items():
+            entry[k] = v.clone() if torch.is_tensor(v) else v
+        for k, v in kinds.items():
+            if k != MASTER:
+                entry[k] = v.to(device=fp32.device, dtype=v.dtype).view_as(fp32)
+        if len(entry):
+            opt.optimizer.state[fp32] = entry
+    # low-precision working copies: copy the master partition down, then gather (DeepSpeed's own path)
+    with torch.no_grad():
+        for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+            part = opt.parallel_partitioned_bit16_groups[gi][_dp_rank(opt, gi)]
+            part.copy_(fp32.to(part.dtype))
+    from deepspeed.runtime.utils import all_gather_dp_groups
+    all_gather_dp_groups(groups_flat=opt.bit16_groups_flat, partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                         dp_process_group=opt.real_dp_process_group, start_alignment_factor=opt.nccl_start_alignment_factor,
+                         allgather_bucket_size=opt.allgather_bucket_size)
+    if any(len(s) for s in state.tensors) and not opt._hp_optimizer_states_linked:
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def _dp_rank(opt, group: int) -> int:
+    from deepspeed import comm as dist
+    return dist.get_rank(group=opt.real_dp_process_group[group])
+
+
+def reset_deepspeed_comm() -> None:
+    """Forget DeepSpeed's cached comm backend and process groups.
+
+    DeepSpeed caches its backend (``deepspeed.comm.comm.cdb``) and groups
+    (``deepspeed.utils.groups``) in module globals; after the default process group is destroyed
+    and re-formed for a new generation these must be reset, or the next engine would use the dead
+    group.
+    """
+    import deepspeed.comm.comm as dcomm
+    import deepspeed.utils.groups as groups
+    dcomm.cdb = None
+    groups._WORLD_GROUP = None
+    groups._DATA_PARALLEL_GROUP = None
+    groups._MODEL_PARALLEL_GROUP = None
+    groups._TENSOR_MODEL_PARALLEL_GROUP = None
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups._EXPERT_PARALLEL_GROUP = {}
+    groups._EXPERT_PARALLEL_GROUP_RANKS = {}
+    groups._EXPERT_DATA_PARALLEL_GROUP = {}
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS = {}
+    groups._ALL_TO_ALL_GROUP = {}
+    groups.mesh_device = None
+    groups.mpu = None
+
+
+def detach_engine(engine) -> None:
+    """Remove everything a built engine hooked into the model, so it can be rebuilt in place.
+
+    Raises:
+        DynatrainError: hooks remain on the model after the engine's own teardown (a DeepSpeed
+            feature we do not know how to detach), rather than train with two engines hooked in.
+    """
+    for attr in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+        h = getattr(engine, attr, None)
+        if h is not None:
+            h.remove()
+            setattr(engine, attr, None)
+    engine.destroy()
+
+
+def count_module_hooks(module: torch.nn.Module) -> int:
+    """Forward/backward hooks registered on ``module`` and its children (to prove a detach)."""
+    n = 0
+    for m in module.modules():
+        n += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        n += len(getattr(m, "_backward_pre_hooks", {}))
+    return n

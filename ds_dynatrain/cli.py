@@ -1,0 +1,64 @@
+"""The ``dynatrain`` command line.
+
+::
+
+    dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
+    dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from .errors import ConfigError
+
+
+def _cmd_launch(a) -> int:
+    from .launcher import launch
+    try:
+        return launch(a.script, a.script_args, a.nproc, a.config, a.store)
+    except ConfigError as err:
+        print(f"dynatrain launch: {err}", file=sys.stderr)
+        return 2
+
+
+def _cmd_plot(a) -> int:
+    from .plot import plot_losses
+    plot_losses(a.metrics, a.out, static_path=a.static, title=a.title)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
+                                "and resilience snapshots.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
+    lp.add_argument("--nproc", type=int, required=True, help="workers at launch (the initial world size)")
+    lp.add_argument("--config", required=True, help="DeepSpeed JSON config, with an optional \"dynatrain\" section")
+    lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port)")
+    lp.add_argument("script", help="training script; it receives its arguments plus --deepspeed_config CONFIG")
+    lp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    lp.set_defaults(func=_cmd_launch)
+
+    pp = sub.add_parser("plot", help="plot loss against step with the resizes marked")
+    pp.add_argument("metrics", help="metrics JSON-lines file of the elastic run")
+    pp.add_argument("--static", default=None, help="metrics of the same job run without resizes")
+    pp.add_argument("--out", required=True, help="PNG to write")
+    pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job")
+    pp.set_defaults(func=_cmd_plot)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
+        print("dynatrain launch: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

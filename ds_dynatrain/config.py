@@ -1,0 +1,125 @@
+"""The ``"dynatrain"`` section of a DeepSpeed JSON config.
+
+Declared once, as pydantic models (as DeepSpeed declares its own sections); unknown keys and wrong
+types are refused with a :class:`~ds_dynatrain.errors.ConfigError` naming the key, before any
+process group or engine exists. Example::
+
+    "dynatrain": {
+        "resize_schedule": [{"step": 20, "world_size": 3}, {"step": 40, "world_size": 1}],
+        "max_world_size": 4,
+        "snapshot": {"interval_steps": 25, "dir": "runs/snapshots", "keep_last": 2},
+        "metrics_path": "runs/metrics.jsonl"
+    }
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, List, Optional, Tuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+SECTION = "dynatrain"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ResizeEvent(_Strict):
+    """Change the data-parallel world size after optimizer step ``step``."""
+
+    step: int = Field(ge=1, description="global step (optimizer steps) after which the resize happens")
+    world_size: int = Field(ge=1, description="data-parallel world size from then on")
+
+
+class SnapshotConfig(_Strict):
+    """Resilience snapshots taken during training."""
+
+    interval_steps: int = Field(0, ge=0, description="save every this many optimizer steps; 0 = never")
+    dir: Optional[str] = Field(None, description="directory of the snapshots (one sub-directory per tag)")
+    keep_last: int = Field(2, ge=1, description="complete snapshots kept; older ones are pruned after a commit")
+
+    @model_validator(mode="after")
+    def _dir_needed(self):
+        if self.interval_steps and not self.dir:
+            raise ValueError("snapshot.dir is required when snapshot.interval_steps > 0")
+        return self
+
+
+class DynatrainConfig(_Strict):
+    """The whole ``"dynatrain"`` section. Every field has a default; an empty section is valid."""
+
+    enabled: bool = Field(True, description="False makes ds_dynatrain.initialize a plain deepspeed.initialize")
+    resize_schedule: List[ResizeEvent] = Field(default_factory=list,
+                                               description="resizes at fixed steps, in increasing step order")
+    max_world_size: Optional[int] = Field(None, ge=1, description="largest data-parallel world size allowed")
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    metrics_path: Optional[str] = Field(None, description="JSON-lines file of step and resize records (rank 0)")
+    log_interval_steps: int = Field(1, ge=1, description="print one step line every this many steps")
+    collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every wait of a transition, seconds")
+    join_timeout_s: float = Field(600.0, gt=0,
+                                  description="how long a spawned joiner waits for its generation, seconds")
+    spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
+                                       "early, so their start-up overlaps training")
+
+    @model_validator(mode="after")
+    def _schedule_ordered(self):
+        steps = [e.step for e in self.resize_schedule]
+        for a, b in zip(steps, steps[1:]):
+            if b <= a:
+                raise ValueError(f"resize_schedule steps must increase strictly; got {a} then {b}")
+        return self
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in (SECTION, *e["loc"]))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}")
+    return "invalid DeepSpeed config: " + "; ".join(parts)
+
+
+def parse_section(section: Any) -> DynatrainConfig:
+    """Validate a ``"dynatrain"`` section (a dict from JSON).
+
+    Raises:
+        ConfigError: naming each offending key (``dynatrain.snapshot.intervall: unknown key``).
+    """
+    if section is None:
+        return DynatrainConfig()
+    if not isinstance(section, dict):
+        raise ConfigError(f"invalid DeepSpeed config: '{SECTION}' must be an object, got {type(section).__name__}")
+    try:
+        return DynatrainConfig.model_validate(section)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_ds_config(config: Any) -> Tuple[dict, DynatrainConfig]:
+    """Split a DeepSpeed config (dict or path to JSON) into DeepSpeed's part and ours.
+
+    Returns:
+        ``(deepspeed_config, dynatrain_config)``: a deep copy of the DeepSpeed config without the
+        ``"dynatrain"`` section (DeepSpeed never sees it), and the validated section.
+
+    Raises:
+        ConfigError: unreadable file, not a JSON object, or an invalid ``"dynatrain"`` section.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read DeepSpeed config {os.fspath(config)!r}: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config must be a JSON object, got {type(config).__name__}")
+    ds_config = copy.deepcopy(config)
+    section = ds_config.pop(SECTION, None)
+    return ds_config, parse_section(section)

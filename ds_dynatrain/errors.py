@@ -1,0 +1,38 @@
+"""Typed errors of ds_dynatrain.
+
+One root, :class:`DynatrainError`, so a caller can catch everything the plugin raises; below it
+one class per kind of problem, so a caller can tell "your input is wrong" (config, world size,
+layout) from "the job failed underneath us" (transition aborted, peer lost). Messages name the
+rank, parameter, key or file involved.
+"""
+
+
+class DynatrainError(RuntimeError):
+    """Root of every error raised by ds_dynatrain."""
+
+
+class ConfigError(DynatrainError, ValueError):
+    """The ``"dynatrain"`` section (or the DeepSpeed config around it) is invalid.
+
+    Raised at start, before any process group or engine is touched.
+    """
+
+
+class ResizeRefusedError(DynatrainError, ValueError):
+    """A requested world size cannot be served (0, above ``max_world_size``, or it cannot keep
+    the global batch). Raised before anything changes: training goes on in the old world."""
+
+
+class LayoutMismatchError(DynatrainError, ValueError):
+    """Two layouts, or a layout and a model, describe different parameter sets or shapes.
+
+    The message names the first differing parameter. Raised before any byte moves."""
+
+
+class TransitionAbortedError(DynatrainError):
+    """A transition could not complete: a peer disappeared, a wait timed out, or ranks disagreed
+    about the plan. The message names the peer and the phase."""
+
+
+class NotAMemberError(DynatrainError):
+    """This process left the job at a resize; its engine can no longer train."""

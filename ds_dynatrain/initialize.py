@@ -1,0 +1,203 @@
+"""``ds_dynatrain.initialize``: ``deepspeed.initialize`` with an elastic engine behind it."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from .batch import split_global_batch
+from .bridge import layout_for_model
+from .config import ConfigError, load_ds_config
+from .engine import (ElasticEngine, ElasticState, agree_on_header, allocate_partitions, construct, ds_config_for,
+                     install_state)
+from .errors import ResizeRefusedError
+from .launch_env import LaunchContext, member_id
+from .layout import ZeroLayout
+from .membership import GenerationRecord, Membership
+from .metrics import MetricsWriter, logger
+from .planner import plan_transition
+from .transition import execute_plan
+
+
+def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
+    """``(global batch, largest micro-batch)`` in samples from DeepSpeed's batch keys at ``world_size``.
+
+    Follows DeepSpeed's rule ``train_batch_size = micro * accumulation * world_size``.
+
+    Raises:
+        ConfigError: no batch key, or keys that contradict each other.
+    """
+    tb = ds_config.get("train_batch_size")
+    mb = ds_config.get("train_micro_batch_size_per_gpu")
+    ga = ds_config.get("gradient_accumulation_steps")
+    for name, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                    ("gradient_accumulation_steps", ga)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"invalid DeepSpeed config: {name} must be a positive integer, got {v!r}")
+    if tb and mb:
+        if ga and tb != mb * ga * world_size:
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} != micro batch {mb} * "
+                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+        return tb, mb
+    if tb and ga:
+        if tb % (ga * world_size):
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by "
+                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+        return tb, tb // (ga * world_size)
+    if mb:
+        return mb * (ga or 1) * world_size, mb
+    if tb:
+        if tb % world_size:
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by world size {world_size}")
+        return tb, tb // world_size
+    raise ConfigError("invalid DeepSpeed config: set train_batch_size and train_micro_batch_size_per_gpu")
+
+
+def _client_groups(model: torch.nn.Module, optimizer, model_parameters):
+    """The parameter groups DeepSpeed will build the optimizer over, as lists of parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [list(g["params"]) for g in optimizer.param_groups]
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if params and isinstance(params[0], dict):
+        return [list(g["params"]) for g in params]
+    return [params]
+
+
+def _working_dtype(ds_config: dict, model: torch.nn.Module) -> torch.dtype:
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return next(model.parameters()).dtype
+
+
+def initialize(args: Any = None,
+               model: Optional[torch.nn.Module] = None,
+               optimizer=None,
+               model_parameters=None,
+               training_data=None,
+               lr_scheduler=None,
+               distributed_port: int = 29500,
+               mpu=None,
+               dist_init_required: Optional[bool] = None,
+               collate_fn=None,
+               config=None,
+               config_params=None,
+               *,
+               seed: int = 0,
+               shuffle: bool = True):
+    """Drop-in for ``deepspeed.initialize`` returning an :class:`~ds_dynatrain.engine.ElasticEngine`.
+
+    Same arguments and return values as ``deepspeed.initialize``: ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``. Differences:
+
+    * the config may hold a ``"dynatrain"`` section (validated; DeepSpeed never sees it);
+    * ``training_data`` is served by an :class:`~ds_dynatrain.data.ElasticDataLoader` (sample order
+      from ``seed``), whose position survives resizes;
+    * in a process the launcher started as a *joiner*, this call joins the running job: it receives
+      its partitions and the training state, and returns an engine positioned at the job's step.
+
+    Raises:
+        ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
+            keep the global batch, or resizing asked of a job not started by ``dynatrain launch``.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if model is None:
+        raise ValueError("ds_dynatrain.initialize requires a model")
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+        model_parameters = list(model_parameters)  # a generator would be spent by the first engine
+    if config is None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+    if config is None:
+        raise ConfigError("no DeepSpeed config: pass config= or args.deepspeed_config")
+    ds_config, dt_cfg = load_ds_config(config)
+    if not dt_cfg.enabled:
+        return deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler,
+                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                    collate_fn=collate_fn, config=ds_config)
+    if mpu is not None:
+        raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
+
+    ctx = LaunchContext.from_environ()
+    backend = get_accelerator().communication_backend_name()
+    membership = Membership(ctx, dt_cfg.collective_timeout_s) if ctx is not None else None
+    if ctx is None:
+        if dt_cfg.resize_schedule:
+            raise ConfigError("dynatrain.resize_schedule needs the job to be started by `dynatrain launch`")
+        deepspeed.init_distributed(dist_backend=backend, distributed_port=distributed_port,
+                                   dist_init_required=dist_init_required)
+        import torch.distributed as tdist
+        world_size, rank, member, generation = tdist.get_world_size(), tdist.get_rank(), "g0r0", 0
+        member = member_id(0, rank)
+    else:
+        world_size, rank, member, generation = ctx.world_size, ctx.rank, ctx.member, ctx.generation
+
+    # the launch world size, and every scheduled one, must keep the global batch
+    if ctx is not None and not (ds_config.get("train_batch_size") and ds_config.get("train_micro_batch_size_per_gpu")):
+        raise ConfigError("invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
+                          "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)")
+    global_batch, micro = resolve_global_batch(ds_config, world_size)
+    for ws, where in [(world_size, "the launch world size")] + [
+            (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule]:
+        try:
+            split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
+        except ResizeRefusedError as err:
+            raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
+
+    dt = ElasticState(config=dt_cfg, ds_config=ds_config, global_batch=global_batch, micro_batch=micro,
+                      membership=membership, member=member, members=(), generation=generation, backend=backend,
+                      metrics=MetricsWriter(dt_cfg.metrics_path if rank == 0 else None), collate_fn=collate_fn)
+    engine = ElasticEngine.__new__(ElasticEngine)
+    if ctx is not None and ctx.joiner:
+        _join(engine, dt, ctx, model, optimizer, model_parameters, lr_scheduler)
+    else:
+        if ctx is not None:
+            membership.form(generation, rank, world_size, backend, dt_cfg.collective_timeout_s)
+        dt.members = tuple(member_id(generation, r) for r in range(world_size))
+        construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
+                  ds_config_for(dt, dt.split(world_size), client_objects=False))
+        if ctx is not None and rank == 0:
+            membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
+    dt.returned_optimizer = engine.optimizer
+    loader = None
+    if training_data is not None:
+        from .data import ElasticDataLoader
+        loader = ElasticDataLoader(training_data, engine, global_batch, seed=seed, shuffle=shuffle,
+                                   collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, optimizer, model_parameters,
+          lr_scheduler) -> None:
+    """Join the running job as a new rank of generation ``ctx.generation``."""
+    cfg = dt.config
+    rec = dt.membership.read(ctx.generation, cfg.join_timeout_s)
+    logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
+    dt.membership.form(rec.generation, ctx.rank, rec.world_size, dt.backend, cfg.join_timeout_s)
+    own = layout_for_model(list(model.named_parameters()), _client_groups(model, optimizer, model_parameters),
+                           rec.world_size, dt.ds_config, _working_dtype(dt.ds_config, model))
+    box = {}
+
+    def check(header):
+        old = ZeroLayout.from_dict(header["old_layout"])
+        old.check_same_model(own.with_world_size(old.world_size))
+        plan = plan_transition(old, old.with_world_size(rec.world_size), header["old_members"], header["new_members"])
+        box["plan"] = plan
+        return "plan digest differs" if plan.digest() != header["digest"] else None
+
+    header = agree_on_header(None, check)
+    plan = box["plan"]
+    kinds = tuple(header["kinds"])
+    dests = allocate_partitions(plan.new_layout, ctx.rank, kinds, getattr(torch, header["dtype"]))
+    execute_plan(plan, ctx.member, {m: r for r, m in enumerate(plan.new_members)}, kinds, sources=None, dests=dests,
+                 timeout_s=cfg.collective_timeout_s)
+    construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
+              ds_config_for(dt, dt.split(rec.world_size), client_objects=False))
+    install_state(engine, header, dests, joiner=True)
+    dt.members = plan.new_members
+    dt.generation = rec.generation

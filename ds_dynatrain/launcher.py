@@ -1,0 +1,136 @@
+"""The launcher agent: hosts the job's ``TCPStore`` and starts worker processes.
+
+``dynatrain launch --nproc N --config CFG script.py [args...]`` runs ``script.py args...
+--deepspeed_config CFG`` in N worker processes (the ``--deepspeed_config`` flag is DeepSpeed's
+own convention, see ``deepspeed.add_config_arguments``). The agent, not a worker, hosts the
+store, so that any worker may leave. While the job runs it starts the joiners that workers ask
+for at a resize (store keys of :mod:`ds_dynatrain.membership`).
+
+A worker that exits with status 0 has finished or left the job at a resize. A worker that fails
+ends the job: the agent stops the others (SIGTERM, then SIGKILL after a grace period) and exits
+with the failing worker's status.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch.distributed as tdist
+
+from .launch_env import LaunchContext, member_id
+from .membership import SPAWN_COUNT, SPAWN_KEY
+from .metrics import logger
+
+POLL_S = 0.05
+GRACE_S = 10.0
+
+
+class Agent:
+    """Starts and watches the workers of one job on this host.
+
+    Args:
+        script: the training script.  script_args: its arguments.
+        nproc: workers at launch.  config: path of the DeepSpeed config (passed on).
+        store_host, store_port: where the store listens (port 0: any free port).
+        python: interpreter for the workers.
+    """
+
+    def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
+                 store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable):
+        self.script = script
+        self.script_args = list(script_args)
+        self.nproc = nproc
+        self.config = config
+        self.python = python
+        self.store = tdist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.store_host = store_host
+        self.workers: Dict[str, subprocess.Popen] = {}
+        self.exit_codes: Dict[str, int] = {}
+        self._spawns_seen = 0
+        self._stopping = False
+
+    @property
+    def store_port(self) -> int:
+        return self.store.port
+
+    def _start(self, ctx: LaunchContext) -> None:
+        env = dict(os.environ)
+        env.update(ctx.worker_environ())
+        env["MASTER_PORT"] = str(self.store_port)
+        cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
+        self.workers[ctx.member] = subprocess.Popen(cmd, env=env)
+
+    def _poll_spawns(self) -> None:
+        n = int(self.store.add(SPAWN_COUNT, 0))
+        while self._spawns_seen < n:
+            req = json.loads(self.store.get(SPAWN_KEY.format(self._spawns_seen)))
+            self._spawns_seen += 1
+            for rank, member in zip(req["ranks"], req["members"]):
+                logger.info(f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
+                            f"world size {req['world_size']})")
+                self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
+                                          int(req["world_size"]), int(rank), joiner=True))
+
+    def _stop_all(self, sig=signal.SIGTERM) -> None:
+        self._stopping = True
+        for p in self.workers.values():
+            if p.poll() is None:
+                p.send_signal(sig)
+        deadline = time.monotonic() + GRACE_S
+        for p in self.workers.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def run(self) -> int:
+        """Start the job and wait for it. Returns 0 when every worker exited with 0, else the
+        first failing worker's status."""
+        for r in range(self.nproc):
+            self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, self.nproc, r, False))
+        handlers = {s: signal.signal(s, lambda signum, _f: self._stop_all(signal.Signals(signum)))
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                if not self._stopping:
+                    self._poll_spawns()
+                for member, p in list(self.workers.items()):
+                    if member in self.exit_codes:
+                        continue
+                    rc = p.poll()
+                    if rc is None:
+                        continue
+                    self.exit_codes[member] = rc
+                    if rc != 0 and not self._stopping:
+                        logger.info(f"agent: worker {member} failed with status {rc}; stopping the job")
+                        self._stop_all()
+                        return rc
+                if len(self.exit_codes) == len(self.workers):
+                    self._poll_spawns()
+                    if len(self.exit_codes) == len(self.workers):
+                        return 0 if not self._stopping else 1
+                time.sleep(POLL_S)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+
+def launch(script: str, script_args: Sequence[str], nproc: int, config: str, store: Optional[str] = None) -> int:
+    """Validate ``config``, then run the job under an :class:`Agent`. Returns the exit status."""
+    from .config import load_ds_config
+    load_ds_config(config)  # refuse a bad config before any process starts
+    host, port = "127.0.0.1", 0
+    if store:
+        host, _, p = store.rpartition(":")
+        port = int(p)
+    agent = Agent(script, script_args, nproc, config, host, port)
+    logger.info(f"agent: store at {host}:{agent.store_port}, starting {nproc} workers")
+    return agent.run()

@@ -1,0 +1,108 @@
+"""Membership generations in the job's ``TCPStore`` and the process group of each.
+
+A *generation* is one membership of the job: its world size and, by rank, the member ids of its
+processes. Rank 0 of the old generation publishes generation ``g + 1`` before a resize; joiners
+started by the launcher agent read it. Each generation forms its own default process group on its
+own store prefix (``dynatrain/pg/<g>``), so barrier keys of an old generation never collide with
+a new one.
+
+Store keys (JSON values):
+
+* ``dynatrain/gen/<g>``: ``{"generation", "world_size", "members", "step"}``
+* ``dynatrain/spawn/count`` (a counter) and ``dynatrain/spawn/<i>``:
+  ``{"generation", "world_size", "ranks", "members"}``, processes for the agent to start.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence, Tuple
+
+import torch.distributed as tdist
+
+from .errors import TransitionAbortedError
+from .launch_env import LaunchContext
+
+GEN_KEY = "dynatrain/gen/{}"
+SPAWN_COUNT = "dynatrain/spawn/count"
+SPAWN_KEY = "dynatrain/spawn/{}"
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    generation: int
+    world_size: int
+    members: Tuple[str, ...]
+    step: int
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
+    """A client connection to the job's store."""
+    return tdist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+
+
+class Membership:
+    """This process's view of the job's membership.
+
+    Args:
+        ctx: the launch context of this worker.
+        timeout_s: limit of every store wait and process-group rendezvous, seconds.
+    """
+
+    def __init__(self, ctx: LaunchContext, timeout_s: float):
+        self.ctx = ctx
+        self.timeout_s = timeout_s
+        self.store = connect_store(ctx.store_host, ctx.store_port, timeout_s)
+
+    def publish(self, rec: GenerationRecord) -> None:
+        self.store.set(GEN_KEY.format(rec.generation), json.dumps(
+            {"generation": rec.generation, "world_size": rec.world_size, "members": list(rec.members),
+             "step": rec.step}))
+
+    def read(self, generation: int, timeout_s: float) -> GenerationRecord:
+        """Wait for and read generation ``generation``.
+
+        Raises:
+            TransitionAbortedError: not published within ``timeout_s``.
+        """
+        key = GEN_KEY.format(generation)
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise TransitionAbortedError(f"generation {generation} was not published within {timeout_s:.0f} s") from err
+        d = json.loads(self.store.get(key))
+        return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]))
+
+    def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str]) -> None:
+        """Ask the launcher agent to start processes for ``ranks`` of ``generation``."""
+        i = self.store.add(SPAWN_COUNT, 1) - 1
+        self.store.set(SPAWN_KEY.format(i), json.dumps(
+            {"generation": generation, "world_size": world_size, "ranks": list(ranks), "members": list(members)}))
+
+    def form(self, generation: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Destroy the current default process group (if any) and form the one of ``generation``.
+
+        Keeps ``RANK``/``WORLD_SIZE``/``LOCAL_*`` true for the new generation (DeepSpeed reads
+        them), and resets DeepSpeed's cached comm state so the next engine uses the new group.
+
+        Raises:
+            TransitionAbortedError: the rendezvous did not complete within ``timeout_s``.
+        """
+        from .bridge import reset_deepspeed_comm
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        reset_deepspeed_comm()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+        prefix = tdist.PrefixStore(f"dynatrain/pg/{generation}", self.store)
+        try:
+            tdist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
+                                     timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as err:
+            raise TransitionAbortedError(f"generation {generation}: rank {rank} of {world_size} could not form its "
+                                         f"process group within {timeout_s:.0f} s: {err}") from err
+        import deepspeed.comm as dcomm
+        dcomm.init_distributed(dist_backend=backend, dist_init_required=False)

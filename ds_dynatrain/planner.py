@@ -1,0 +1,189 @@
+"""The routing planner: what every rank keeps, sends and receives when a ZeRO layout changes.
+
+Pure metadata work (DynaTrain §"Virtual Parameter Space"): for each parameter, the fragments of
+the old layout and of the new one are intersected along the parameter's flattening; each
+non-empty intersection is one *transfer* from an old rank's partition to a new rank's partition.
+A transfer whose two ends are the same process is a *keep* (a local copy). Adjacent transfers
+between the same pair of ranks are merged, so the plan's size grows with the number of
+fragments, not of elements. The planner knows nothing of tensors, process groups or bytes; the
+transition engine executes a plan without interpreting it.
+
+Processes are named by *member ids* (stable across generations): ``old_members[r]`` is the
+process that was old rank ``r``, ``new_members[r]`` the one that becomes new rank ``r``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from .errors import LayoutMismatchError
+from .layout import ZeroLayout
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """Elements moving from one old rank's partition to one new rank's partition (elements).
+
+    Attributes:
+        src: old rank.  dst: new rank.  group: parameter group.
+        src_offset: offset in ``src``'s old flat partition of ``group``.
+        dst_offset: offset in ``dst``'s new flat partition of ``group``.
+        numel: number of elements.
+    """
+
+    src: int
+    dst: int
+    group: int
+    src_offset: int
+    dst_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A deterministic, serialisable plan of one transition.
+
+    Attributes:
+        old_layout, new_layout: the two layouts (same model).
+        old_members, new_members: member id of each old and new rank.
+        transfers: every transfer, sorted (src, dst, group, src_offset); keeps included.
+    """
+
+    old_layout: ZeroLayout
+    new_layout: ZeroLayout
+    old_members: Tuple[str, ...]
+    new_members: Tuple[str, ...]
+    transfers: Tuple[Transfer, ...]
+
+    def __post_init__(self):
+        if len(self.old_members) != self.old_layout.world_size:
+            raise ValueError("old_members must name one process per old rank")
+        if len(self.new_members) != self.new_layout.world_size:
+            raise ValueError("new_members must name one process per new rank")
+        if len(set(self.new_members)) != len(self.new_members) or len(set(self.old_members)) != len(self.old_members):
+            raise ValueError("a process can hold only one rank per generation")
+
+    def is_keep(self, t: Transfer) -> bool:
+        return self.old_members[t.src] == self.new_members[t.dst]
+
+    @property
+    def numel_kept(self) -> int:
+        return sum(t.numel for t in self.transfers if self.is_keep(t))
+
+    @property
+    def numel_moved(self) -> int:
+        return sum(t.numel for t in self.transfers if not self.is_keep(t))
+
+    @property
+    def joiners(self) -> Tuple[str, ...]:
+        old = set(self.old_members)
+        return tuple(m for m in self.new_members if m not in old)
+
+    @property
+    def leavers(self) -> Tuple[str, ...]:
+        new = set(self.new_members)
+        return tuple(m for m in self.old_members if m not in new)
+
+    def sends_of(self, member: str) -> Dict[str, List[Transfer]]:
+        """Transfers ``member`` sends to other processes, by receiving member, in plan order."""
+        out: Dict[str, List[Transfer]] = {}
+        for t in self.transfers:
+            if self.old_members[t.src] == member and not self.is_keep(t):
+                out.setdefault(self.new_members[t.dst], []).append(t)
+        return out
+
+    def receives_of(self, member: str) -> Dict[str, List[Transfer]]:
+        """Transfers ``member`` receives from other processes, by sending member, in plan order."""
+        out: Dict[str, List[Transfer]] = {}
+        for t in self.transfers:
+            if self.new_members[t.dst] == member and not self.is_keep(t):
+                out.setdefault(self.old_members[t.src], []).append(t)
+        return out
+
+    def keeps_of(self, member: str) -> List[Transfer]:
+        return [t for t in self.transfers if self.is_keep(t) and self.old_members[t.src] == member]
+
+    def to_dict(self) -> dict:
+        return {
+            "version": PLAN_FORMAT_VERSION,
+            "old_layout": self.old_layout.to_dict(),
+            "new_layout": self.new_layout.to_dict(),
+            "old_members": list(self.old_members),
+            "new_members": list(self.new_members),
+            "transfers": [[t.src, t.dst, t.group, t.src_offset, t.dst_offset, t.numel] for t in self.transfers],
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format version {d.get('version')!r} is not {PLAN_FORMAT_VERSION}")
+        return Plan(ZeroLayout.from_dict(d["old_layout"]), ZeroLayout.from_dict(d["new_layout"]),
+                    tuple(d["old_members"]), tuple(d["new_members"]),
+                    tuple(Transfer(*map(int, t)) for t in d["transfers"]))
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON form; equal on every rank for the same plan."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _merge(transfers: List[Transfer]) -> List[Transfer]:
+    transfers.sort()
+    out: List[Transfer] = []
+    for t in transfers:
+        if out:
+            p = out[-1]
+            if ((p.src, p.dst, p.group) == (t.src, t.dst, t.group) and p.src_offset + p.numel == t.src_offset
+                    and p.dst_offset + p.numel == t.dst_offset):
+                out[-1] = Transfer(p.src, p.dst, p.group, p.src_offset, p.dst_offset, p.numel + t.numel)
+                continue
+        out.append(t)
+    return out
+
+
+def plan_transition(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str],
+                    new_members: Sequence[str]) -> Plan:
+    """Intersect two layouts of the same model into a :class:`Plan`.
+
+    Args:
+        old, new: layouts of the same parameters (any world sizes).
+        old_members, new_members: member id per old / new rank.
+
+    Raises:
+        LayoutMismatchError: the layouts describe different parameters (names the first one).
+    """
+    old.check_same_model(new)
+    transfers: List[Transfer] = []
+    for gi, params in enumerate(old.groups):
+        for p in params:
+            a = old.param_fragments(gi, p.key)
+            b = new.param_fragments(gi, p.key)
+            i = j = 0
+            while i < len(a) and j < len(b):
+                (ra, fa), (rb, fb) = a[i], b[j]
+                lo = max(fa.start, fb.start)
+                hi = min(fa.start + fa.numel, fb.start + fb.numel)
+                if lo < hi:
+                    transfers.append(Transfer(ra, rb, gi, fa.local + lo - fa.start, fb.local + lo - fb.start, hi - lo))
+                if fa.start + fa.numel <= fb.start + fb.numel:
+                    i += 1
+                else:
+                    j += 1
+    return Plan(old, new, tuple(old_members), tuple(new_members), tuple(_merge(transfers)))
+
+
+def assign_members(old_members: Sequence[str], new_world_size: int, joiner_ids: Sequence[str]) -> Tuple[str, ...]:
+    """Keep-in-place rank assignment: old rank ``r`` stays rank ``r`` while ``r < new_world_size``;
+    the highest old ranks leave on a shrink, joiners take the new highest ranks on a grow.
+
+    Raises:
+        ValueError: the number of joiners does not make up the new world size.
+    """
+    stay = list(old_members[:new_world_size])
+    if len(stay) + len(joiner_ids) != new_world_size:
+        raise ValueError(f"{len(stay)} staying ranks and {len(joiner_ids)} joiners do not make world size "
+                         f"{new_world_size}")
+    return tuple(stay) + tuple(joiner_ids)

@@ -1,0 +1,91 @@
+"""Crash-consistent publication of a snapshot directory.
+
+A snapshot is written into a hidden temporary directory, every file is synced, and only then is
+the directory renamed to its final name and ``latest`` replaced (write to a temporary file, fsync,
+rename, fsync the parent). A crash at any point leaves either the previous snapshot and the
+previous ``latest``, or the new ones: never a ``latest`` naming an incomplete directory.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Iterable, List, Optional
+
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (tmp file, fsync, rename, fsync parent)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(parent, f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(parent)
+
+
+def publish_dir(tmp_dir: str, final_dir: str) -> None:
+    """Rename the complete ``tmp_dir`` to ``final_dir`` (replacing an older one of that name)."""
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    for root, _dirs, files in os.walk(tmp_dir):
+        for name in files:
+            fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+    old = None
+    if os.path.exists(final_dir):
+        old = os.path.join(parent, f"{TMP_PREFIX}old-{os.path.basename(final_dir)}.{os.getpid()}")
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_latest(save_dir: str) -> Optional[str]:
+    """The tag ``latest`` names, or None when there is no ``latest``."""
+    try:
+        with open(os.path.join(save_dir, LATEST)) as f:
+            tag = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return tag or None
+
+
+def _step_of(tag: str) -> int:
+    m = re.search(r"(\d+)$", tag)
+    return int(m.group(1)) if m else -1
+
+
+def prune_snapshots(save_dir: str, keep_last: int, protect: Iterable[str] = ()) -> List[str]:
+    """Delete complete snapshot directories beyond the newest ``keep_last`` (by trailing step number).
+
+    Hidden temporary directories and the protected tags are never touched. Returns the deleted tags.
+    """
+    protect = set(protect)
+    tags = [d for d in os.listdir(save_dir)
+            if os.path.isdir(os.path.join(save_dir, d)) and not d.startswith(".")]
+    tags.sort(key=_step_of)
+    doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in protect]
+    for t in doomed:
+        shutil.rmtree(os.path.join(save_dir, t), ignore_errors=True)
+    return doomed
