@@ -73,6 +73,28 @@ def engine_fragments(engine) -> Tuple[Fragment, ...]:
     return tuple(sorted(out, key=lambda f: (f.group, f.local)))
 
 
+def engine_storage_fragments(engine) -> Tuple[Fragment, ...]:
+    """The fragments this rank holds, read from where each parameter's data really sits in the
+    flat low-precision buffer of its group (``bit16_groups_flat``), cut at this rank's partition.
+
+    This is the ground truth the fp32 partition is copied from. It agrees with ``_hp_mapping``
+    except under ``round_robin_gradients``, where DeepSpeed 0.19.8 links ``_hp_mapping`` in the
+    original parameter order although the flat buffer is in round-robin order.
+    """
+    opt = zero_optimizer_of(engine)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = []
+    for gi, flat in enumerate(opt.bit16_groups_flat):
+        size = opt.single_partition_of_fp32_groups[gi].numel()
+        lo_p = _dp_rank(opt, gi) * size
+        for p in opt.bit16_groups[gi]:
+            off = (p.data.data_ptr() - flat.data_ptr()) // p.element_size()
+            lo, hi = max(off, lo_p), min(off + p.numel(), lo_p + size)
+            if lo < hi:
+                out.append(Fragment(gi, names[id(p)], lo - off, hi - lo, lo - lo_p))
+    return tuple(sorted(out, key=lambda f: (f.group, f.local)))
+
+
 @dataclass
 class PartitionState:
     """One rank's optimizer state for every parameter group.
@@ -147,6 +169,19 @@ def inject_partitions(engine, state: PartitionState) -> None:
                          dp_process_group=opt.real_dp_process_group, start_alignment_factor=opt.nccl_start_alignment_factor,
                          allgather_bucket_size=opt.allgather_bucket_size)
     if any(len(s) for s in state.tensors) and not opt._hp_optimizer_states_linked:
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def relink_optimizer_state(engine) -> None:
+    """Link every ``_hp_mapping`` to the optimizer state again.
+
+    DeepSpeed 0.19.8's ``load_checkpoint`` re-creates the fragments of ZeRO-1/2 parameters but
+    leaves its "already linked" flag set, so ``safe_get_full_optimizer_state`` fails until the
+    next step; this repairs the links at once.
+    """
+    opt = zero_optimizer_of(engine)
+    if all(f in opt.optimizer.state for f in opt.single_partition_of_fp32_groups):
+        opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
 
 

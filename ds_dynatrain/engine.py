@@ -36,7 +36,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .batch import BatchSplit, split_global_batch
-from .bridge import PartitionState, detach_engine, extract_partitions, inject_partitions, layout_of, zero_optimizer_of
+from .bridge import (PartitionState, detach_engine, extract_partitions, inject_partitions, layout_of,
+                     relink_optimizer_state, zero_optimizer_of)
 from .config import DynatrainConfig
 from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from .launch_env import member_id
@@ -179,6 +180,16 @@ class ElasticEngine(DeepSpeedEngine):
                 del ce.commit
         return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint`` (same world size) through the snapshot engine, which
+        loads with ``weights_only=True``; afterwards the optimizer-state fragments are linked
+        again so ``deepspeed.utils.safe_get_full_optimizer_state`` works at once."""
+        self._require_member()
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if out[0] is not None:
+            relink_optimizer_state(self)
+        return out
 
     def resize(self, world_size: int) -> Optional[dict]:
         """Change the data-parallel world size now, in memory.

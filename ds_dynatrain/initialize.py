@@ -1,6 +1,7 @@
 """``ds_dynatrain.initialize``: ``deepspeed.initialize`` with an elastic engine behind it."""
 from __future__ import annotations
 
+import atexit
 from typing import Any, Optional, Tuple
 
 import torch
@@ -124,6 +125,7 @@ def initialize(args: Any = None,
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
 
     ctx = LaunchContext.from_environ()
+    atexit.register(_shutdown)
     backend = get_accelerator().communication_backend_name()
     membership = Membership(ctx, dt_cfg.collective_timeout_s) if ctx is not None else None
     if ctx is None:
@@ -170,6 +172,14 @@ def initialize(args: Any = None,
         loader = ElasticDataLoader(training_data, engine, global_batch, seed=seed, shuffle=shuffle,
                                    collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _shutdown() -> None:
+    """Destroy the process group before the interpreter exits: left to the interpreter's teardown,
+    gloo's threads can outlive it and abort the process (status -6) after training finished."""
+    import torch.distributed as tdist
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, optimizer, model_parameters,

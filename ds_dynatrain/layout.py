@@ -111,7 +111,8 @@ class ZeroLayout:
         stage: ZeRO stage, 1 or 2 (same geometry).
 
     Raises:
-        ValueError: world size < 1, an empty group, or a stage other than 1 or 2.
+        ValueError: world size < 1, an empty group, a stage other than 1 or 2, or a VPS key that
+            appears twice (the planner and :meth:`region` find a parameter by its key).
     """
 
     world_size: int
@@ -126,8 +127,13 @@ class ZeroLayout:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.stage not in (1, 2):
             raise ValueError(f"ZeroLayout covers ZeRO stages 1 and 2, got stage {self.stage}")
-        geometry = []
+        geometry, seen = [], {}
         for gi, params in enumerate(self.groups):
+            for p in params:
+                if p.key in seen:
+                    raise ValueError(f"parameter {p.key} appears twice in the layout (groups {seen[p.key]} "
+                                     f"and {gi}); a VPS key names one logical tensor")
+                seen[p.key] = gi
             if not params:
                 raise ValueError(f"parameter group {gi} has no trainable parameter")
             order = (round_robin_order(len(params), self.world_size) if self.round_robin else range(len(params)))

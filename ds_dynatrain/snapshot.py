@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from io_engine import LATEST, TMP_PREFIX, prune_snapshots, publish_dir, write_atomic
+from io_engine import LATEST, TMP_PREFIX, prune_snapshots, publish_dir, read_latest, write_atomic
 
 from .errors import DynatrainError
 
@@ -98,13 +98,17 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         target = self._redirect(path)
         try:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                torch.save(state_dict, f)
-                f.flush()
-                os.fsync(f.fileno())
+            self._write(state_dict, target)
             self._written.append(target)
         except OSError as err:  # surfaced collectively at commit
-            self._error = err
+            self._error = OSError(err.errno, f"{err.strerror or err} (writing {target})")
+
+    def _write(self, state_dict, target: str) -> None:
+        """Write one file durably (the seam where tests inject write errors)."""
+        with open(target, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_safe_globals()):
@@ -112,21 +116,22 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo):
         import torch.distributed as tdist
-        failed = torch.tensor([1 if self._error is not None else 0], dtype=torch.int64)
+        mine = None if self._error is None else str(self._error)
+        errors = [mine]
         if tdist.is_initialized():
-            work = tdist.all_reduce(failed, op=tdist.ReduceOp.MAX, async_op=True)
-            from datetime import timedelta
-            work.wait(timedelta(seconds=self.timeout_s))
+            errors = [None] * tdist.get_world_size()
+            tdist.all_gather_object(errors, mine)
         rank = tdist.get_rank() if tdist.is_initialized() else 0
-        if int(failed.item()):
+        final = os.path.join(info.save_dir, info.tag)
+        if any(errors):
             if rank == 0:
                 shutil.rmtree(self._tmp_dir(), ignore_errors=True)
-            mine = f": {self._error}" if self._error is not None else " (on another rank)"
             self._info = None
-            raise SnapshotWriteError(f"snapshot {info.tag} in {info.save_dir} was not committed; a write "
-                                     f"failed{mine}; 'latest' still names the previous snapshot")
+            failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            raise SnapshotWriteError(f"snapshot {final} was not committed, a write failed ({failed}); "
+                                     f"'latest' still names {read_latest(info.save_dir)!r}")
         if rank == 0:
-            publish_dir(self._tmp_dir(), self._final_dir())
+            publish_dir(self._tmp_dir(), final)
             if info.save_latest:
                 write_atomic(os.path.join(info.save_dir, LATEST), info.tag.encode())
             if self.keep_last is not None:

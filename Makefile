@@ -1,0 +1,28 @@
+# Two commands for a newcomer:  make demo  |  make test
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU build that pyproject.toml names (an unpinned torch pulls a CUDA build)
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test,examples]'
+	$(BIN)/python -m ds_dynatrain.prebuild
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py --compare-static --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis

@@ -1,0 +1,115 @@
+"""Helpers for multi-process tests: every job runs in its own session with a hard timeout, and
+its whole process group is killed when the test ends, passes or not (no stray workers)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run(cmd: Sequence[str], log_path: str, timeout: float, env: Optional[dict] = None) -> Job:
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or _env(),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = -9
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    with open(log_path) as f:
+        out = f.read()
+    if rc == -9:
+        pytest.fail(f"job timed out after {timeout:.0f} s: {' '.join(cmd)}\n{out[-4000:]}")
+    return Job(rc, out)
+
+
+def launch(tmp_path, script: str, nproc: int, config: dict, args: Sequence[str] = (), timeout: float = 180,
+           name: str = "job") -> Job:
+    """``dynatrain launch`` a worker script with ``config`` (written to ``tmp_path``)."""
+    cfg_path = os.path.join(tmp_path, f"{name}_config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config", cfg_path,
+           script, *args]
+    return _run(cmd, os.path.join(tmp_path, f"{name}.log"), timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_plain(tmp_path, script: str, nproc: int, args: Sequence[str], timeout: float = 180,
+              name: str = "plain") -> List[Job]:
+    """Start ``nproc`` ranks of a plain (torch env://) DeepSpeed script; wait for all."""
+    port = free_port()
+    procs = []
+    logs = []
+    for r in range(nproc):
+        env = _env()
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(os.path.join(tmp_path, f"{name}_rank{r}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=ROOT, env=env, start_new_session=True))
+    jobs = []
+    try:
+        for p in procs:
+            try:
+                rc = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = -9
+            jobs.append(rc)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        for log in logs:
+            log.close()
+    out = []
+    for r, rc in enumerate(jobs):
+        with open(os.path.join(tmp_path, f"{name}_rank{r}.log")) as f:
+            out.append(Job(rc, f.read()))
+    if any(j.returncode == -9 for j in out):
+        pytest.fail(f"plain job timed out after {timeout:.0f} s:\n{out[0].output[-3000:]}")
+    return out
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,75 @@
+"""Shared pieces of the test worker scripts: a small model with awkward sizes, synthetic tokens,
+and a gather of the full training state through DeepSpeed's own accessors (the oracle)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+VOCAB = 37
+
+
+class TinyLM(torch.nn.Module):
+    """Odd sizes on purpose: 37-token vocabulary, width 13, a 1-element parameter; the total
+    parameter count (1,447) is not divisible by 2, 3 or 4."""
+
+    def __init__(self, width: int = 13):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.mix = torch.nn.Linear(width, 7)
+        self.norm = torch.nn.LayerNorm(7)
+        self.gain = torch.nn.Parameter(torch.ones(1))
+        self.head = torch.nn.Linear(7, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.mix(self.embed(tokens[:, :-1])))) * self.gain
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+class Tokens(Dataset):
+    """Deterministic pseudo-random token sequences (``torch.long``, shape ``(seq_len,)``)."""
+
+    def __init__(self, n: int = 600, seq_len: int = 9, seed: int = 7):
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, seq_len), generator=g)
+
+    def __len__(self):
+        return self.data.shape[0]
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+def gather_state(engine) -> dict:
+    """Full fp32 master weights, Adam moments and step of every trainable parameter, gathered with
+    ``deepspeed.utils.safe_get_full_*`` (collective: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        out[name] = {
+            "fp32": safe_get_full_fp32_param(p).detach().clone(),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone(),
+            "param": p.detach().float().clone(),
+        }
+    opt = engine.optimizer
+    steps = [opt.optimizer.state[f]["step"] for f in opt.single_partition_of_fp32_groups]
+    out["__step__"] = [float(s) for s in steps]
+    out["__lr__"] = [g["lr"] for g in opt.optimizer.param_groups]
+    out["__global_steps__"] = engine.global_steps
+    return out
+
+
+def base_config(stage: int, metrics_path: str | None = None) -> dict:
+    return {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 40, "warmup_num_steps": 3,
+                                                            "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "dynatrain": {"metrics_path": metrics_path, "collective_timeout_s": 60, "join_timeout_s": 120},
+    }

@@ -1,0 +1,95 @@
+"""Test worker: for several models and ZeRO settings, the layout ds_dynatrain computes from
+metadata alone (before any engine exists) beside the fragments DeepSpeed's real engine built
+(each parameter's ``_hp_mapping``). Each rank writes both to ``OUT/rank<r>.json``.
+
+Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from ds_dynatrain.bridge import engine_fragments, engine_storage_fragments, layout_for_model  # noqa: E402
+from tests.workers.common import TinyLM  # noqa: E402
+
+
+class Frozen(torch.nn.Module):
+    """A frozen embedding, a 1-element parameter, an odd total (the trainable count is 1 + 15*7 + 7 + 3 = 116
+    + the 5x3 head... not divisible by 3 or 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 15)
+        self.embed.weight.requires_grad_(False)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.a = torch.nn.Linear(15, 7)
+        self.b = torch.nn.Linear(7, 3, bias=False)
+        self.c = torch.nn.Linear(3, 5)
+
+
+def cases():
+    def tiny():
+        return TinyLM()
+
+    def frozen():
+        return Frozen()
+
+    def groups_interleaved(model):
+        named = list(model.named_parameters())
+        g0 = [p for i, (n, p) in enumerate(named) if i % 2 == 0]
+        g1 = [p for i, (n, p) in enumerate(named) if i % 2 == 1]
+        return [{"params": g0, "weight_decay": 0.0}, {"params": g1, "weight_decay": 0.1, "lr": 1e-3}]
+
+    yield "tiny_zero1", tiny, 1, {}, None
+    yield "tiny_zero2", tiny, 2, {}, None
+    yield "frozen_zero2", frozen, 2, {}, None
+    yield "two_groups_zero2", tiny, 2, {}, groups_interleaved
+    yield "two_groups_zero1", frozen, 1, {}, groups_interleaved
+    yield "round_robin_zero2", tiny, 2, {"round_robin_gradients": True}, None
+    yield "param_alignment_zero2_bf16", tiny, 2, {"parameter_alignment": True}, "bf16"
+    yield "bf16_zero1", frozen, 1, {}, "bf16"
+
+
+def main():
+    import deepspeed
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    out_dir = sys.argv[1]
+    ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    result = {}
+    for name, make, stage, zextra, extra in cases():
+        torch.manual_seed(0)
+        model = make()
+        groups_fn = extra if callable(extra) else None
+        bf16 = extra == "bf16"
+        cfg = {"train_batch_size": 2 * ws, "train_micro_batch_size_per_gpu": 2,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": stage, **zextra}, "steps_per_print": 10**9}
+        if bf16:
+            cfg["bf16"] = {"enabled": True}
+        params = groups_fn(model) if groups_fn else [p for p in model.parameters()]
+        group_lists = [g["params"] for g in params] if groups_fn else [params]
+        expected = layout_for_model(list(model.named_parameters()), group_lists, ws, cfg,
+                                    torch.bfloat16 if bf16 else torch.float32)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+        result[name] = {
+            "expected": [list(vars(f).values()) for f in expected.fragments(rank)],
+            "actual": [list(vars(f).values()) for f in engine_storage_fragments(engine)],
+            "hp_mapping": [list(vars(f).values()) for f in engine_fragments(engine)],
+            "expected_partition_numel": [expected.partition_numel(g) for g in range(expected.num_groups)],
+            "actual_partition_numel": [t.numel() for t in engine.optimizer.single_partition_of_fp32_groups],
+        }
+        engine.destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    import torch.distributed as tdist
+    tdist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

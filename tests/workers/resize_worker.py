@@ -1,0 +1,89 @@
+"""Test worker: trains TinyLM and resizes through ``engine.resize`` at given steps, saving the
+gathered state right before and right after each resize (rank 0), and optionally a DeepSpeed
+checkpoint before a resize (the input of DeepSpeed's universal-checkpoint route, the oracle).
+
+Started by ``dynatrain launch`` (which appends ``--deepspeed_config``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ds_dynatrain  # noqa: E402
+from ds_dynatrain.errors import ResizeRefusedError  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize")
+    p.add_argument("--ds-ckpt-at", default="", help="STEP,... save a DeepSpeed checkpoint before that resize")
+    p.add_argument("--refuse-at", type=int, default=0, help="at this step, ask for impossible world sizes")
+    p.add_argument("--deepspeed_config", required=True)
+    a = p.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    resize = {int(s): int(w) for s, w in (x.split(":") for x in a.resize.split(",") if x)}
+    ds_ckpt_at = {int(s) for s in a.ds_ckpt_at.split(",") if s}
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
+                                                           training_data=Tokens(), config=a.deepspeed_config)
+
+    def save(tag):
+        state = gather_state(engine)
+        if engine.global_rank == 0:
+            torch.save(state, os.path.join(a.out, f"{tag}.pt"))
+
+    if engine.global_steps > 0:  # a joiner: take part in the survivors' post-resize gather
+        save(f"after_{engine.global_steps}")
+    while engine.is_member and engine.global_steps < a.steps:
+        for batch in loader:
+            before = engine.global_steps
+            engine.backward(engine(batch))
+            engine.step()
+            s = engine.global_steps
+            if s == before:
+                continue
+            if s == a.refuse_at:
+                state0 = gather_state(engine)
+                errors = []
+                for bad in (0, 5, 99):
+                    try:
+                        engine.resize(bad)
+                        errors.append(None)
+                    except ResizeRefusedError as err:
+                        errors.append(str(err))
+                state1 = gather_state(engine)
+                same = all(torch.equal(state0[k][kind], state1[k][kind]) for k in state0 if not k.startswith("__")
+                           for kind in state0[k])
+                if engine.global_rank == 0:
+                    with open(os.path.join(a.out, "refusals.json"), "w") as f:
+                        json.dump({"errors": errors, "state_unchanged": same,
+                                   "world_size": engine.dp_world_size}, f)
+            if s in resize:
+                if s in ds_ckpt_at:
+                    engine.save_checkpoint(os.path.join(a.out, f"ds_ckpt_{s}"), tag=f"global_step{s}",
+                                           client_state={"universal_checkpoint_info": {}})
+                save(f"before_{s}")
+                engine.resize(resize[s])
+                if not engine.is_member:
+                    break
+                save(f"after_{s}")
+            if s >= a.steps:
+                break
+    if engine.is_member:
+        save("final")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
