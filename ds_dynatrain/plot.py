@@ -41,7 +41,7 @@ def plot_losses(metrics_path: str, out_path: str, static_path: Optional[str] = N
     ax.set_ylabel("training loss (nats per byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
