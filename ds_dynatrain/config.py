@@ -42,6 +42,9 @@ class SnapshotConfig(_Strict):
     interval_steps: int = Field(0, ge=0, description="save every this many optimizer steps; 0 = never")
     dir: Optional[str] = Field(None, description="directory of the snapshots (one sub-directory per tag)")
     keep_last: int = Field(2, ge=1, description="complete snapshots kept; older ones are pruned after a commit")
+    asynchronous: bool = Field(True, description="capture beside forward/backward and flush in the background; "
+                               "False writes inside save_checkpoint")
+    host_cache_mib: int = Field(256, ge=8, description="bounded host cache the snapshot is copied through, MiB")
 
     @model_validator(mode="after")
     def _dir_needed(self):

@@ -69,6 +69,7 @@ class ElasticState:
     loss_count: int = 0
     retired: bool = False
     spawned_for: set = field(default_factory=set)
+    snapshot_stall_s: float = 0.0
     resizes: List[dict] = field(default_factory=list)
 
     @property
@@ -106,8 +107,21 @@ def construct(engine: "ElasticEngine", dt: ElasticState, model, optimizer, model
                              collate_fn=dt.collate_fn, config=ds_config, config_class=config_class)
     engine._configure_python_gc()
     engine._dt = dt
-    engine.checkpoint_engine = SnapshotCheckpointEngine(keep_last=dt.config.snapshot.keep_last,
-                                                        timeout_s=dt.config.collective_timeout_s)
+    snap = dt.config.snapshot
+    engine.checkpoint_engine = SnapshotCheckpointEngine(
+        store_address=store_address(dt), rank=tdist.get_rank(), world_size=tdist.get_world_size(), generation=dt.generation,
+        keep_last=snap.keep_last, timeout_s=dt.config.collective_timeout_s, cache_bytes=snap.host_cache_mib << 20,
+        asynchronous=snap.asynchronous)
+
+
+def store_address(dt: ElasticState) -> Tuple[str, int]:
+    """``(host, port)`` of the job's store: the launcher's, or torch.distributed's default one."""
+    if dt.membership is not None:
+        return dt.membership.ctx.store_host, dt.membership.ctx.store_port
+    st = tdist.distributed_c10d._get_default_store()
+    while isinstance(st, tdist.PrefixStore):
+        st = st.underlying_store
+    return st.host, st.port
 
 
 class ElasticEngine(DeepSpeedEngine):
@@ -155,6 +169,9 @@ class ElasticEngine(DeepSpeedEngine):
     def step(self, lr_kwargs=None):
         self._require_member()
         before = self.global_steps
+        if self.is_gradient_accumulation_boundary() and isinstance(self.checkpoint_engine, SnapshotCheckpointEngine):
+            # the optimizer step is the first thing that changes the state a snapshot captures
+            self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
             self._after_optimizer_step()
@@ -239,7 +256,11 @@ class ElasticEngine(DeepSpeedEngine):
                 logger.info(format_step(step, self.dp_world_size, loss, lr))
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
+            t0 = time.perf_counter()
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
+            if self.global_rank == 0:
+                dt.metrics.write({"event": "snapshot", "step": step, "save_s": time.perf_counter() - t0,
+                                  "dir": snap.dir})
         target = dt.schedule.get(step)
         if target is not None:
             self.resize(target)
@@ -326,6 +347,8 @@ class ElasticEngine(DeepSpeedEngine):
             dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.collective_timeout_s)
             group_s += clock() - t
         t = clock()
+        dt.members = plan.new_members
+        dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
         construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True))
         returned = dt.returned_optimizer
         if returned is not None and returned is not self.optimizer:
@@ -333,8 +356,6 @@ class ElasticEngine(DeepSpeedEngine):
             returned.__dict__ = self.optimizer.__dict__
             self.optimizer = returned
         install_state(self, header, dests, joiner=False)
-        dt.members = plan.new_members
-        dt.generation += 1
         rebuild_s += clock() - t
 
         elsize = sum(state.tensors[0][k].element_size() for k in kinds)
@@ -417,7 +438,10 @@ def agree_on_header(header: Optional[dict], check) -> dict:
 
 
 def teardown(engine: ElasticEngine) -> None:
-    """Detach the engine from the model and give the torch optimizer back its parameters."""
+    """Finish the pending snapshot, detach the engine from the model and give the torch optimizer
+    back its parameters."""
+    if isinstance(engine.checkpoint_engine, SnapshotCheckpointEngine):
+        engine.checkpoint_engine.close()
     zopt = zero_optimizer_of(engine)
     basic = zopt.optimizer
     for i, g in enumerate(basic.param_groups):

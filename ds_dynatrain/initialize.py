@@ -124,6 +124,7 @@ def initialize(args: Any = None,
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
 
+    _skip_cpu_shm_op(get_accelerator())
     ctx = LaunchContext.from_environ()
     atexit.register(_shutdown)
     backend = get_accelerator().communication_backend_name()
@@ -153,7 +154,7 @@ def initialize(args: Any = None,
 
     dt = ElasticState(config=dt_cfg, ds_config=ds_config, global_batch=global_batch, micro_batch=micro,
                       membership=membership, member=member, members=(), generation=generation, backend=backend,
-                      metrics=MetricsWriter(dt_cfg.metrics_path if rank == 0 else None), collate_fn=collate_fn)
+                      metrics=MetricsWriter(dt_cfg.metrics_path), collate_fn=collate_fn)
     engine = ElasticEngine.__new__(ElasticEngine)
     if ctx is not None and ctx.joiner:
         _join(engine, dt, ctx, model, optimizer, model_parameters, lr_scheduler)
@@ -166,12 +167,36 @@ def initialize(args: Any = None,
         if ctx is not None and rank == 0:
             membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
     dt.returned_optimizer = engine.optimizer
+    atexit.register(_close_snapshots, engine)
     loader = None
     if training_data is not None:
         from .data import ElasticDataLoader
         loader = ElasticDataLoader(training_data, engine, global_batch, seed=seed, shuffle=shuffle,
                                    collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _skip_cpu_shm_op(accelerator) -> None:
+    """Tell DeepSpeed its CPU shared-memory all-reduce op is unavailable, so it is not built.
+
+    ``deepspeed.comm`` JIT-compiles that op (``deepspeed_shm_comm``) whenever it starts on the CPU
+    accelerator, though only ``inference_all_reduce`` uses it. The build takes about 30 s on a
+    fresh machine, and a worker killed during it leaves a lock file in the torch extensions
+    directory that makes every later job wait forever. Training never calls it; marking it
+    incompatible (DeepSpeed's own switch, ``deepspeed.ops.__compatible_ops__``) skips the build.
+    """
+    if accelerator.device_name() != "cpu":
+        return
+    import deepspeed.ops as ops
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _close_snapshots(engine) -> None:
+    """At exit: let the last snapshot finish and publish (bounded by the collective timeout)."""
+    from .snapshot import SnapshotCheckpointEngine
+    ce = getattr(engine, "checkpoint_engine", None)
+    if isinstance(ce, SnapshotCheckpointEngine):
+        ce.close()
 
 
 def _shutdown() -> None:
@@ -206,8 +231,8 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
     dests = allocate_partitions(plan.new_layout, ctx.rank, kinds, getattr(torch, header["dtype"]))
     execute_plan(plan, ctx.member, {m: r for r, m in enumerate(plan.new_members)}, kinds, sources=None, dests=dests,
                  timeout_s=cfg.collective_timeout_s)
+    dt.members = plan.new_members
+    dt.generation = rec.generation
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
               ds_config_for(dt, dt.split(rec.world_size), client_objects=False))
     install_state(engine, header, dests, joiner=True)
-    dt.members = plan.new_members
-    dt.generation = rec.generation

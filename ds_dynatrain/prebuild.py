@@ -1,15 +1,12 @@
-"""Build DeepSpeed's CPU communication op once, at install time.
-
-DeepSpeed's CPU backend JIT-compiles a small C++ op (``deepspeed_shm_comm``) the first time a
-process initialises ``deepspeed.comm``; it is cached afterwards. Building it once during
-``make`` keeps that half-minute out of the first training job and the first test.
-"""
+"""Install-time warm-up: liburing's import cache is written once, by one process."""
 from __future__ import annotations
 
 
 def main() -> None:
-    from deepspeed.comm.torch import build_shm_op
-    build_shm_op()
+    # liburing 2024.5.3 writes an import cache beside itself on first import; make it now, in
+    # one process, rather than in several workers at once
+    from io_engine.ioqueue import import_liburing
+    import_liburing()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,43 @@
 """Moving bytes between memory and storage, and the commit protocol.
 
-Knows nothing of training, ranks or DeepSpeed.
-"""
-from .commit import LATEST, TMP_PREFIX, fsync_dir, fsync_file, prune_snapshots, publish_dir, read_latest, write_atomic
+Knows nothing of training, ranks or DeepSpeed. Modules, one concept each:
 
-__all__ = ["LATEST", "TMP_PREFIX", "fsync_dir", "fsync_file", "prune_snapshots", "publish_dir", "read_latest", "write_atomic"]
+* ``format``     — the per-rank snapshot file format and its pure layout planner
+* ``host_cache`` — the bounded pool of page-aligned host buffers
+* ``ioqueue``    — io_uring and thread-pool operation queues
+* ``backend``    — queue / O_DIRECT choice with logged fallbacks; per-file operation channel
+* ``flusher``    — writing (buffer, offset) extents into a file
+* ``reader``     — reading byte ranges and verified items back
+* ``writer``     — the write/read facade for one snapshot file
+* ``commit``     — crash-consistent publication of a snapshot directory
+* ``errors``     — the error family
+"""
+from .backend import IOBackend, IOConfig
+from .commit import LATEST, TMP_PREFIX, fsync_dir, fsync_file, prune_snapshots, publish_dir, read_latest, write_atomic
+from .errors import (BackendUnavailableError, BadMagicError, ChecksumMismatchError, CorruptFooterError,
+                     CorruptHeaderError, FileSizeMismatchError, HostCacheError, HostCacheTimeoutError,
+                     InvalidItemError, IOEngineError, IOTimeoutError, ShortWriteError,
+                     SnapshotFormatError, StorageError, StorageReadError, StorageWriteError,
+                     TruncatedFileError, UnsupportedVersionError)
+from .flusher import Flusher, WriteReport, WriteSession
+from .format import (DEFAULT_ALIGNMENT, FORMAT_VERSION, FileLayout, ItemMeta, ItemSpec, plan_layout,
+                     read_footer)
+from .host_cache import HostBuffer, HostCache
+from .reader import FileReader, read_ranges
+from .writer import SnapshotFileWriter, WriteItem, WriteResult, read_snapshot_file, write_snapshot_file
+
+__all__ = [
+    "LATEST", "TMP_PREFIX", "fsync_dir", "fsync_file", "prune_snapshots", "publish_dir", "read_latest",
+    "write_atomic",
+    "IOBackend", "IOConfig",
+    "BackendUnavailableError", "BadMagicError", "ChecksumMismatchError", "CorruptFooterError",
+    "CorruptHeaderError", "FileSizeMismatchError", "HostCacheError", "HostCacheTimeoutError",
+    "InvalidItemError", "IOEngineError", "IOTimeoutError", "ShortWriteError", "SnapshotFormatError",
+    "StorageError", "StorageReadError", "StorageWriteError", "TruncatedFileError",
+    "UnsupportedVersionError",
+    "Flusher", "WriteReport", "WriteSession",
+    "DEFAULT_ALIGNMENT", "FORMAT_VERSION", "FileLayout", "ItemMeta", "ItemSpec", "plan_layout", "read_footer",
+    "HostBuffer", "HostCache",
+    "FileReader", "read_ranges",
+    "SnapshotFileWriter", "WriteItem", "WriteResult", "read_snapshot_file", "write_snapshot_file",
+]

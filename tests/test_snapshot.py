@@ -24,7 +24,7 @@ def test_write_error_keeps_previous_snapshot_loadable(tmp_path):
     assert r["errors_all_ranks"][0] and r["errors_all_ranks"][1], r
     assert r["errors_all_ranks"][0] == r["errors_all_ranks"][1]
     err = r["errors_all_ranks"][0]
-    assert "global_step4 was not committed" in err and "rank 1: [Errno 28] No space left on device" in err
+    assert "global_step4 was not committed" in err and "rank 1:" in err and "No space left on device" in err
     assert "rank 0:" not in err and "'latest' still names 'global_step2'" in err
     assert r["latest_after_failure"] == "global_step2"
     assert [d for d in r["dirs_after_failure"] if d.startswith((".tmp", "global"))] == ["global_step2"]

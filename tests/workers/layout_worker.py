@@ -57,6 +57,10 @@ def cases():
 
 def main():
     import deepspeed
+    import deepspeed.ops
+    # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
+    # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     out_dir = sys.argv[1]
     ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

@@ -1,8 +1,9 @@
 """Test worker: snapshots through the plugin's checkpoint engine.
 
-Step 2: a snapshot is committed. Step 4: a write error (ENOSPC) is injected into rank 1's
-``SnapshotCheckpointEngine._write`` (the seam) - every rank must get SnapshotWriteError and
-``latest`` must stay on step 2. Then the step-2 snapshot is loaded back (same world size) and the
+Step 2: a snapshot is committed. Step 4: a write error (ENOSPC) is INJECTED halfway into rank 1's
+file, at the io queue seam of ``io_engine`` (writes at file offsets >= 8 KiB complete with
+-ENOSPC instead of reaching the file) - every rank must get SnapshotWriteError and ``latest``
+must stay on step 2. Then the step-2 snapshot is loaded back (same world size) and the
 state must equal, bitwise, the state gathered at step 2. Results go to OUT/result.json (rank 0).
 """
 from __future__ import annotations
@@ -19,6 +20,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import ds_dynatrain  # noqa: E402
 from ds_dynatrain.snapshot import SnapshotWriteError  # noqa: E402
 from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+
+
+class FaultQueue:
+    """INJECTED: a real io queue whose writes at offsets >= 8 KiB complete with -ENOSPC."""
+
+    def __init__(self, inner):
+        self.inner, self.kind, self.fake = inner, inner.kind, []
+
+    def submit_write(self, fd, view, offset, token):
+        if offset >= 8192:
+            self.fake.append((token, -errno.ENOSPC))
+        else:
+            self.inner.submit_write(fd, view, offset, token)
+
+    def submit_read(self, fd, view, offset, token):
+        self.inner.submit_read(fd, view, offset, token)
+
+    def wait(self, timeout):
+        if self.fake:
+            out, self.fake = self.fake, []
+            return out
+        return self.inner.wait(timeout)
+
+    def close(self):
+        self.inner.close()
 
 
 def main():
@@ -41,17 +67,21 @@ def main():
     engine.save_checkpoint(snap)
     at_2 = gather_state(engine)
     train_to(4)
+    ce = engine.checkpoint_engine
+    ce._ensure_worker()
+    real_writer = ce._writer
     if engine.global_rank == 1:
-        def fail(state_dict, target):
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        engine.checkpoint_engine._write = fail
+        from io_engine import Flusher, IOConfig, SnapshotFileWriter
+        from io_engine.ioqueue import default_queue_factory
+        ce._writer = SnapshotFileWriter(flusher=Flusher(IOConfig(), queue_factory=lambda kind, depth: FaultQueue(
+            default_queue_factory(kind, depth))))
+    engine.save_checkpoint(snap)  # returns at once: the write fails in the background
     try:
-        engine.save_checkpoint(snap)
+        ce.wait()
         result["error"] = None
     except SnapshotWriteError as err:
         result["error"] = str(err)
-    if engine.global_rank == 1:
-        del engine.checkpoint_engine._write
+    ce._writer = real_writer
     result["latest_after_failure"] = open(os.path.join(snap, "latest")).read()
     result["dirs_after_failure"] = sorted(os.listdir(snap))
     load_path, _client = engine.load_checkpoint(snap)

@@ -19,6 +19,10 @@ from tests.workers.common import TinyLM, gather_state  # noqa: E402
 
 def main():
     import deepspeed
+    import deepspeed.ops
+    # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
+    # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--load-dir", required=True)

@@ -1,0 +1,394 @@
+"""The snapshot file format: one self-describing file per rank.
+
+Layout (all integers little-endian, offsets and lengths in bytes)::
+
+    [0, 64)                 header: magic, format version, header size, alignment, file size,
+                            CRC-32 of the preceding header bytes; zero padded
+    [align_up(64), ...)     tensor payloads, each starting at a multiple of ``alignment``
+                            (4096, the O_DIRECT block), zero padded between them
+    [objects_offset, ...)   serialized object payloads, packed back to back
+    [footer_offset, ...)    footer: UTF-8/ASCII JSON metadata of every item
+    last 24 bytes           trailer: footer length, footer CRC-32, format version, magic
+
+Why this shape:
+
+* Tensors at precomputed aligned offsets let the flusher write each one straight from an aligned
+  host buffer with O_DIRECT, and let a reader fetch exactly one tensor (or part of one) with
+  aligned reads, without touching the rest of the file.
+* Objects are small and of unknown use to the reader, so they are packed, not aligned.
+* The footer is last so it can be written after every payload is on storage ("commit last"), and
+  it is found from the end of the file without an index at the front.
+* The header records the final file size, so truncation is told apart from corruption.
+* Metadata is JSON and only JSON: loading a file never executes code from it (no pickle).
+  Object payloads are opaque bytes here; deserializing them is the caller's business.
+
+Checksums are CRC-32 (``zlib.crc32``) written as ``"crc32:%08x"``. The fixed width lets the
+planner know the footer's exact length before any payload is checksummed, so the whole layout,
+file size included, is a pure function of the item descriptions.
+
+The planner (:func:`plan_layout`) does no I/O. :func:`read_footer` reads and validates the
+metadata with plain ``pread`` (a few KiB, not worth io_uring); payload I/O lives in
+``flusher.py`` / ``reader.py``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+from .errors import (BadMagicError, CorruptFooterError, CorruptHeaderError, FileSizeMismatchError,
+                     InvalidItemError, TruncatedFileError, UnsupportedVersionError)
+
+MAGIC = b"DSDYNSNP"
+FORMAT_VERSION = 1
+DEFAULT_ALIGNMENT = 4096
+HEADER_SIZE = 64
+KIND_TENSOR = "tensor"
+KIND_OBJECT = "object"
+KINDS = (KIND_TENSOR, KIND_OBJECT)
+
+_HEADER = struct.Struct("<8sHHIQ")      # magic, version, header size, alignment, file size
+_HEADER_CRC = struct.Struct("<I")
+_TRAILER = struct.Struct("<QII8s")      # footer length, footer crc32, version, magic
+TRAILER_SIZE = _TRAILER.size            # 24
+_MAX_FOOTER = 1 << 31
+
+CHECKSUM_ALGO = "crc32"
+CHECKSUM_PLACEHOLDER = "crc32:00000000"
+
+# Element sizes of dtype names we can check shapes against; other names are accepted unchecked
+# (the caller may use names numpy does not know, e.g. "bfloat16" from torch).
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2,
+             "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
+             "float64": 8, "complex64": 8, "complex128": 16}
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` that is >= ``n`` (bytes)."""
+    return -(-n // alignment) * alignment
+
+
+def align_down(n: int, alignment: int) -> int:
+    """Largest multiple of ``alignment`` that is <= ``n`` (bytes)."""
+    return n - n % alignment
+
+
+def crc32_update(data, crc: int = 0) -> int:
+    """Running CRC-32 of a bytes-like ``data`` (releases the GIL for large buffers)."""
+    return zlib.crc32(data, crc)
+
+
+def format_checksum(crc: int) -> str:
+    """The footer's fixed-width spelling of a CRC-32 value: ``"crc32:%08x"``."""
+    return f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
+
+
+def _freeze_attrs(attrs: Optional[Mapping[str, Any]], key: str) -> Mapping[str, Any]:
+    attrs = dict(attrs or {})
+    try:
+        json.dumps(attrs, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidItemError(f"item {key!r}: attrs must be JSON-serializable: {e}") from None
+    return MappingProxyType(attrs)
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """What the caller wants stored: one named payload of ``nbytes`` bytes.
+
+    ``kind`` is ``"tensor"`` (placed aligned) or ``"object"`` (opaque serialized bytes, packed).
+    ``dtype`` is a name (``"float16"``; ``"bytes"`` for objects) and ``shape`` a tuple of ints or
+    None; when both are known their product must equal ``nbytes``. ``attrs`` is a free-form,
+    JSON-serializable dict stored verbatim (e.g. VPS key and region).
+
+    Raises :class:`InvalidItemError` on any inconsistency.
+    """
+    key: str
+    nbytes: int
+    kind: str = KIND_TENSOR
+    dtype: str = "uint8"
+    shape: Optional[Tuple[int, ...]] = None
+    attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if not isinstance(self.key, str) or not self.key:
+            raise InvalidItemError(f"item key must be a non-empty str, got {self.key!r}")
+        if self.kind not in KINDS:
+            raise InvalidItemError(f"item {self.key!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.nbytes, int) or self.nbytes < 0:
+            raise InvalidItemError(f"item {self.key!r}: nbytes must be an int >= 0, got {self.nbytes!r}")
+        if self.shape is not None:
+            shape = tuple(int(d) for d in self.shape)
+            if any(d < 0 for d in shape):
+                raise InvalidItemError(f"item {self.key!r}: negative dimension in shape {shape}")
+            object.__setattr__(self, "shape", shape)
+            size = _ITEMSIZE.get(self.dtype)
+            if size is not None and math.prod(shape) * size != self.nbytes:
+                raise InvalidItemError(f"item {self.key!r}: shape {shape} of {self.dtype} is "
+                                       f"{math.prod(shape) * size} bytes, not {self.nbytes}")
+        object.__setattr__(self, "attrs", _freeze_attrs(self.attrs, self.key))
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """One item as placed in (or read from) a file: its footer entry.
+
+    ``offset`` and ``nbytes`` are bytes from the start of the file. ``checksum`` is
+    ``"crc32:%08x"`` of the payload, or None in a plan that has not been written yet.
+    """
+    key: str
+    kind: str
+    dtype: str
+    shape: Optional[Tuple[int, ...]]
+    offset: int
+    nbytes: int
+    checksum: Optional[str]
+    attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready dict (the footer entry)."""
+        return {"key": self.key, "kind": self.kind, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape),
+                "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum,
+                "attrs": dict(self.attrs)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ItemMeta":
+        """Inverse of :meth:`to_dict`; raises ``ValueError``/``TypeError``/``KeyError`` on bad input."""
+        shape = d["shape"]
+        if shape is not None:
+            if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
+                raise ValueError(f"bad shape {shape!r}")
+            shape = tuple(shape)
+        meta = cls(key=d["key"], kind=d["kind"], dtype=d["dtype"], shape=shape,
+                   offset=d["offset"], nbytes=d["nbytes"], checksum=d["checksum"],
+                   attrs=MappingProxyType(dict(d["attrs"])))
+        if not isinstance(meta.key, str) or meta.kind not in KINDS or not isinstance(meta.dtype, str):
+            raise ValueError(f"bad key/kind/dtype in {dict(d)!r}")
+        for name in ("offset", "nbytes"):
+            v = getattr(meta, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"bad {name} {v!r}")
+        if not isinstance(meta.checksum, str) or len(meta.checksum) != len(CHECKSUM_PLACEHOLDER) \
+                or not meta.checksum.startswith(CHECKSUM_ALGO + ":"):
+            raise ValueError(f"bad checksum {meta.checksum!r}")
+        return meta
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where everything sits in one snapshot file (a plan before writing, the footer after).
+
+    All offsets and sizes in bytes. Tensors occupy ``[data_offset, objects_offset)``, objects
+    ``[objects_offset, footer_offset)``, the footer ``[footer_offset, footer_offset +
+    footer_length)``, the trailer the last :data:`TRAILER_SIZE` bytes; ``file_size`` is the total.
+    """
+    items: Tuple[ItemMeta, ...]
+    alignment: int
+    data_offset: int
+    objects_offset: int
+    footer_offset: int
+    footer_length: int
+    file_size: int
+    file_attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    version: int = FORMAT_VERSION
+
+    def item(self, key: str) -> ItemMeta:
+        """The entry of ``key``; ``KeyError`` when absent."""
+        for it in self.items:
+            if it.key == key:
+                return it
+        raise KeyError(key)
+
+    @property
+    def keys(self) -> Tuple[str, ...]:
+        return tuple(it.key for it in self.items)
+
+    def with_checksums(self, checksums: Mapping[str, str]) -> "FileLayout":
+        """A copy whose items carry the given checksums (``key -> "crc32:..."``)."""
+        return replace(self, items=tuple(replace(it, checksum=checksums[it.key]) for it in self.items))
+
+
+def encode_footer(layout: FileLayout) -> bytes:
+    """The footer bytes of ``layout``: deterministic, ASCII-only JSON."""
+    doc = {"format": "ds_dynatrain.snapshot", "version": layout.version,
+           "alignment": layout.alignment, "data_offset": layout.data_offset,
+           "objects_offset": layout.objects_offset, "file_attrs": dict(layout.file_attrs),
+           "items": [it.to_dict() for it in layout.items]}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def encode_header(file_size: int, alignment: int) -> bytes:
+    """The :data:`HEADER_SIZE`-byte header for a file of ``file_size`` bytes."""
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alignment, file_size)
+    head += _HEADER_CRC.pack(zlib.crc32(head))
+    return head + bytes(HEADER_SIZE - len(head))
+
+
+def encode_trailer(footer: bytes) -> bytes:
+    """The :data:`TRAILER_SIZE`-byte trailer that follows ``footer``."""
+    return _TRAILER.pack(len(footer), zlib.crc32(footer), FORMAT_VERSION, MAGIC)
+
+
+def plan_layout(specs: Iterable[ItemSpec], *, alignment: int = DEFAULT_ALIGNMENT,
+                file_attrs: Optional[Mapping[str, Any]] = None) -> FileLayout:
+    """Place ``specs`` in a file. Pure: no I/O, deterministic in the order of ``specs``.
+
+    Tensors go first, in the given order, each at a multiple of ``alignment`` (a zero-byte tensor
+    gets the current aligned offset and no bytes); objects follow, packed in the given order.
+    The footer length is exact (fixed-width checksum placeholders), so ``file_size`` is final.
+
+    Raises :class:`InvalidItemError` for duplicate keys, a bad alignment or non-JSON attrs.
+    """
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise InvalidItemError(f"alignment must be a power of two, got {alignment}")
+    specs = list(specs)
+    seen = set()
+    for s in specs:
+        if not isinstance(s, ItemSpec):
+            raise InvalidItemError(f"expected ItemSpec, got {type(s).__name__}")
+        if s.key in seen:
+            raise InvalidItemError(f"duplicate item key {s.key!r}")
+        seen.add(s.key)
+    data_offset = align_up(HEADER_SIZE, alignment)
+    cursor = data_offset
+    placed = {}
+    for s in specs:
+        if s.kind == KIND_TENSOR:
+            placed[s.key] = cursor
+            cursor = align_up(cursor + s.nbytes, alignment)
+    objects_offset = cursor
+    for s in specs:
+        if s.kind == KIND_OBJECT:
+            placed[s.key] = cursor
+            cursor += s.nbytes
+    items = tuple(ItemMeta(key=s.key, kind=s.kind, dtype=s.dtype, shape=s.shape,
+                           offset=placed[s.key], nbytes=s.nbytes, checksum=None, attrs=s.attrs)
+                  for s in specs)
+    attrs = _freeze_attrs(file_attrs, "<file_attrs>")
+    layout = FileLayout(items=items, alignment=alignment, data_offset=data_offset,
+                        objects_offset=objects_offset, footer_offset=cursor, footer_length=0,
+                        file_size=0, file_attrs=attrs)
+    footer_len = len(encode_footer(layout.with_checksums({k: CHECKSUM_PLACEHOLDER for k in seen})))
+    return replace(layout, footer_length=footer_len,
+                   file_size=cursor + footer_len + TRAILER_SIZE)
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), offset + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _parse_footer(path: str, raw: bytes, header_alignment: int, size: int, footer_offset: int,
+                  footer_len: int) -> FileLayout:
+    try:
+        doc = json.loads(raw.decode("ascii"))
+        if not isinstance(doc, dict) or doc.get("format") != "ds_dynatrain.snapshot":
+            raise ValueError("not a ds_dynatrain.snapshot footer")
+        items = tuple(ItemMeta.from_dict(d) for d in doc["items"])
+        layout = FileLayout(items=items, alignment=doc["alignment"], data_offset=doc["data_offset"],
+                            objects_offset=doc["objects_offset"], footer_offset=footer_offset,
+                            footer_length=footer_len, file_size=size,
+                            file_attrs=MappingProxyType(dict(doc["file_attrs"])),
+                            version=doc["version"])
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+        raise CorruptFooterError(path, f"footer metadata does not parse: {e}") from None
+    if layout.alignment != header_alignment or layout.version != FORMAT_VERSION:
+        raise CorruptFooterError(path, "footer alignment/version disagree with the header")
+    if not (layout.data_offset <= layout.objects_offset <= footer_offset):
+        raise CorruptFooterError(path, "footer region offsets are out of order")
+    _check_tiling(path, layout)
+    return layout
+
+
+def _check_tiling(path: str, layout: FileLayout) -> None:
+    """Every item inside its region, tensors aligned, no two items overlapping, keys unique."""
+    keys = set()
+    spans = []
+    for it in layout.items:
+        if it.key in keys:
+            raise CorruptFooterError(path, f"duplicate item key {it.key!r} in footer")
+        keys.add(it.key)
+        lo, hi = ((layout.data_offset, layout.objects_offset) if it.kind == KIND_TENSOR
+                  else (layout.objects_offset, layout.footer_offset))
+        if it.offset < lo or it.offset + it.nbytes > hi:
+            raise CorruptFooterError(path, f"item {it.key!r} [{it.offset}, {it.offset + it.nbytes}) "
+                                           f"lies outside its region [{lo}, {hi})")
+        if it.kind == KIND_TENSOR and it.offset % layout.alignment:
+            raise CorruptFooterError(path, f"tensor item {it.key!r} offset {it.offset} is not aligned")
+        if it.nbytes:
+            spans.append((it.offset, it.offset + it.nbytes, it.key))
+    spans.sort()
+    for (a0, a1, ak), (b0, _b1, bk) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise CorruptFooterError(path, f"items {ak!r} and {bk!r} overlap")
+
+
+def read_footer(path: str) -> FileLayout:
+    """Read and validate the header, trailer and footer of the snapshot file at ``path``.
+
+    Returns the file's :class:`FileLayout` (items with their checksums). Payloads are not read
+    or verified here (see ``reader.FileReader``).
+
+    Raises, all naming ``path``: :class:`TruncatedFileError` (shorter than its header says or
+    than a header), :class:`FileSizeMismatchError` (longer), :class:`BadMagicError`,
+    :class:`UnsupportedVersionError`, :class:`CorruptHeaderError`, :class:`CorruptFooterError`;
+    ``OSError`` when the file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread_exact(fd, HEADER_SIZE, 0)
+        if len(head) < _HEADER.size + _HEADER_CRC.size:
+            if head[:len(MAGIC)] != MAGIC[:len(head)]:
+                raise BadMagicError(path, f"header magic is {head[:8]!r}, expected {MAGIC!r}")
+            raise TruncatedFileError(path, f"file is {size} bytes, shorter than the header")
+        magic, version, header_size, alignment, file_size = _HEADER.unpack_from(head)
+        if magic != MAGIC:
+            raise BadMagicError(path, f"header magic is {magic!r}, expected {MAGIC!r}")
+        (crc,) = _HEADER_CRC.unpack_from(head, _HEADER.size)
+        if crc != zlib.crc32(head[:_HEADER.size]):
+            raise CorruptHeaderError(path, "header checksum mismatch")
+        if version != FORMAT_VERSION:
+            raise UnsupportedVersionError(path, f"format version {version}, this code reads "
+                                                f"version {FORMAT_VERSION}")
+        if header_size != HEADER_SIZE or alignment <= 0 or alignment & (alignment - 1):
+            raise CorruptHeaderError(path, f"impossible header (size {header_size}, "
+                                           f"alignment {alignment})")
+        if size < file_size:
+            raise TruncatedFileError(path, f"file is {size} bytes, its header records {file_size}")
+        if size > file_size:
+            raise FileSizeMismatchError(path, f"file is {size} bytes, its header records {file_size}")
+        if size < HEADER_SIZE + TRAILER_SIZE:
+            raise CorruptHeaderError(path, f"recorded file size {file_size} cannot hold a trailer")
+        footer_len, footer_crc, t_version, t_magic = _TRAILER.unpack(
+            _pread_exact(fd, TRAILER_SIZE, size - TRAILER_SIZE))
+        if t_magic != MAGIC:
+            raise BadMagicError(path, f"trailer magic is {t_magic!r}, expected {MAGIC!r}")
+        footer_offset = size - TRAILER_SIZE - footer_len
+        if t_version != version or footer_len > _MAX_FOOTER or footer_offset < HEADER_SIZE:
+            raise CorruptFooterError(path, f"trailer is corrupt (footer length {footer_len}, "
+                                           f"version {t_version})")
+        raw = _pread_exact(fd, footer_len, footer_offset)
+        if zlib.crc32(raw) != footer_crc:
+            raise CorruptFooterError(path, "footer checksum mismatch")
+    finally:
+        os.close(fd)
+    return _parse_footer(path, raw, alignment, size, footer_offset, footer_len)
+
+
+def specs_of(layout: FileLayout) -> Sequence[ItemSpec]:
+    """The item descriptions that planned ``layout`` (re-planning them reproduces its offsets)."""
+    return [ItemSpec(key=it.key, nbytes=it.nbytes, kind=it.kind, dtype=it.dtype, shape=it.shape,
+                     attrs=it.attrs) for it in layout.items]

@@ -1,0 +1,366 @@
+"""Writing and reading one snapshot file: the facade over format, host cache, flusher and reader.
+
+``write_snapshot_file(path, items)`` plans the layout (``format.plan_layout``), copies each
+payload into aligned buffers of the host cache, hands each filled buffer to the flusher and takes
+it back when its write completed. The CRC-32 is computed from the copy (the copy is what the file
+holds, so checksum and payload agree even if the source changes later) on one background thread,
+in submission order: ``zlib.crc32`` releases the GIL, so checksumming overlaps the copy of the
+next buffer instead of doubling the CPU time of the writer thread. Order of work in the file:
+
+1. header block and tensor payloads, then objects (packed, through the same buffers);
+2. a barrier: every write so far has completed;
+3. footer (JSON) and trailer, then ``ftruncate`` to the logical size and ``fsync``.
+
+A failure anywhere removes the partial file and raises; a footer is never written after a
+failed payload write. Publication (rename into a snapshot directory, ``latest``) is ``commit.py``'s.
+
+The io engine stays free of torch: items are byte views (``bytes``, ``memoryview``, ``mmap``,
+numpy arrays, or ``tensor.numpy()`` from the caller); dtype and shape are taken from numpy arrays
+or given explicitly (e.g. ``"bfloat16"``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+from .backend import IOBackend, IOConfig
+from .errors import InvalidItemError, IOEngineError
+from .flusher import Flusher, WriteReport, WriteSession, as_byte_view
+from .format import (KIND_OBJECT, KIND_TENSOR, FileLayout, ItemMeta, ItemSpec, align_up,
+                     crc32_update, encode_footer, encode_header, encode_trailer, format_checksum,
+                     plan_layout)
+from .host_cache import HostBuffer, HostCache
+from .reader import FileReader
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One payload to store. ``data``: a C-contiguous buffer (bytes, memoryview, numpy array...);
+    ``kind``: ``"tensor"`` or ``"object"``; ``attrs``: JSON-serializable dict stored in the footer;
+    ``dtype``/``shape``: override what is inferred from ``data`` (numpy arrays carry their own)."""
+    key: str
+    data: Any
+    kind: str = KIND_TENSOR
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    dtype: Optional[str] = None
+    shape: Optional[Tuple[int, ...]] = None
+
+
+ItemLike = Union[WriteItem, Tuple]
+
+
+def _to_item(x: ItemLike) -> WriteItem:
+    if isinstance(x, WriteItem):
+        return x
+    if isinstance(x, tuple) and 2 <= len(x) <= 4:
+        return WriteItem(*x)
+    raise InvalidItemError(f"expected WriteItem or (key, data[, kind[, attrs]]), got {type(x).__name__}")
+
+
+def _describe(item: WriteItem) -> Tuple[ItemSpec, memoryview]:
+    """The item's spec (dtype, shape, size) and its payload as a flat byte view (no copy)."""
+    data, dtype, shape = item.data, item.dtype, item.shape
+    try:
+        if type(data).__module__ == "numpy" and hasattr(data, "flags"):
+            if not data.flags.c_contiguous:
+                raise InvalidItemError(f"item {item.key!r}: numpy array is not C-contiguous")
+            dtype = dtype or data.dtype.name
+            shape = data.shape if shape is None else shape
+            view = memoryview(data.reshape(-1).view("uint8"))
+        else:
+            raw = memoryview(data)
+            if not raw.c_contiguous:
+                raise InvalidItemError(f"item {item.key!r}: buffer is not C-contiguous")
+            if dtype is None and item.kind == KIND_TENSOR:
+                dtype = "uint8" if raw.format in ("B", "b", "c") else _numpy_name(raw.format)
+            if shape is None and item.kind == KIND_TENSOR:
+                shape = raw.shape
+            view = as_byte_view(raw)
+    except TypeError as e:
+        raise InvalidItemError(f"item {item.key!r}: data is not a buffer: {e}") from None
+    if item.kind == KIND_OBJECT:
+        dtype = dtype or "bytes"
+    spec = ItemSpec(key=item.key, nbytes=len(view), kind=item.kind, dtype=dtype, shape=shape,
+                    attrs=item.attrs)
+    return spec, view
+
+
+def _numpy_name(fmt: str) -> str:
+    import numpy as np
+    try:
+        return np.dtype(fmt).name
+    except TypeError:
+        return "uint8"
+
+
+class _Countdown:
+    """Calls ``fn`` once ``n`` parties have called it (thread safe)."""
+    __slots__ = ("_n", "_fn", "_lock")
+
+    def __init__(self, n: int, fn: Callable[[], None]):
+        self._n, self._fn, self._lock = n, fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._n -= 1
+            fire = self._n == 0
+        if fire:
+            self._fn()
+
+
+class _ChecksumLane:
+    """Running CRC-32 per key, computed on one background thread in submission order."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc")
+        self._crc: Dict[str, int] = {}
+        self._futures: List[Future] = []
+
+    def add(self, key: str, view: memoryview, done: Callable[[], None]) -> None:
+        """Fold ``view`` into ``key``'s CRC; ``done()`` once ``view`` is no longer read."""
+        def task():
+            try:
+                self._crc[key] = crc32_update(view, self._crc.get(key, 0))
+            finally:
+                done()
+        try:
+            self._futures.append(self._pool.submit(task))
+        except BaseException:
+            done()
+            raise
+
+    def results(self) -> Dict[str, int]:
+        """Wait for every queued CRC; ``key -> crc`` (keys with no bytes are absent)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+        crc, self._crc = self._crc, {}
+        return crc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """``layout``: the written file's layout, checksums included; ``report``: the flusher's."""
+    layout: FileLayout
+    report: WriteReport
+
+
+class SnapshotFileWriter:
+    """Writes snapshot files through one host cache and one flusher, both reused across files so
+    host memory stays flat. Owns (and closes) whatever it created itself.
+
+    ``host_cache``: buffers to copy through (default: ``cache_bytes`` in buffers of
+    ``config.chunk_bytes``); ``flusher``: how to write (default: ``Flusher(config)``);
+    ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``).
+
+    One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
+    thread); the host cache itself may be shared with other threads.
+    """
+
+    def __init__(self, *, host_cache: Optional[HostCache] = None, flusher: Optional[Flusher] = None,
+                 config: Optional[IOConfig] = None, cache_bytes: int = 64 << 20,
+                 acquire_timeout_s: Optional[float] = None):
+        self.flusher = flusher or Flusher(config)
+        cfg = self.flusher.config
+        self._own_cache = host_cache is None
+        self.cache = host_cache or HostCache(max(cache_bytes, cfg.chunk_bytes), cfg.chunk_bytes,
+                                             alignment=cfg.alignment)
+        if self.cache.buffer_bytes % cfg.alignment:
+            raise ValueError(f"host cache buffers ({self.cache.buffer_bytes} bytes) are not a "
+                             f"multiple of the alignment {cfg.alignment}")
+        self._align = cfg.alignment
+        self._zeros = bytes(cfg.alignment)
+        self._timeout = acquire_timeout_s or cfg.timeout_s
+        self._lane = _ChecksumLane()
+
+    def _acquire(self, session: WriteSession) -> HostBuffer:
+        while True:
+            buf = self.cache.try_acquire()
+            if buf is not None:
+                return buf
+            if session.in_flight:
+                session.reap_one()            # our own writes give buffers back
+            else:
+                return self.cache.acquire(timeout=self._timeout)
+
+    def _submit(self, session: WriteSession, buf: HostBuffer, nbytes: int, offset: int,
+                on_release: Optional[Callable[[], None]] = None) -> None:
+        padded = align_up(nbytes, self._align)
+        if padded > nbytes:
+            buf.view[nbytes:padded] = self._zeros[:padded - nbytes]
+        session.write(buf.view[:padded], offset,
+                      on_release=on_release or partial(self.cache.release, buf))
+
+    def _put_aligned(self, session: WriteSession, src: memoryview, offset: int,
+                     key: Optional[str]) -> None:
+        """Copy ``src`` through the cache to ``offset`` (aligned); its CRC goes to the lane
+        under ``key`` (None: not checksummed). A buffer returns to the cache once both its write
+        and its checksum are done."""
+        pos, size = 0, self.cache.buffer_bytes
+        while pos < len(src):
+            take = min(size, len(src) - pos)
+            buf = self._acquire(session)
+            release = _Countdown(1 if key is None else 2, partial(self.cache.release, buf))
+            try:
+                buf.view[:take] = src[pos:pos + take]
+            except BaseException:
+                self.cache.release(buf)
+                raise
+            if key is not None:
+                try:
+                    self._lane.add(key, buf.view[:take], release)
+                except BaseException:
+                    release()                 # add() already counted its own party
+                    raise
+            self._submit(session, buf, take, offset + pos, release)
+            pos += take
+
+    def write(self, path: str, items: Iterable[ItemLike], *,
+              file_attrs: Optional[Mapping[str, Any]] = None,
+              on_captured: Optional[Callable[[], None]] = None) -> WriteResult:
+        """Write ``items`` (``WriteItem`` or ``(key, data[, kind[, attrs]])``) as a new snapshot
+        file at ``path`` (replacing any file there), durable (fsynced) on return.
+
+        ``on_captured`` is called once every tensor payload has been copied into the host cache
+        (the sources may change from then on; the writes may still be in flight). It is called
+        on failure too, so a waiter never blocks on a write that gave up.
+
+        Raises :class:`InvalidItemError` before touching the file for bad items, and
+        :class:`~io_engine.errors.StorageWriteError` (file removed) when storage fails.
+        """
+        described = [_describe(_to_item(x)) for x in items]
+        layout = plan_layout([s for s, _ in described], alignment=self._align,
+                             file_attrs=file_attrs)
+        views = {s.key: v for s, v in described}
+        session = self.flusher.open(path)
+        tail = _TailPacker(self, session, layout.objects_offset)
+        try:
+            checksums: Dict[str, str] = {}
+            self._put_aligned(session, memoryview(encode_header(layout.file_size, self._align)), 0,
+                              None)
+            for m in layout.items:
+                if m.kind == KIND_TENSOR:
+                    self._put_aligned(session, views[m.key], m.offset, m.key)
+            if on_captured is not None:
+                captured, on_captured = on_captured, None
+                captured()
+            for m in layout.items:
+                if m.kind == KIND_OBJECT:
+                    checksums[m.key] = format_checksum(tail.put(views[m.key]))
+            session.drain()                   # every payload write completed before the footer
+            crcs = self._lane.results()
+            for m in layout.items:
+                if m.kind == KIND_TENSOR:
+                    checksums[m.key] = format_checksum(crcs.get(m.key, 0))
+            layout = layout.with_checksums(checksums)
+            footer = encode_footer(layout)
+            if len(footer) != layout.footer_length:
+                raise IOEngineError(f"{path}: internal error: footer is {len(footer)} bytes, "
+                                    f"planned {layout.footer_length}")
+            tail.put(footer)
+            tail.put(encode_trailer(footer))
+            tail.close()
+            report = session.finish(layout.file_size)
+        except BaseException:
+            if on_captured is not None:
+                on_captured()
+            tail.discard()
+            session.abort()
+            try:
+                self._lane.results()          # every buffer back in the cache before returning
+            except Exception:
+                pass
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        return WriteResult(layout, report)
+
+    def close(self) -> None:
+        """Stop the checksum thread; close the host cache if this writer created it. Idempotent."""
+        if getattr(self, "_lane", None) is not None:
+            self._lane.close()
+        if self._own_cache and getattr(self, "cache", None) is not None:
+            self.cache.close()
+
+    def __enter__(self) -> "SnapshotFileWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _TailPacker:
+    """Packs a byte stream (objects, footer, trailer) into cache buffers from an aligned offset."""
+
+    def __init__(self, writer: SnapshotFileWriter, session: WriteSession, offset: int):
+        self._w, self._session, self._offset = writer, session, offset
+        self._buf: Optional[HostBuffer] = None
+        self._fill = 0
+
+    def put(self, data) -> int:
+        """Append ``data``; returns its CRC-32 (computed from the copy)."""
+        src, crc, pos = as_byte_view(data), 0, 0
+        size = self._w.cache.buffer_bytes
+        while pos < len(src):
+            if self._buf is None:
+                self._buf, self._fill = self._w._acquire(self._session), 0
+            take = min(len(src) - pos, size - self._fill)
+            dst = self._buf.view[self._fill:self._fill + take]
+            dst[:] = src[pos:pos + take]
+            crc = crc32_update(dst, crc)
+            self._fill += take
+            pos += take
+            if self._fill == size:
+                self._flush()
+        return crc
+
+    def _flush(self) -> None:
+        buf, fill, self._buf = self._buf, self._fill, None
+        self._w._submit(self._session, buf, fill, self._offset)
+        self._offset += fill
+
+    def close(self) -> None:
+        if self._buf is not None:
+            if self._fill:
+                self._flush()
+            else:
+                self.discard()
+
+    def discard(self) -> None:
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            self._w.cache.release(buf)
+
+
+def write_snapshot_file(path: str, items: Iterable[ItemLike], *,
+                        file_attrs: Optional[Mapping[str, Any]] = None,
+                        host_cache: Optional[HostCache] = None, flusher: Optional[Flusher] = None,
+                        config: Optional[IOConfig] = None) -> FileLayout:
+    """One-shot :meth:`SnapshotFileWriter.write`; returns the written :class:`FileLayout`.
+    For repeated snapshots keep a :class:`SnapshotFileWriter` (its host cache is reused)."""
+    with SnapshotFileWriter(host_cache=host_cache, flusher=flusher, config=config) as w:
+        return w.write(path, items, file_attrs=file_attrs).layout
+
+
+def read_snapshot_file(path: str, *, verify: bool = True, config: Optional[IOConfig] = None,
+                       backend: Optional[IOBackend] = None
+                       ) -> Dict[str, Tuple[memoryview, ItemMeta]]:
+    """Every item of the snapshot file at ``path`` as ``key -> (payload view, footer entry)``.
+
+    Payload views are read-write ``memoryview`` s (format ``'B'``) of exactly ``nbytes`` bytes.
+    Raises the format errors of ``read_footer``, :class:`ChecksumMismatchError` (with
+    ``verify``) and :class:`StorageReadError`.
+    """
+    with FileReader(path, config=config, backend=backend) as r:
+        views = r.read_items(verify=verify)
+        return {k: (v, r.meta(k)) for k, v in views.items()}
+

@@ -1,0 +1,303 @@
+"""The flusher: every backend writes byte-identical files; refusals fall back (logged once);
+storage failures raise typed errors naming the file and offset and leave no partial file.
+
+Refusals and faults are INJECTED at the seams ``queue_factory`` / ``opener`` of ``IOBackend``
+(the real io_uring and O_DIRECT work on this machine; the fakes below pretend they do not).
+"""
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+from io_engine import (BackendUnavailableError, Flusher, HostCache, IOConfig, IOTimeoutError,
+                       ShortWriteError, SnapshotFileWriter, StorageWriteError, read_snapshot_file)
+from io_engine.ioqueue import UringQueue, default_queue_factory
+
+SMALL = dict(chunk_bytes=16 << 10, queue_depth=4)      # many chunks, real back-pressure
+
+
+def _uring_ok():
+    try:
+        UringQueue(2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _direct_ok(d):
+    try:
+        os.close(os.open(os.path.join(d, ".probe"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+
+
+needs_uring = pytest.mark.skipif(not _uring_ok(), reason="io_uring refused on this machine")
+
+
+@pytest.fixture
+def fallback_log():
+    """Records ds_dynatrain.io WARNING lines directly (independent of other loggers' config)."""
+    records = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("ds_dynatrain.io")
+    h, old = H(level=logging.WARNING), logger.level
+    logger.addHandler(h)
+    logger.setLevel(logging.WARNING)
+    yield records
+    logger.removeHandler(h)
+    logger.setLevel(old)
+
+
+# --- injected refusals and faults --------------------------------------------------------------
+
+def refuse_uring(kind, depth):
+    """INJECTED: the kernel refuses io_uring at queue init, as under seccomp or an old kernel."""
+    if kind == "io_uring":
+        raise OSError(errno.ENOSYS, "injected: io_uring_queue_init refused")
+    return default_queue_factory(kind, depth)
+
+
+def refuse_direct_open(path, flags, mode):
+    """INJECTED: the file system refuses O_DIRECT at open (EINVAL), as some FUSE/NFS mounts do."""
+    if flags & os.O_DIRECT:
+        raise OSError(errno.EINVAL, "injected: O_DIRECT refused")
+    return os.open(path, flags, mode)
+
+
+class FaultQueue:
+    """INJECTED: wraps a real queue; chosen writes complete with ``result(view)`` instead of
+    reaching the file (``-ENOSPC``, a short count, or ``-EINVAL`` for O_DIRECT fds)."""
+
+    def __init__(self, inner, should_fail, result):
+        self.inner, self.should_fail, self.result = inner, should_fail, result
+        self.kind, self.fake, self.injected = inner.kind, [], 0
+
+    def submit_write(self, fd, view, offset, token):
+        if self.should_fail(fd, offset):
+            self.injected += 1
+            self.fake.append((token, self.result(view)))
+        else:
+            self.inner.submit_write(fd, view, offset, token)
+
+    def submit_read(self, fd, view, offset, token):
+        self.inner.submit_read(fd, view, offset, token)
+
+    def wait(self, timeout):
+        if self.fake:
+            out, self.fake = self.fake, []
+            return out
+        return self.inner.wait(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+def faulty(should_fail, result, seen):
+    def factory(kind, depth):
+        q = FaultQueue(default_queue_factory(kind, depth), should_fail, result)
+        seen.append(q)
+        return q
+    return factory
+
+
+def is_direct(fd):
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+# --- the items every backend writes ------------------------------------------------------------
+
+def mixed_items():
+    rng = np.random.default_rng(7)
+    items = [(f"t{n}", rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+             for n in (0, 1, 511, 512, 513, 4095, 4096, 4097, 70001)]
+    items.append(("half", rng.standard_normal(1001).astype(np.float16)))
+    items.append(("obj", b"x" * 5000, "object", {"vps": "sched"}))
+    items.append(("obj0", b"", "object"))
+    return items
+
+
+def write_with(path, config=None, **backend_kw):
+    flusher = Flusher(config or IOConfig(**SMALL), **backend_kw)
+    with SnapshotFileWriter(flusher=flusher, cache_bytes=4 * SMALL["chunk_bytes"]) as w:
+        res = w.write(str(path), mixed_items(), file_attrs={"rank": 0})
+    return res, hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@needs_uring
+def test_every_backend_writes_identical_bytes(tmp_path, fallback_log):
+    if not _direct_ok(str(tmp_path)):
+        pytest.skip(f"O_DIRECT refused on {tmp_path}; the direct variants cannot be compared")
+    cases = {
+        "io_uring+direct": (IOConfig(engine="io_uring", direct=True, **SMALL), {}),
+        "threads+direct": (IOConfig(engine="threads", direct=True, **SMALL), {}),
+        "io_uring+buffered": (IOConfig(engine="io_uring", direct=False, **SMALL), {}),
+        "threads+buffered": (IOConfig(engine="threads", direct=False, **SMALL), {}),
+        "auto, io_uring refused": (IOConfig(**SMALL), {"queue_factory": refuse_uring}),
+        "auto, O_DIRECT refused": (IOConfig(**SMALL), {"opener": refuse_direct_open}),
+    }
+    expect = {"io_uring+direct": ("io_uring", True), "threads+direct": ("threads", True),
+              "io_uring+buffered": ("io_uring", False), "threads+buffered": ("threads", False),
+              "auto, io_uring refused": ("threads", True), "auto, O_DIRECT refused": ("io_uring", False)}
+    digests = {}
+    for i, (name, (cfg, kw)) in enumerate(cases.items()):
+        res, digests[name] = write_with(tmp_path / f"f{i}", cfg, **kw)
+        assert (res.report.engine, res.report.direct) == expect[name], name
+    assert len(set(digests.values())) == 1, digests
+    back = read_snapshot_file(str(tmp_path / "f0"))
+    for item in mixed_items():
+        assert bytes(back[item[0]][0]) == bytes(memoryview(item[1]).cast("B"))
+
+
+@needs_uring
+def test_uring_refusal_falls_back_and_is_logged_once(tmp_path, fallback_log):
+    flusher = Flusher(IOConfig(**SMALL), queue_factory=refuse_uring)
+    with SnapshotFileWriter(flusher=flusher, cache_bytes=64 << 10) as w:
+        for i in range(3):
+            assert w.write(str(tmp_path / f"f{i}"), mixed_items()).report.engine == "threads"
+    lines = [m for m in fallback_log if "io_uring refused" in m]
+    assert len(lines) == 1 and "ENOSYS" in lines[0]
+    assert flusher.backend.fallbacks == lines
+
+
+def test_direct_refused_at_open_falls_back_and_is_logged_once(tmp_path, fallback_log):
+    flusher = Flusher(IOConfig(**SMALL), opener=refuse_direct_open)
+    with SnapshotFileWriter(flusher=flusher, cache_bytes=64 << 10) as w:
+        for i in range(3):
+            assert w.write(str(tmp_path / f"f{i}"), mixed_items()).report.direct is False
+    lines = [m for m in fallback_log if "O_DIRECT refused" in m]
+    assert len(lines) == 1 and "EINVAL" in lines[0]
+
+
+def test_direct_refused_on_first_write_retries_buffered(tmp_path, fallback_log):
+    if not _direct_ok(str(tmp_path)):
+        pytest.skip(f"O_DIRECT refused on {tmp_path} for real; nothing to inject")
+    ref, want = write_with(tmp_path / "ref", IOConfig(direct=False, **SMALL))
+    seen = []
+    factory = faulty(lambda fd, off: is_direct(fd), lambda view: -errno.EINVAL, seen)
+    res, got = write_with(tmp_path / "f", IOConfig(**SMALL), queue_factory=factory)
+    assert seen[0].injected >= 1 and res.report.direct is False
+    assert got == want
+    assert len([m for m in fallback_log if "O_DIRECT refused" in m]) == 1
+
+
+@pytest.mark.parametrize("engine", [pytest.param("io_uring", marks=needs_uring), "threads"])
+def test_enospc_halfway_raises_typed_error_and_leaves_no_file(tmp_path, engine):
+    path = tmp_path / "f"
+    ref, _ = write_with(tmp_path / "ref", IOConfig(engine=engine, **SMALL))
+    half = ref.layout.file_size // 2 // 4096 * 4096
+    seen = []
+    factory = faulty(lambda fd, off: off >= half, lambda view: -errno.ENOSPC, seen)
+    flusher = Flusher(IOConfig(engine=engine, **SMALL), queue_factory=factory)
+    cache = HostCache(4 * SMALL["chunk_bytes"], SMALL["chunk_bytes"])
+    with SnapshotFileWriter(flusher=flusher, host_cache=cache) as w, \
+            pytest.raises(StorageWriteError, match=rf"{path} at offset \d+: .*No space left") as ei:
+        w.write(str(path), mixed_items())
+    assert ei.value.errno == errno.ENOSPC and ei.value.offset >= half
+    assert seen[0].injected >= 1
+    assert not path.exists()                                  # never a silent partial file
+    assert cache.num_free == cache.num_buffers                # every buffer came back
+    cache.close()
+
+
+def test_short_write_is_an_error(tmp_path):
+    seen = []
+    factory = faulty(lambda fd, off: off == 8192, lambda view: len(view) // 2, seen)
+    flusher = Flusher(IOConfig(**SMALL), queue_factory=factory)
+    with pytest.raises(ShortWriteError, match="offset 8192: short write"):
+        flusher.write_file(str(tmp_path / "f"), [(bytes(8192), 0), (bytes(8192), 8192)])
+    assert not (tmp_path / "f").exists()
+
+
+def test_forced_io_uring_refused_is_an_error(tmp_path):
+    flusher = Flusher(IOConfig(engine="io_uring"), queue_factory=refuse_uring)
+    with pytest.raises(BackendUnavailableError, match="io_uring was requested"):
+        flusher.write_file(str(tmp_path / "f"), [(b"x", 0)])
+
+
+def test_forced_direct_refused_is_an_error(tmp_path):
+    flusher = Flusher(IOConfig(direct=True), opener=refuse_direct_open)
+    with pytest.raises(StorageWriteError, match="O_DIRECT"):
+        flusher.write_file(str(tmp_path / "f"), [(b"x", 0)])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_file_odd_buffers_and_truncation(tmp_path, direct):
+    if direct and not _direct_ok(str(tmp_path)):
+        pytest.skip(f"O_DIRECT refused on {tmp_path}")
+    a, b = os.urandom(5000), os.urandom(3)                    # unaligned lengths -> bounce copies
+    rep = Flusher(IOConfig(direct=direct, **SMALL)).write_file(
+        str(tmp_path / "f"), [(a, 0), (memoryview(b), 8192)], logical_size=8195)
+    assert rep.direct is direct and rep.nbytes == 8195
+    data = open(tmp_path / "f", "rb").read()
+    assert data == a + bytes(8192 - 5000) + b
+
+
+def test_write_file_refuses_unaligned_offsets_and_shared_blocks(tmp_path):
+    f = Flusher()
+    with pytest.raises(ValueError, match="share a block"):
+        f.write_file(str(tmp_path / "f"), [(b"x" * 10, 0), (b"y", 0)])
+    with pytest.raises(ValueError, match="not a multiple"):
+        f.write_file(str(tmp_path / "g"), [(b"x", 100)])
+
+
+def test_io_config_validation():
+    for bad in (dict(engine="spdk"), dict(direct="maybe"), dict(queue_depth=0),
+                dict(chunk_bytes=1000), dict(alignment=3000), dict(timeout_s=0)):
+        with pytest.raises(ValueError):
+            IOConfig(**bad)
+
+
+def test_hung_storage_times_out_with_a_typed_error(tmp_path):
+    """INJECTED: one write never completes. The wait is bounded; the buffer it holds is never
+    handed back for reuse (the kernel might still read it)."""
+    class Swallow(FaultQueue):
+        def submit_write(self, fd, view, offset, token):
+            if offset == 20480:                    # the second 16 KiB chunk of item "a"
+                self.injected += 1                 # dropped: its completion never comes
+            else:
+                self.inner.submit_write(fd, view, offset, token)
+
+    def factory(kind, depth):
+        return Swallow(default_queue_factory(kind, depth), None, None)
+
+    cache = HostCache(4 * SMALL["chunk_bytes"], SMALL["chunk_bytes"])
+    flusher = Flusher(IOConfig(timeout_s=0.3, **SMALL), queue_factory=factory)
+    t0 = time.monotonic()
+    with SnapshotFileWriter(flusher=flusher, host_cache=cache) as w, \
+            pytest.raises(IOTimeoutError, match=rf"{tmp_path / 'f'}: no completion within 0.3 s"):
+        w.write(str(tmp_path / "f"), [("a", bytes(40000))])
+    assert time.monotonic() - t0 < 5
+    assert not (tmp_path / "f").exists()
+    assert cache.num_free == cache.num_buffers - 1
+    cache.close()
+
+
+@needs_uring
+def test_uring_wait_releases_the_gil():
+    """liburing's io_uring_wait_cqe holds the GIL (a waiting flusher would freeze training, and
+    here deadlock); UringQueue.wait must block in poll() instead, letting other threads run."""
+    import threading
+    q = UringQueue(4)
+    r, w = os.pipe()
+    try:
+        buf = bytearray(8)
+        q.submit_read(r, memoryview(buf), 0, 1)
+        threading.Timer(0.1, os.write, args=(w, b"ping")).start()   # needs the GIL to run
+        t0 = time.monotonic()
+        got = q.wait(timeout=5)
+        assert got == [(1, 4)] and bytes(buf[:4]) == b"ping"
+        assert time.monotonic() - t0 < 2
+    finally:
+        q.close()
+        os.close(r)
+        os.close(w)
