@@ -167,7 +167,7 @@ def initialize(args: Any = None,
         if ctx is not None and rank == 0:
             membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
     dt.returned_optimizer = engine.optimizer
-    atexit.register(_close_snapshots, engine)
+    _at_thread_shutdown(_close_snapshots, engine)
     loader = None
     if training_data is not None:
         from .data import ElasticDataLoader
@@ -189,6 +189,22 @@ def _skip_cpu_shm_op(accelerator) -> None:
         return
     import deepspeed.ops as ops
     ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _at_thread_shutdown(fn, *args) -> None:
+    """Run ``fn(*args)`` when the main thread finishes, before thread pools stop taking work.
+
+    Python stops ``concurrent.futures`` executors from ``threading``'s shutdown hooks, which run
+    *before* ``atexit`` handlers; the snapshot engine's io threads must still work when the last
+    snapshot is finished at exit, so this hook is registered with ``threading`` (later
+    registrations run first). Falls back to ``atexit`` where that hook does not exist.
+    """
+    import threading
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython < 3.9
+        atexit.register(fn, *args)
+    else:
+        register(fn, *args)
 
 
 def _close_snapshots(engine) -> None:

@@ -71,5 +71,6 @@ def base_config(stage: int, metrics_path: str | None = None) -> dict:
                                                             "warmup_type": "linear"}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
-        "dynatrain": {"metrics_path": metrics_path, "collective_timeout_s": 60, "join_timeout_s": 120},
+        "dynatrain": {"metrics_path": metrics_path, "collective_timeout_s": 60, "join_timeout_s": 120,
+                      "max_world_size": 6},
     }

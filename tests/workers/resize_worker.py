@@ -70,9 +70,12 @@ def main():
                         json.dump({"errors": errors, "state_unchanged": same,
                                    "world_size": engine.dp_world_size}, f)
             if s in resize:
-                if s in ds_ckpt_at:
+                if s in ds_ckpt_at:  # with DeepSpeed's default engine: ds_to_universal reads torch.save files
+                    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+                    ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
                     engine.save_checkpoint(os.path.join(a.out, f"ds_ckpt_{s}"), tag=f"global_step{s}",
                                            client_state={"universal_checkpoint_info": {}})
+                    engine.checkpoint_engine = ours
                 save(f"before_{s}")
                 engine.resize(resize[s])
                 if not engine.is_member:
