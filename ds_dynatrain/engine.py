@@ -68,8 +68,9 @@ class ElasticState:
     loss_sum: float = 0.0
     loss_count: int = 0
     retired: bool = False
-    spawned_for: set = field(default_factory=set)
+    spawned_for: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> joiners started
     snapshot_stall_s: float = 0.0
+    published: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> members published
     resizes: List[dict] = field(default_factory=list)
 
     @property
@@ -283,18 +284,37 @@ class ElasticEngine(DeepSpeedEngine):
         self._request_joiners(world_size)
 
     def _request_joiners(self, world_size: int) -> Tuple[str, ...]:
+        """Publish the next generation for ``world_size`` and have its joiners started (once).
+
+        If joiners were already started for the next generation with another membership (a
+        scheduled grow, then a manual resize to another size), they are cancelled first."""
         dt = self._dt
         g = dt.generation + 1
         old_ws = self.dp_world_size
         joiners = tuple(member_id(g, r) for r in range(old_ws, world_size))
         new_members = assign_members(dt.members, world_size, joiners)
-        if g not in dt.spawned_for:
-            dt.spawned_for.add(g)
-            if self.global_rank == 0:
-                dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps))
-                if joiners:
-                    dt.membership.request_spawn(g, world_size, list(range(old_ws, world_size)), joiners)
+        if dt.published.get(g) == new_members:
+            return new_members
+        if self.global_rank == 0:
+            stale = dt.spawned_for.get(g, ())
+            if stale:
+                dt.membership.cancel_spawn(g, stale)
+            dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps))
+            if joiners:
+                dt.membership.request_spawn(g, world_size, list(range(old_ws, world_size)), joiners)
+        dt.spawned_for[g] = joiners
+        dt.published[g] = new_members
         return new_members
+
+    def cancel_pending_joiners(self) -> None:
+        """Stop joiners started for a generation that will not be formed (the job is ending)."""
+        dt = self._dt
+        if dt.membership is None or self.global_rank != 0:
+            return
+        for g, joiners in sorted(dt.spawned_for.items()):
+            if g > dt.generation and joiners:
+                dt.membership.cancel_spawn(g, joiners)
+        dt.spawned_for = {g: j for g, j in dt.spawned_for.items() if g <= dt.generation}
 
     # ------------------------------------------------------------------ the resize
     def _resize(self, world_size: int, split: BatchSplit) -> Optional[dict]:
@@ -319,6 +339,8 @@ class ElasticEngine(DeepSpeedEngine):
             # the new generation's group is the transition group; the old engine stays as it is
             # (its groups dead) until the plan is agreed and executed
             t = clock()
+            if self.global_rank == 0:
+                dt.membership.go(dt.generation + 1)
             dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.join_timeout_s)
             group_s += clock() - t
             pg_rank_of = {m: r for r, m in enumerate(plan.new_members)}

@@ -11,7 +11,7 @@ from .bridge import layout_for_model
 from .config import ConfigError, load_ds_config
 from .engine import (ElasticEngine, ElasticState, agree_on_header, allocate_partitions, construct, ds_config_for,
                      install_state)
-from .errors import ResizeRefusedError
+from .errors import NotAMemberError, ResizeRefusedError
 from .launch_env import LaunchContext, member_id
 from .layout import ZeroLayout
 from .membership import GenerationRecord, Membership
@@ -52,6 +52,44 @@ def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
             raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by world size {world_size}")
         return tb, tb // world_size
     raise ConfigError("invalid DeepSpeed config: set train_batch_size and train_micro_batch_size_per_gpu")
+
+
+def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool) -> Tuple[int, int]:
+    """Refuse, before any process or engine exists, a config the elastic engine cannot serve.
+
+    Checks: both batch keys for a job started by ``dynatrain launch`` (``elastic``); the launch
+    world size and every scheduled one keep the global batch and respect ``max_world_size``; a
+    schedule only with what a resize can move (ZeRO stage 1 or 2, no fp16 loss scaler, no
+    offload). Returns ``(global batch, largest micro-batch)``.
+
+    Raises:
+        ConfigError: naming the key and the problem.
+    """
+    if elastic and not (ds_config.get("train_batch_size") and ds_config.get("train_micro_batch_size_per_gpu")):
+        raise ConfigError("invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
+                          "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)")
+    global_batch, micro = resolve_global_batch(ds_config, world_size)
+    for ws, where in [(world_size, "the launch world size")] + [
+            (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule]:
+        try:
+            split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
+        except ResizeRefusedError as err:
+            raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
+    if dt_cfg.resize_schedule:
+        zero = ds_config.get("zero_optimization", {}) or {}
+        stage = zero.get("stage", 0)
+        if stage not in (1, 2):
+            raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
+                              f"1 or 2 (online resizing of stage {stage} is not supported yet)")
+        if (ds_config.get("fp16") or {}).get("enabled"):
+            raise ConfigError("invalid DeepSpeed config: dynatrain.resize_schedule with fp16.enabled: the fp16 loss "
+                              "scaler is not moved by a resize yet; use bf16 or fp32")
+        for key in ("offload_optimizer", "offload_param"):
+            dev = (zero.get(key) or {}).get("device", "none")
+            if dev not in (None, "none"):
+                raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule with "
+                                  f"zero_optimization.{key}.device={dev!r}: offloaded state is not moved by a resize")
+    return global_batch, micro
 
 
 def _client_groups(model: torch.nn.Module, optimizer, model_parameters):
@@ -141,16 +179,7 @@ def initialize(args: Any = None,
         world_size, rank, member, generation = ctx.world_size, ctx.rank, ctx.member, ctx.generation
 
     # the launch world size, and every scheduled one, must keep the global batch
-    if ctx is not None and not (ds_config.get("train_batch_size") and ds_config.get("train_micro_batch_size_per_gpu")):
-        raise ConfigError("invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
-                          "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)")
-    global_batch, micro = resolve_global_batch(ds_config, world_size)
-    for ws, where in [(world_size, "the launch world size")] + [
-            (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule]:
-        try:
-            split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
-        except ResizeRefusedError as err:
-            raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
+    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
 
     dt = ElasticState(config=dt_cfg, ds_config=ds_config, global_batch=global_batch, micro_batch=micro,
                       membership=membership, member=member, members=(), generation=generation, backend=backend,
@@ -208,8 +237,11 @@ def _at_thread_shutdown(fn, *args) -> None:
 
 
 def _close_snapshots(engine) -> None:
-    """At exit: let the last snapshot finish and publish (bounded by the collective timeout)."""
+    """At exit: stop joiners that will never be needed; let the last snapshot finish and publish
+    (bounded by the collective timeout)."""
     from .snapshot import SnapshotCheckpointEngine
+    if getattr(engine, "_dt", None) is not None and engine.is_member:
+        engine.cancel_pending_joiners()
     ce = getattr(engine, "checkpoint_engine", None)
     if isinstance(ce, SnapshotCheckpointEngine):
         ce.close()
@@ -227,7 +259,11 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
           lr_scheduler) -> None:
     """Join the running job as a new rank of generation ``ctx.generation``."""
     cfg = dt.config
+    dt.membership.wait_go(ctx.generation, cfg.join_timeout_s)
     rec = dt.membership.read(ctx.generation, cfg.join_timeout_s)
+    if ctx.member not in rec.members:
+        raise NotAMemberError(f"member {ctx.member} is not in generation {rec.generation} "
+                              f"({list(rec.members)}): it was cancelled")
     logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
     dt.membership.form(rec.generation, ctx.rank, rec.world_size, dt.backend, cfg.join_timeout_s)
     own = layout_for_model(list(model.named_parameters()), _client_groups(model, optimizer, model_parameters),

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import torch.distributed as tdist
 
 from .launch_env import LaunchContext, member_id
-from .membership import SPAWN_COUNT, SPAWN_KEY
+from .membership import CANCEL_COUNT, CANCEL_KEY, SPAWN_COUNT, SPAWN_KEY
 from .metrics import logger
 
 POLL_S = 0.05
@@ -54,7 +54,9 @@ class Agent:
         self.workers: Dict[str, subprocess.Popen] = {}
         self.exit_codes: Dict[str, int] = {}
         self._spawns_seen = 0
+        self._cancels_seen = 0
         self._stopping = False
+        self._stop_signal: Optional[int] = None
 
     @property
     def store_port(self) -> int:
@@ -78,6 +80,30 @@ class Agent:
                 self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
                                           int(req["world_size"]), int(rank), joiner=True))
 
+    def _poll_cancels(self) -> None:
+        """Stop joiners whose generation will not be formed; their exit status does not count."""
+        n = int(self.store.add(CANCEL_COUNT, 0))
+        while self._cancels_seen < n:
+            req = json.loads(self.store.get(CANCEL_KEY.format(self._cancels_seen)))
+            self._cancels_seen += 1
+            for member in req["members"]:
+                p = self.workers.pop(member, None)
+                self.exit_codes.pop(member, None)
+                if p is None:
+                    continue
+                logger.info(f"agent: stopping joiner {member}: generation {req['generation']} will not be formed")
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(timeout=GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+        self._stop_all(signal.Signals(signum))
+
     def _stop_all(self, sig=signal.SIGTERM) -> None:
         self._stopping = True
         for p in self.workers.values():
@@ -96,11 +122,11 @@ class Agent:
         first failing worker's status."""
         for r in range(self.nproc):
             self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, self.nproc, r, False))
-        handlers = {s: signal.signal(s, lambda signum, _f: self._stop_all(signal.Signals(signum)))
-                    for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while True:
                 if not self._stopping:
+                    self._poll_cancels()
                     self._poll_spawns()
                 for member, p in list(self.workers.items()):
                     if member in self.exit_codes:
@@ -110,13 +136,20 @@ class Agent:
                         continue
                     self.exit_codes[member] = rc
                     if rc != 0 and not self._stopping:
-                        logger.info(f"agent: worker {member} failed with status {rc}; stopping the job")
+                        self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
+                        if member not in self.workers:
+                            continue
+                        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+                        logger.info(f"agent: worker {member} failed ({why}); stopping the job")
                         self._stop_all()
-                        return rc
+                        return rc if rc > 0 else 128 - rc
                 if len(self.exit_codes) == len(self.workers):
+                    self._poll_cancels()
                     self._poll_spawns()
                     if len(self.exit_codes) == len(self.workers):
-                        return 0 if not self._stopping else 1
+                        if self._stopping:
+                            return 128 + (self._stop_signal or signal.SIGTERM)
+                        return 0
                 time.sleep(POLL_S)
         finally:
             for s, h in handlers.items():
@@ -125,11 +158,15 @@ class Agent:
 
 def launch(script: str, script_args: Sequence[str], nproc: int, config: str, store: Optional[str] = None) -> int:
     """Validate ``config``, then run the job under an :class:`Agent`. Returns the exit status."""
-    from .config import load_ds_config
-    load_ds_config(config)  # refuse a bad config before any process starts
+    from .config import ConfigError, load_ds_config
+    from .initialize import check_elastic_config
+    ds_config, dt_cfg = load_ds_config(config)  # refuse a bad config before any process starts
+    check_elastic_config(ds_config, dt_cfg, nproc, elastic=True)
     host, port = "127.0.0.1", 0
     if store:
         host, _, p = store.rpartition(":")
+        if not host or not p.isdigit() or not 0 <= int(p) < 65536:
+            raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
         port = int(p)
     agent = Agent(script, script_args, nproc, config, host, port)
     logger.info(f"agent: store at {host}:{agent.store_port}, starting {nproc} workers")

@@ -9,8 +9,13 @@ a new one.
 Store keys (JSON values):
 
 * ``dynatrain/gen/<g>``: ``{"generation", "world_size", "members", "step"}``
+* ``dynatrain/gen/<g>/go``: set by rank 0 of the old generation when the members are about to
+  form generation ``g``; joiners started ahead of time wait for it before their rendezvous.
 * ``dynatrain/spawn/count`` (a counter) and ``dynatrain/spawn/<i>``:
   ``{"generation", "world_size", "ranks", "members"}``, processes for the agent to start.
+* ``dynatrain/cancel/count`` and ``dynatrain/cancel/<i>``: ``{"generation", "members"}``,
+  joiners the agent must stop because their generation will not be formed (the job ended first,
+  or another resize took the generation number).
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ from .launch_env import LaunchContext
 GEN_KEY = "dynatrain/gen/{}"
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
+GO_KEY = "dynatrain/gen/{}/go"
+CANCEL_COUNT = "dynatrain/cancel/count"
+CANCEL_KEY = "dynatrain/cancel/{}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,26 @@ class Membership:
         i = self.store.add(SPAWN_COUNT, 1) - 1
         self.store.set(SPAWN_KEY.format(i), json.dumps(
             {"generation": generation, "world_size": world_size, "ranks": list(ranks), "members": list(members)}))
+
+    def cancel_spawn(self, generation: int, members: Sequence[str]) -> None:
+        """Ask the agent to stop the joiners ``members`` started for ``generation``."""
+        i = self.store.add(CANCEL_COUNT, 1) - 1
+        self.store.set(CANCEL_KEY.format(i), json.dumps({"generation": generation, "members": list(members)}))
+
+    def go(self, generation: int) -> None:
+        """Tell joiners waiting for ``generation`` that its members are forming it now."""
+        self.store.set(GO_KEY.format(generation), "1")
+
+    def wait_go(self, generation: int, timeout_s: float) -> None:
+        """Block until :meth:`go` for ``generation``.
+
+        Raises:
+            TransitionAbortedError: not within ``timeout_s``.
+        """
+        try:
+            self.store.wait([GO_KEY.format(generation)], timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise TransitionAbortedError(f"generation {generation} was not formed within {timeout_s:.0f} s") from err
 
     def form(self, generation: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         """Destroy the current default process group (if any) and form the one of ``generation``.

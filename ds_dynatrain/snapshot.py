@@ -35,6 +35,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, List, Optional
@@ -52,6 +53,7 @@ from .metrics import logger
 
 ENGINE_NAME = "DynatrainSnapshotEngine"
 STORE_PREFIX = "dynatrain/snap"
+PRUNABLE_TAG = r"global_step\d+"  # the tags of periodic snapshots; other tags are the user's and are kept
 
 
 class SnapshotWriteError(DynatrainError):
@@ -94,6 +96,7 @@ class _FileJob:
 class _Snapshot:
     info: CheckpointCommitInfo
     key: str                      # store prefix of this snapshot's agreement
+    token: str = ""               # unique name of this attempt's temporary directory
     jobs: List[_FileJob] = field(default_factory=list)
     committed: bool = False
 
@@ -103,7 +106,9 @@ class _Snapshot:
 
     @property
     def tmp_dir(self) -> str:
-        return os.path.join(self.info.save_dir, f"{TMP_PREFIX}{self.info.tag}")
+        # unique per attempt (a random token agreed through the store): a directory left by a
+        # crashed save, of this job or an earlier one, is never reused
+        return os.path.join(self.info.save_dir, f"{TMP_PREFIX}{self.info.tag}-{self.token}")
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
@@ -227,7 +232,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             if snap.info.save_latest:
                 write_atomic(os.path.join(snap.info.save_dir, LATEST), snap.info.tag.encode())
             if self.keep_last is not None:
-                prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag])
+                prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag],
+                                pattern=PRUNABLE_TAG)
             st.set(f"{snap.key}/outcome", "ok")
         except OSError as err:
             st.set(f"{snap.key}/outcome", f"failed: publishing on rank 0: {err}")
@@ -238,7 +244,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._ensure_worker()
         key = f"{STORE_PREFIX}/g{self.generation}/s{self._seq}"
         self._seq += 1
-        self._current = _Snapshot(info, key)
+        if self.rank == 0:
+            self.store.set(f"{key}/token", uuid.uuid4().hex[:12])
+        self.store.wait([f"{key}/token"], timedelta(seconds=self.timeout_s))
+        self._current = _Snapshot(info, key, token=self.store.get(f"{key}/token").decode())
 
     def _redirect(self, path: str) -> str:
         snap = self._current

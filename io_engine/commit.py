@@ -76,14 +76,18 @@ def _step_of(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def prune_snapshots(save_dir: str, keep_last: int, protect: Iterable[str] = ()) -> List[str]:
+def prune_snapshots(save_dir: str, keep_last: int, protect: Iterable[str] = (),
+                    pattern: Optional[str] = None) -> List[str]:
     """Delete complete snapshot directories beyond the newest ``keep_last`` (by trailing step number).
 
-    Hidden temporary directories and the protected tags are never touched. Returns the deleted tags.
+    Only directories whose whole name matches ``pattern`` (a regular expression; None: every
+    directory) are candidates, so tags a user chose (``best``) are never pruned. Hidden temporary
+    directories and the protected tags are never touched. Returns the deleted tags.
     """
     protect = set(protect)
     tags = [d for d in os.listdir(save_dir)
-            if os.path.isdir(os.path.join(save_dir, d)) and not d.startswith(".")]
+            if os.path.isdir(os.path.join(save_dir, d)) and not d.startswith(".")
+            and (pattern is None or re.fullmatch(pattern, d))]
     tags.sort(key=_step_of)
     doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in protect]
     for t in doomed:

@@ -82,3 +82,17 @@ def test_snapshots_committed_and_pruned(main_job):
     # the step-8 snapshot was taken on one rank (world size 1), the step-12 one on two
     assert len(list((d / "global_step8").glob("*optim_states.pt"))) == 1
     assert len(list((d / "global_step12").glob("*optim_states.pt"))) == 2
+
+
+def test_job_ending_before_a_scheduled_grow_finishes(tmp_path):
+    """Joiners started ahead of a grow the job never reaches are stopped; the job ends with 0."""
+    cfg = job_config(tmp_path, "short")
+    cfg["dynatrain"]["resize_schedule"] = [{"step": 6, "world_size": 3}]
+    cfg["dynatrain"]["spawn_lookahead_steps"] = 3
+    job = launch(tmp_path, SCRIPT, 2, cfg, ["--steps", "4", "--layers", "1", "--hidden", "64", "--seq-len", "32"],
+                 timeout=180, name="short")
+    assert job.returncode == 0, job.output[-4000:]
+    assert "agent: starting joiner g1r2" in job.output
+    assert "agent: stopping joiner g1r2: generation 1 will not be formed" in job.output
+    steps = [r for r in read_jsonl(tmp_path / "short.jsonl") if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -33,9 +33,21 @@ def test_write_error_keeps_previous_snapshot_loadable(tmp_path):
     assert r["steps"][2] == 2
 
 
-def test_unknown_config_key_refused_before_any_process_starts(tmp_path):
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
-           "dynatrain": {"snapshot": {"intervall_steps": 5}}}
+@pytest.mark.parametrize("section, zero, fp16, message", [
+    ({"snapshot": {"intervall_steps": 5}}, 2, False, "dynatrain.snapshot.intervall_steps: unknown key"),
+    ({"resize_schedule": [{"step": 3, "world_size": 0}]}, 2, False, "dynatrain.resize_schedule.0.world_size"),
+    ({"resize_schedule": [{"step": 3, "world_size": 3}]}, 2, False,
+     "resize_schedule (step 3): world size 3 refused: the global batch train_batch_size=4 is not divisible"),
+    ({"resize_schedule": [{"step": 3, "world_size": 4}], "max_world_size": 2}, 2, False,
+     "world size 4 refused: above max_world_size=2"),
+    ({"resize_schedule": [{"step": 3, "world_size": 1}]}, 3, False, "needs zero_optimization.stage 1 or 2"),
+    ({"resize_schedule": [{"step": 3, "world_size": 1}]}, 2, True, "fp16 loss scaler is not moved"),
+])
+def test_bad_config_refused_before_any_process_starts(tmp_path, section, zero, fp16, message):
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": zero},
+           "dynatrain": section}
+    if fp16:
+        cfg["fp16"] = {"enabled": True}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(cfg))
     marker = tmp_path / "started"
@@ -43,6 +55,32 @@ def test_unknown_config_key_refused_before_any_process_starts(tmp_path):
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
     p = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", str(path),
                         str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 2
-    assert "dynatrain.snapshot.intervall_steps: unknown key" in p.stderr
+    assert p.returncode == 2, p.stderr
+    assert message in p.stderr
     assert not marker.exists()
+
+
+def test_prune_keeps_user_tags_and_temporary_directories(tmp_path):
+    from io_engine import prune_snapshots
+    from ds_dynatrain.snapshot import PRUNABLE_TAG
+    for d in ["best", "global_step10", "global_step20", "global_step30", ".tmp-global_step40-g0s3"]:
+        (tmp_path / d).mkdir()
+    deleted = prune_snapshots(str(tmp_path), 2, protect=["global_step30"], pattern=PRUNABLE_TAG)
+    assert deleted == ["global_step10"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".tmp-global_step40-g0s3", "best", "global_step20",
+                                                          "global_step30"]
+
+
+def test_stale_temporary_directory_is_never_published(tmp_path):
+    """A temporary directory left by a crashed save (same tag) must not leak into a snapshot."""
+    from workers.common import base_config
+    stale = tmp_path / "snapshots" / ".tmp-global_step2"
+    stale.mkdir(parents=True)
+    (stale / "zero_pp_rank_5_mp_rank_00_optim_states.pt").write_bytes(b"stale")
+    job = launch(tmp_path, os.path.join(WORKERS, "snapshot_worker.py"), 2, base_config(2), [str(tmp_path)],
+                 timeout=180, name="snapshot")
+    assert job.returncode == 0, job.output[-5000:]
+    published = sorted(x.name for x in (tmp_path / "snapshots" / "global_step2").iterdir())
+    assert "zero_pp_rank_5_mp_rank_00_optim_states.pt" not in published
+    assert published == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
