@@ -25,7 +25,11 @@ def _cmd_launch(a) -> int:
 
 def _cmd_plot(a) -> int:
     from .plot import plot_losses
-    plot_losses(a.metrics, a.out, static_path=a.static, title=a.title)
+    try:
+        plot_losses(a.metrics, a.out, static_path=a.static, title=a.title)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"dynatrain plot: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {a.out}")
     return 0
 
