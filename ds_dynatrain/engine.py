@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -113,6 +114,37 @@ def construct(engine: "ElasticEngine", dt: ElasticState, model, optimizer, model
         store_address=store_address(dt), rank=tdist.get_rank(), world_size=tdist.get_world_size(), generation=dt.generation,
         keep_last=snap.keep_last, timeout_s=dt.config.collective_timeout_s, cache_bytes=snap.host_cache_mib << 20,
         asynchronous=snap.asynchronous)
+    engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
+
+
+class VPSAttributes:
+    """Footer attributes of the ZeRO partition tensors of a DeepSpeed checkpoint dict: which VPS
+    fragments (parameter key, start and length in the parameter, offset in the partition; elements)
+    each byte range holds, so a snapshot can be read by another layout.
+
+    Paths (``DeepSpeedZeroOptimizer.state_dict``, deepspeed/runtime/zero/stage_1_and_2.py):
+    ``optimizer_state_dict/single_partition_of_fp32_groups/<g>`` (fp32 master) and
+    ``optimizer_state_dict/base_optimizer_state[/state]/<g>/<state>`` (Adam moments; the torch
+    optimizer's ``step`` is a scalar and gets none).
+    """
+
+    PATTERN = re.compile(r"optimizer_state_dict/(?:single_partition_of_fp32_groups/(\d+)|"
+                         r"base_optimizer_state/(?:state/)?(\d+)/(\w+))")
+
+    def __init__(self, layout: ZeroLayout, rank: int):
+        self.layout, self.rank = layout, rank
+        self._by_group = {}
+        for f in layout.fragments(rank):
+            self._by_group.setdefault(f.group, []).append([f.key, f.start, f.numel, f.local])
+
+    def __call__(self, path: str) -> dict:
+        m = self.PATTERN.fullmatch(path)
+        if m is None or m.group(3) == "step":
+            return {}
+        g = int(m.group(1) if m.group(1) is not None else m.group(2))
+        return {"vps": {"kind": "fp32" if m.group(1) is not None else m.group(3), "group": g, "rank": self.rank,
+                        "world_size": self.layout.world_size, "stage": self.layout.stage,
+                        "fragments": self._by_group.get(g, [])}}
 
 
 def store_address(dt: ElasticState) -> Tuple[str, int]:

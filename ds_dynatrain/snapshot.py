@@ -147,6 +147,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._thread: Optional[threading.Thread] = None
         self._closed = False
         self.stats = {"capture_wait_s": 0.0, "persist_s": 0.0, "bytes": 0}
+        # path in the saved dict -> footer attributes of that tensor (the VPS coordinates of ZeRO
+        # partitions, set by the elastic engine); None: none
+        self.tensor_attrs = None
 
     @property
     def store(self):
@@ -265,7 +268,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def save(self, state_dict, path: str):
         if self._current is None:
             raise DynatrainError("SnapshotCheckpointEngine.save called outside create/commit")
-        job = _FileJob(self._redirect(path), DictStateProvider(state_dict))
+        job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
         self._current.jobs.append(job)
         if self.asynchronous:
             self._queue.put(("file", job))

@@ -89,8 +89,10 @@ class DictStateProvider:
 
     Args:
         state: the nested dict.
-        tensor_attrs: optional ``path -> attrs`` for tensors, where path is the key path in the
-            dict (``"optimizer_state_dict/single_partition_of_fp32_groups/0"``).
+        tensor_attrs: optional attributes for tensors, a mapping ``path -> attrs`` or a callable
+            ``path -> attrs``, where path is the key path in the dict
+            (``"optimizer_state_dict/single_partition_of_fp32_groups/0"``); the elastic engine
+            uses it to attach each ZeRO partition's VPS fragments.
 
     Raises:
         UnrepresentableError: a value cannot be represented (names its key path).
@@ -101,13 +103,18 @@ class DictStateProvider:
         self._payload = payload
         self._tensors = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         self._paths = list(tensors.paths)
-        self._tensor_attrs = dict(tensor_attrs or {})
+        if tensor_attrs is None:
+            self._attrs_of = lambda path: {}
+        elif callable(tensor_attrs):
+            self._attrs_of = tensor_attrs
+        else:
+            self._attrs_of = lambda path, m=dict(tensor_attrs): m.get(path, {})
 
     def items(self) -> Iterator[Item]:
         yield ObjectItem(SKELETON, self._payload)
         for i, t in enumerate(self._tensors):
             path = self._paths[i]
-            yield TensorItem(f"t/{i}", t, {"path": path, **self._tensor_attrs.get(path, {})})
+            yield TensorItem(f"t/{i}", t, {"path": path, **(self._attrs_of(path) or {})})
 
     @staticmethod
     def rebuild(items: Mapping[str, Any]) -> Any:

@@ -31,6 +31,22 @@ def test_write_error_keeps_previous_snapshot_loadable(tmp_path):
     assert r["state_equal"] is True
     assert r["steps"][0] == r["steps"][1]
     assert r["steps"][2] == 2
+    # the footers carry the VPS fragments of every ZeRO partition (what another layout reads by)
+    import torch
+    from io_engine import read_footer
+    from ds_dynatrain.bridge import layout_for_model
+    from workers.common import TinyLM
+    model = TinyLM()
+    layout = layout_for_model(list(model.named_parameters()), [list(model.parameters())], 2, base_config(2),
+                              torch.float32)
+    for rank in (0, 1):
+        footer = read_footer(str(tmp_path / "snapshots" / "global_step2" /
+                                 f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        vps = {m.attrs["vps"]["kind"]: m.attrs["vps"] for m in footer.items if "vps" in m.attrs}
+        assert set(vps) == {"fp32", "exp_avg", "exp_avg_sq"}
+        expected = [[f.key, f.start, f.numel, f.local] for f in layout.fragments(rank)]
+        for v in vps.values():
+            assert v["fragments"] == expected and v["rank"] == rank and v["world_size"] == 2
 
 
 @pytest.mark.parametrize("section, zero, fp16, message", [
