@@ -1,0 +1,91 @@
+"""Snapshot cost: our asynchronous engine beside DeepSpeed's default engine and PyTorch DCP.
+
+    python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR]
+
+One run: a Llama-shaped model (about 100 M parameters at the defaults; byte vocabulary), ZeRO-2,
+2 ranks on this machine, a snapshot every ``--every`` steps, once per engine:
+
+* ``dynatrain``: ds_dynatrain's asynchronous engine (lazy capture, io_uring + O_DIRECT flush);
+* ``torch``: DeepSpeed's default ``TorchCheckpointEngine`` (``torch.save``, blocking);
+* ``dcp``: ``torch.distributed.checkpoint.async_save`` of each rank's module and optimizer state.
+
+Printed per engine: the stall of the training loop per snapshot (time the loop is held: the
+``save`` call plus any wait before the next optimizer step), the plain step time, the flush
+throughput of one snapshot, and the device bound measured in the same run (O_DIRECT sequential
+write of the same size into the same directory, ``benchmarks.io_bound``). ``--json`` prints one
+object per engine with ``engine, stall_s, step_s, flush_gbps, bound_gbps``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_engine(engine: str, a, workdir: str) -> dict:
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
+           "dynatrain": {"snapshot": {"host_cache_mib": 256}, "log_interval_steps": 10**6}}
+    cfg_path = os.path.join(workdir, "config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    out = os.path.join(workdir, f"{engine}.json")
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", cfg_path,
+           os.path.join(ROOT, "benchmarks", "snapshot_worker.py"), "--engine", engine, "--hidden", str(a.hidden),
+           "--layers", str(a.layers), "--steps", str(a.steps), "--every", str(a.every), "--dir", a.dir,
+           "--out", out]
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        sys.exit(f"benchmark job for {engine} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dynatrain-snapshot-bench"))
+    ap.add_argument("--engines", default="dynatrain,torch,dcp")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.dir, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as work:
+        for e in a.engines.split(","):
+            results.append(run_engine(e, a, work))
+    from benchmarks.io_bound import run as io_run
+    size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
+    bound = io_run(size_mib, a.dir, 1, 32, 8, 64)["results"]["device_bound_odirect_uring"]["gib_per_s"] * 1.073741824
+    torch_stall = next((r["stall_s"] for r in results if r["engine"] == "torch"), None)
+    for r in results:
+        r["bound_gbps"] = bound
+        r["stall_vs_torch"] = r["stall_s"] / torch_stall if torch_stall else None
+        r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
+    if a.json:
+        for r in results:
+            print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
+        return 0
+    print(f"model: {results[0]['params'] / 1e6:.0f} M parameters, ZeRO-2, 2 ranks, snapshot every {a.every} steps, "
+          f"{results[0]['snapshot_bytes'] / 2**20:.0f} MiB per snapshot, dir {a.dir}")
+    print(f"{'engine':<10} {'stall/snapshot':>15} {'step':>8} {'step w/ snap':>13} {'flush':>11} {'bound':>11} "
+          f"{'stall/torch':>12} {'flush/bound':>12}")
+    for r in results:
+        print(f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['step_s']:>6.2f} s {r['step_with_snapshot_s']:>11.2f} s "
+              f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {r['stall_vs_torch']:>12.3f} "
+              f"{r['flush_vs_bound']:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
