@@ -12,8 +12,9 @@ One run: a Llama-shaped model (about 100 M parameters at the defaults; byte voca
 Printed per engine: the stall of the training loop per snapshot (time the loop is held: the
 ``save`` call plus any wait before the next optimizer step), the plain step time, the flush
 throughput of one snapshot, and the device bound measured in the same run (O_DIRECT sequential
-write of the same size into the same directory, ``benchmarks.io_bound``). ``--json`` prints one
-object per engine with ``engine, stall_s, step_s, flush_gbps, bound_gbps``.
+write of the same size into the same directory, ``benchmarks.io_bound``), and the slowdown of the
+mean iteration (snapshot steps included) against a run without snapshots. ``--json`` prints one
+object per engine with ``engine, stall_s, step_s, iter_s, slowdown, flush_gbps, bound_gbps``.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dynatrain-snapshot-bench"))
-    ap.add_argument("--engines", default="dynatrain,torch,dcp")
+    ap.add_argument("--engines", default="none,dynatrain,torch,dcp", help="'none': no snapshots (the baseline)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     os.makedirs(a.dir, exist_ok=True)
@@ -65,6 +66,8 @@ def main(argv=None) -> int:
         for e in a.engines.split(","):
             results.append(run_engine(e, a, work))
     from benchmarks.io_bound import run as io_run
+    base = next((r for r in results if r["engine"] == "none"), None)
+    results = [r for r in results if r["engine"] != "none"]
     size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
     bound = io_run(size_mib, a.dir, 1, 32, 8, 64)["results"]["device_bound_odirect_uring"]["gib_per_s"] * 1.073741824
     torch_stall = next((r["stall_s"] for r in results if r["engine"] == "torch"), None)
@@ -72,16 +75,21 @@ def main(argv=None) -> int:
         r["bound_gbps"] = bound
         r["stall_vs_torch"] = r["stall_s"] / torch_stall if torch_stall else None
         r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
+        r["baseline_iter_s"] = base["iter_s"] if base else None
+        r["slowdown"] = r["iter_s"] / base["iter_s"] - 1 if base else None
     if a.json:
         for r in results:
             print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
         return 0
     print(f"model: {results[0]['params'] / 1e6:.0f} M parameters, ZeRO-2, 2 ranks, snapshot every {a.every} steps, "
           f"{results[0]['snapshot_bytes'] / 2**20:.0f} MiB per snapshot, dir {a.dir}")
-    print(f"{'engine':<10} {'stall/snapshot':>15} {'step':>8} {'step w/ snap':>13} {'flush':>11} {'bound':>11} "
+    if base:
+        print(f"baseline (no snapshots): {base['iter_s']:.2f} s per iteration")
+    print(f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
           f"{'stall/torch':>12} {'flush/bound':>12}")
     for r in results:
-        print(f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['step_s']:>6.2f} s {r['step_with_snapshot_s']:>11.2f} s "
+        slow = f"{100 * r['slowdown']:>8.1f}%" if r["slowdown"] is not None else f"{'-':>9}"
+        print(f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
               f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {r['stall_vs_torch']:>12.3f} "
               f"{r['flush_vs_bound']:>12.2f}")
     return 0

@@ -29,7 +29,7 @@ def dir_bytes(path: str) -> int:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--engine", choices=["dynatrain", "torch", "dcp"], required=True)
+    p.add_argument("--engine", choices=["none", "dynatrain", "torch", "dcp"], required=True)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=128)
@@ -75,7 +75,7 @@ def main():
         step()
         if a.engine == "dynatrain":
             stall += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
-        snap = i >= a.warmup and (i - a.warmup) % a.every == 0
+        snap = a.engine != "none" and i >= a.warmup and (i - a.warmup) % a.every == 0
         if snap:
             s0 = time.perf_counter()
             tag = f"global_step{engine.global_steps}"
@@ -106,7 +106,9 @@ def main():
     torch.distributed.barrier()
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []
     snap_bytes = dir_bytes(os.path.join(save_dir, tags[-1])) if tags else 0
-    if a.engine == "dynatrain":
+    if a.engine == "none":
+        persist, flush_gbps, stalls = 0.0, 0.0, [0.0]
+    elif a.engine == "dynatrain":
         persist = ce.stats["persist_s"] / max(1, len(stalls))  # this rank's files, seconds per snapshot
         flush_gbps = snap_bytes / 2 / persist / 1e9 * 2 if persist else 0.0
     elif a.engine == "torch":
@@ -119,7 +121,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump({"engine": a.engine, "stall_s": statistics.median(stalls), "stalls": stalls,
                        "step_s": statistics.median(plain) if plain else None,
-                       "step_with_snapshot_s": statistics.median(with_snap), "snapshot_bytes": snap_bytes,
+                       "step_with_snapshot_s": statistics.median(with_snap) if with_snap else None,
+                       "iter_s": statistics.mean(plain + with_snap), "snapshot_bytes": snap_bytes,
                        "persist_s": persist, "flush_gbps": flush_gbps, "every": a.every,
                        "params": sum(q.numel() for q in model.parameters())}, f)
     return 0

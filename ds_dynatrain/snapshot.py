@@ -66,16 +66,36 @@ def _safe_globals() -> list:
     return list(allowed_classes().values())
 
 
-def _write_items(provider: DictStateProvider):
+_SIDE_STREAMS = {}
+
+
+def _to_host(t: torch.Tensor, ready) -> torch.Tensor:
+    """Bytes of a device tensor in pinned host memory, copied on a side stream that first waits
+    for ``ready`` (an event recorded on the training stream when ``save`` was called), so the
+    copy overlaps compute and sees the state of the moment of ``save``."""
+    stream = _SIDE_STREAMS.get(t.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(device=t.device)
+    src = t.reshape(-1).view(torch.uint8)
+    host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        host.copy_(src, non_blocking=True)
+    stream.synchronize()
+    return host
+
+
+def _write_items(provider: DictStateProvider, ready=None):
     """``io_engine`` write items for a provider's items: tensors as uint8 numpy views (no copy on
-    CPU), objects as bytes."""
+    CPU; device tensors staged through pinned memory on a side stream), objects as bytes."""
     from io_engine import WriteItem
     out = []
     for it in provider.items():
         if isinstance(it, TensorItem):
             t = it.tensor
-            data = t.reshape(-1).view(torch.uint8).numpy() if t.device.type == "cpu" else t
-            out.append(WriteItem(it.key, data, "tensor", dict(it.attrs), it.dtype, it.shape))
+            host = t.reshape(-1).view(torch.uint8) if t.device.type == "cpu" else _to_host(t, ready)
+            out.append(WriteItem(it.key, host.numpy(), "tensor", dict(it.attrs), it.dtype, it.shape))
         else:
             out.append(WriteItem(it.key, it.payload, "object", dict(it.attrs)))
     return out
@@ -88,6 +108,7 @@ class _FileJob:
     captured: threading.Event = field(default_factory=threading.Event)
     persisted: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
+    ready: Any = None             # a CUDA event recorded at save time when the state is on a GPU
     seconds: float = 0.0
     nbytes: int = 0
 
@@ -191,7 +212,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         try:
             os.makedirs(os.path.dirname(job.path), exist_ok=True)
-            res = self._writer.write(job.path, _write_items(job.provider), on_captured=job.captured.set,
+            res = self._writer.write(job.path, _write_items(job.provider, job.ready), on_captured=job.captured.set,
                                      file_attrs={"producer": "ds_dynatrain", "rank": self.rank,
                                                  "world_size": self.world_size})
             job.nbytes = res.layout.file_size
@@ -269,6 +290,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self._current is None:
             raise DynatrainError("SnapshotCheckpointEngine.save called outside create/commit")
         job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
+        if torch.cuda.is_available():
+            job.ready = torch.cuda.Event()
+            job.ready.record()
         self._current.jobs.append(job)
         if self.asynchronous:
             self._queue.put(("file", job))
