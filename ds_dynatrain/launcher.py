@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch.distributed as tdist
 

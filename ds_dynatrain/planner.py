@@ -18,7 +18,6 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from .errors import LayoutMismatchError
 from .layout import ZeroLayout
 
 PLAN_FORMAT_VERSION = 1

@@ -46,7 +46,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from io_engine import LATEST, TMP_PREFIX, prune_snapshots, publish_dir, read_latest, write_atomic
 from io_engine.errors import IOEngineError
 from io_engine.format import MAGIC as _FORMAT_MAGIC
-from state_providers import DictStateProvider, ObjectItem, TensorItem
+from state_providers import DictStateProvider, TensorItem
 
 from .errors import DynatrainError
 from .metrics import logger

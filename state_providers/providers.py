@@ -13,7 +13,7 @@ Protocol (call order): ``items()`` any number of times while the state is unchan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 

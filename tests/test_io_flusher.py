@@ -14,19 +14,14 @@ import time
 import numpy as np
 import pytest
 
+from faults import SMALL, uring_available, FaultQueue, faulty, refuse_direct_open, refuse_uring
+
 from io_engine import (BackendUnavailableError, Flusher, HostCache, IOConfig, IOTimeoutError,
                        ShortWriteError, SnapshotFileWriter, StorageWriteError, read_snapshot_file)
 from io_engine.ioqueue import UringQueue, default_queue_factory
 
-SMALL = dict(chunk_bytes=16 << 10, queue_depth=4)      # many chunks, real back-pressure
 
 
-def _uring_ok():
-    try:
-        UringQueue(2).close()
-        return True
-    except OSError:
-        return False
 
 
 def _direct_ok(d):
@@ -37,7 +32,7 @@ def _direct_ok(d):
         return False
 
 
-needs_uring = pytest.mark.skipif(not _uring_ok(), reason="io_uring refused on this machine")
+needs_uring = pytest.mark.skipif(not uring_available(), reason="io_uring refused on this machine")
 
 
 @pytest.fixture
@@ -59,56 +54,6 @@ def fallback_log():
 
 
 # --- injected refusals and faults --------------------------------------------------------------
-
-def refuse_uring(kind, depth):
-    """INJECTED: the kernel refuses io_uring at queue init, as under seccomp or an old kernel."""
-    if kind == "io_uring":
-        raise OSError(errno.ENOSYS, "injected: io_uring_queue_init refused")
-    return default_queue_factory(kind, depth)
-
-
-def refuse_direct_open(path, flags, mode):
-    """INJECTED: the file system refuses O_DIRECT at open (EINVAL), as some FUSE/NFS mounts do."""
-    if flags & os.O_DIRECT:
-        raise OSError(errno.EINVAL, "injected: O_DIRECT refused")
-    return os.open(path, flags, mode)
-
-
-class FaultQueue:
-    """INJECTED: wraps a real queue; chosen writes complete with ``result(view)`` instead of
-    reaching the file (``-ENOSPC``, a short count, or ``-EINVAL`` for O_DIRECT fds)."""
-
-    def __init__(self, inner, should_fail, result):
-        self.inner, self.should_fail, self.result = inner, should_fail, result
-        self.kind, self.fake, self.injected = inner.kind, [], 0
-
-    def submit_write(self, fd, view, offset, token):
-        if self.should_fail(fd, offset):
-            self.injected += 1
-            self.fake.append((token, self.result(view)))
-        else:
-            self.inner.submit_write(fd, view, offset, token)
-
-    def submit_read(self, fd, view, offset, token):
-        self.inner.submit_read(fd, view, offset, token)
-
-    def wait(self, timeout):
-        if self.fake:
-            out, self.fake = self.fake, []
-            return out
-        return self.inner.wait(timeout)
-
-    def close(self):
-        self.inner.close()
-
-
-def faulty(should_fail, result, seen):
-    def factory(kind, depth):
-        q = FaultQueue(default_queue_factory(kind, depth), should_fail, result)
-        seen.append(q)
-        return q
-    return factory
-
 
 def is_direct(fd):
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)

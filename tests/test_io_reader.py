@@ -7,23 +7,18 @@ import os
 import numpy as np
 import pytest
 
+from faults import SMALL, uring_available, faulty, refuse_direct_open, refuse_uring
+
 from io_engine import (FileReader, IOBackend, IOConfig, StorageReadError, read_ranges,
                        read_snapshot_file, write_snapshot_file)
-from io_engine.ioqueue import UringQueue, default_queue_factory
+
 
 ODD = (0, 1, 511, 512, 513, 4095, 4096, 4097)
-SMALL = dict(chunk_bytes=16 << 10, queue_depth=4)
 
 
-def _uring_ok():
-    try:
-        UringQueue(2).close()
-        return True
-    except OSError:
-        return False
 
 
-ENGINES = [pytest.param("io_uring", marks=pytest.mark.skipif(not _uring_ok(),
+ENGINES = [pytest.param("io_uring", marks=pytest.mark.skipif(not uring_available(),
                                                              reason="io_uring refused here")),
            "threads"]
 
@@ -57,7 +52,7 @@ def test_odd_sizes_roundtrip_exactly(odd_file, engine, direct):
 def test_reader_uses_o_direct_and_io_uring_when_available(odd_file):
     path, _, _ = odd_file
     with FileReader(path) as r:
-        assert r.engine == ("io_uring" if _uring_ok() else "threads")
+        assert r.engine == ("io_uring" if uring_available() else "threads")
         r.read_items()
         # O_DIRECT unless the file system refuses it (then the fallback was logged)
         assert r.direct or r.backend.fallbacks
@@ -102,17 +97,8 @@ def test_reader_falls_back_when_refused(odd_file):
     """INJECTED: io_uring refused at queue init and O_DIRECT refused at open."""
     path, arrays, _ = odd_file
 
-    def refuse_uring(kind, depth):
-        if kind == "io_uring":
-            raise OSError(errno.EPERM, "injected: io_uring disabled")
-        return default_queue_factory(kind, depth)
-
-    def refuse_direct(p, flags, mode):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "injected: O_DIRECT refused")
-        return os.open(p, flags, mode)
-
-    backend = IOBackend(IOConfig(**SMALL), queue_factory=refuse_uring, opener=refuse_direct)
+    backend = IOBackend(IOConfig(**SMALL), queue_factory=lambda k, d: refuse_uring(k, d, errno.EPERM),
+                        opener=refuse_direct_open)
     got = read_snapshot_file(path, backend=backend)
     assert bytes(got["u8_4097"][0]) == arrays["u8_4097"].tobytes()
     with FileReader(path, backend=backend) as r:
@@ -125,27 +111,9 @@ def test_reader_direct_refused_on_first_read_retries_buffered(odd_file):
     """INJECTED: reads on an O_DIRECT descriptor complete with EINVAL (as on some file systems)."""
     path, arrays, _ = odd_file
 
-    class RefuseDirectReads:
-        def __init__(self, inner):
-            self.inner, self.kind, self.fake = inner, inner.kind, []
-
-        def submit_read(self, fd, view, offset, token):
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-                self.fake.append((token, -errno.EINVAL))
-            else:
-                self.inner.submit_read(fd, view, offset, token)
-
-        def wait(self, timeout):
-            if self.fake:
-                out, self.fake = self.fake, []
-                return out
-            return self.inner.wait(timeout)
-
-        def close(self):
-            self.inner.close()
-
-    backend = IOBackend(IOConfig(**SMALL),
-                        queue_factory=lambda k, d: RefuseDirectReads(default_queue_factory(k, d)))
+    backend = IOBackend(IOConfig(**SMALL), queue_factory=faulty(
+        lambda fd, off: False, lambda view: -errno.EINVAL, [],
+        should_fail_read=lambda fd, off: bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
     with FileReader(path, backend=backend) as r:
         views = r.read_items()
         assert r.direct is False

@@ -22,31 +22,6 @@ from ds_dynatrain.snapshot import SnapshotWriteError  # noqa: E402
 from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
 
 
-class FaultQueue:
-    """INJECTED: a real io queue whose writes at offsets >= 8 KiB complete with -ENOSPC."""
-
-    def __init__(self, inner):
-        self.inner, self.kind, self.fake = inner, inner.kind, []
-
-    def submit_write(self, fd, view, offset, token):
-        if offset >= 8192:
-            self.fake.append((token, -errno.ENOSPC))
-        else:
-            self.inner.submit_write(fd, view, offset, token)
-
-    def submit_read(self, fd, view, offset, token):
-        self.inner.submit_read(fd, view, offset, token)
-
-    def wait(self, timeout):
-        if self.fake:
-            out, self.fake = self.fake, []
-            return out
-        return self.inner.wait(timeout)
-
-    def close(self):
-        self.inner.close()
-
-
 def main():
     out, cfg_path = sys.argv[1], sys.argv[sys.argv.index("--deepspeed_config") + 1]
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -72,9 +47,9 @@ def main():
     real_writer = ce._writer
     if engine.global_rank == 1:
         from io_engine import Flusher, IOConfig, SnapshotFileWriter
-        from io_engine.ioqueue import default_queue_factory
-        ce._writer = SnapshotFileWriter(flusher=Flusher(IOConfig(), queue_factory=lambda kind, depth: FaultQueue(
-            default_queue_factory(kind, depth))))
+        from tests.faults import faulty
+        ce._writer = SnapshotFileWriter(flusher=Flusher(IOConfig(), queue_factory=faulty(
+            lambda fd, offset: offset >= 8192, lambda view: -errno.ENOSPC, [])))
     engine.save_checkpoint(snap)  # returns at once: the write fails in the background
     try:
         ce.wait()
