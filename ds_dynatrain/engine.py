@@ -278,8 +278,11 @@ class ElasticEngine(DeepSpeedEngine):
     def _after_optimizer_step(self):
         dt = self._dt
         step = self.global_steps
-        totals = torch.tensor([dt.loss_sum, float(dt.loss_count)], dtype=torch.float64)
+        # on the accelerator: NCCL reduces device tensors only
+        totals = torch.tensor([dt.loss_sum, float(dt.loss_count)], dtype=torch.float64,
+                              device=get_accelerator().current_device_name())
         tdist.all_reduce(totals)
+        totals = totals.cpu()
         dt.loss_sum, dt.loss_count = 0.0, 0
         loss = float(totals[0] / max(totals[1], 1.0))
         lr = float(self.get_lr()[0]) if self.get_lr() else float("nan")
