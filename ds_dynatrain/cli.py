@@ -3,6 +3,7 @@
 ::
 
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
+    dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
 """
 from __future__ import annotations
@@ -34,6 +35,17 @@ def _cmd_plot(a) -> int:
     return 0
 
 
+def _cmd_plan(a) -> int:
+    from .plan_cli import plan_report, print_report
+    try:
+        rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, a.dtype, a.assignment)
+    except ConfigError as err:
+        print(f"dynatrain plan: {err}", file=sys.stderr)
+        return 2
+    print_report(rep, a.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
                                 "and resilience snapshots.")
@@ -46,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("script", help="training script; it receives its arguments plus --deepspeed_config CONFIG")
     lp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     lp.set_defaults(func=_cmd_launch)
+
+    qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
+    qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
+    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1 or 2)")
+    qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
+    qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
+    qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="working dtype of the parameters")
+    qp.add_argument("--assignment", default="best", choices=["best", "keep"],
+                    help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r")
+    qp.add_argument("--json", action="store_true", help="one JSON object")
+    qp.set_defaults(func=_cmd_plan)
 
     pp = sub.add_parser("plot", help="plot loss against step with the resizes marked")
     pp.add_argument("metrics", help="metrics JSON-lines file of the elastic run")

@@ -186,3 +186,50 @@ def assign_members(old_members: Sequence[str], new_world_size: int, joiner_ids: 
         raise ValueError(f"{len(stay)} staying ranks and {len(joiner_ids)} joiners do not make world size "
                          f"{new_world_size}")
     return tuple(stay) + tuple(joiner_ids)
+
+
+def overlap_matrix(old: ZeroLayout, new: ZeroLayout):
+    """``K[i, j]``: elements old rank ``i`` holds that new rank ``j`` needs (int64, shape
+    ``(old.world_size, new.world_size)``): what stays in place if process ``i`` becomes rank ``j``."""
+    import numpy as np
+    ids_old = tuple(f"o{i}" for i in range(old.world_size))
+    ids_new = tuple(f"n{j}" for j in range(new.world_size))
+    k = np.zeros((old.world_size, new.world_size), dtype=np.int64)
+    for t in plan_transition(old, new, ids_old, ids_new).transfers:
+        k[t.src, t.dst] += t.numel
+    return k
+
+
+def assign_members_best(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str], joiner_ids: Sequence[str],
+                        must_leave: Sequence[str] = ()) -> Tuple[str, ...]:
+    """The rank assignment that keeps the most elements in place (DynaTrain: an assignment
+    problem over the overlaps of old and new regions).
+
+    Each new rank is taken by one staying process or one joiner; processes in ``must_leave``
+    (preempted) never stay. Solved with ``scipy.optimize.linear_sum_assignment`` (Hungarian
+    method, deterministic for the same input) on :func:`overlap_matrix`.
+
+    Raises:
+        ValueError: the staying processes plus joiners cannot fill the new world exactly.
+    """
+    import numpy as np
+    from scipy.optimize import linear_sum_assignment
+    leave = set(must_leave)
+    candidates = [i for i, m in enumerate(old_members) if m not in leave]
+    n_new = new.world_size
+    staying = min(len(candidates), n_new)
+    if staying + len(joiner_ids) != n_new:
+        raise ValueError(f"{staying} staying processes and {len(joiner_ids)} joiners do not make world size {n_new}")
+    k = overlap_matrix(old, new)[candidates]
+    rows, cols = linear_sum_assignment(k, maximize=True)
+    if len(rows) > staying:  # more columns than rows cannot happen; keep the best ``staying``
+        order = np.argsort(-k[rows, cols], kind="stable")[:staying]
+        rows, cols = rows[order], cols[order]
+    out: list = [None] * n_new
+    for r, c in zip(rows, cols):
+        out[int(c)] = old_members[candidates[int(r)]]
+    joiners = iter(joiner_ids)
+    for j in range(n_new):
+        if out[j] is None:
+            out[j] = next(joiners)
+    return tuple(out)

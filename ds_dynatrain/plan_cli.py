@@ -1,0 +1,89 @@
+"""``dynatrain plan``: the transition plan of a Hugging Face model between two world sizes, from
+metadata alone (the model is built on the meta device; no process starts, no memory is used)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from .errors import ConfigError
+from .layout import ParamMeta, ZeroLayout
+from .planner import assign_members, assign_members_best, plan_transition
+
+# fp32 master + Adam exp_avg + exp_avg_sq, bytes per element moved by a resize
+STATE_BYTES_PER_ELEMENT = 12
+
+
+def model_layout(model_config: str, world_size: int, stage: int, dtype: str) -> ZeroLayout:
+    """The ZeRO layout of the causal LM described by a Hugging Face config file (one group).
+
+    Raises:
+        ConfigError: unreadable config, or a ZeRO stage the planner does not cover.
+    """
+    if stage not in (1, 2):
+        raise ConfigError(f"--zero-stage {stage}: layouts of ZeRO stages 1 and 2 are implemented; stage 3 is not yet")
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:  # pragma: no cover - the examples extra
+        raise ConfigError(f"dynatrain plan needs transformers (pip install 'ds_dynatrain[examples]'): {err}")
+    try:
+        cfg = AutoConfig.from_pretrained(model_config)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--model-config {model_config!r}: {err}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    metas = tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
+    return ZeroLayout(world_size, (metas,), stage=stage)
+
+
+def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16",
+                assignment: str = "best") -> dict:
+    """Per-rank and total bytes of the transition (state: fp32 master and two Adam moments)."""
+    if old_ws < 1 or new_ws < 1:
+        raise ConfigError("--from and --to must be >= 1")
+    old = model_layout(model_config, old_ws, stage, dtype)
+    t0 = time.perf_counter()
+    new = old.with_world_size(new_ws)
+    members = [f"m{i}" for i in range(old_ws)]
+    joiners = [f"j{i}" for i in range(max(0, new_ws - old_ws))]
+    if assignment == "best":
+        new_members = assign_members_best(old, new, members, joiners)
+    else:
+        new_members = assign_members(members, new_ws, joiners)
+    plan = plan_transition(old, new, members, new_members)
+    seconds = time.perf_counter() - t0
+    b = STATE_BYTES_PER_ELEMENT
+    ranks = []
+    for r, m in enumerate(new_members):
+        recv = sum(t.numel for ts in plan.receives_of(m).values() for t in ts) * b
+        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
+        kept = sum(t.numel for t in plan.keeps_of(m)) * b
+        part = sum(new.partition_numel(g) for g in range(new.num_groups)) * b
+        ranks.append({"rank": r, "member": m, "bytes_kept": kept, "bytes_sent": sent, "bytes_received": recv,
+                      "peak_extra_bytes": part + recv})
+    for m in plan.leavers:
+        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
+        ranks.append({"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0,
+                      "peak_extra_bytes": 0})
+    return {"model_config": model_config, "zero_stage": stage, "from": old_ws, "to": new_ws, "assignment": assignment,
+            "parameters": sum(p.numel for p in old.groups[0]), "bytes_moved": plan.numel_moved * b,
+            "bytes_kept": plan.numel_kept * b, "plan_seconds": seconds, "transfers": len(plan.transfers),
+            "ranks": ranks}
+
+
+def print_report(rep: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rep))
+        return
+    gib = 1 << 30
+    print(f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {rep['from']} -> {rep['to']} ranks, "
+          f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers")
+    print(f"{'rank':>5} {'member':>7} {'kept GiB':>9} {'sent GiB':>9} {'recv GiB':>9} {'peak extra GiB':>15}")
+    for r in rep["ranks"]:
+        rank = "leave" if r["rank"] is None else str(r["rank"])
+        print(f"{rank:>5} {r['member']:>7} {r['bytes_kept'] / gib:>9.2f} {r['bytes_sent'] / gib:>9.2f} "
+              f"{r['bytes_received'] / gib:>9.2f} {r['peak_extra_bytes'] / gib:>15.2f}")
+    total = rep["bytes_moved"] + rep["bytes_kept"]
+    print(f"total: {rep['bytes_moved'] / gib:.1f} GiB moved, {rep['bytes_kept'] / gib:.1f} GiB kept in place "
+          f"({100 * rep['bytes_kept'] / total:.1f} %)")

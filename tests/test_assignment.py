@@ -1,0 +1,94 @@
+"""Rank assignment: the planner's choice keeps the most elements in place; checked against an
+exhaustive search over every assignment on small cases (an independent oracle)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ds_dynatrain.layout import ParamMeta, ZeroLayout
+from ds_dynatrain.planner import assign_members, assign_members_best, plan_transition
+
+
+def layout(sizes, ws, rr=False):
+    return ZeroLayout(ws, (tuple(ParamMeta(f"p{i}", (n,), "float32") for i, n in enumerate(sizes)),), round_robin=rr)
+
+
+def brute_force_best_kept(old, new, members, joiners, must_leave=()):
+    candidates = [m for m in members if m not in must_leave]
+    best = -1
+    n_stay = min(len(candidates), new.world_size)
+    for stay in itertools.permutations(candidates, n_stay):
+        for slots in itertools.combinations(range(new.world_size), n_stay):
+            out = [None] * new.world_size
+            for s, m in zip(slots, stay):
+                out[s] = m
+            it = iter(joiners)
+            out = [o if o is not None else next(it) for o in out]
+            best = max(best, plan_transition(old, new, members, out).numel_kept)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5), old_ws=st.integers(1, 4),
+       new_ws=st.integers(1, 4), rr=st.booleans(), leave_first=st.booleans())
+def test_best_assignment_keeps_the_maximum(sizes, old_ws, new_ws, rr, leave_first):
+    old, new = layout(sizes, old_ws, rr), layout(sizes, new_ws, rr)
+    members = [f"m{i}" for i in range(old_ws)]
+    must_leave = ["m0"] if leave_first and old_ws > 1 else []
+    staying = min(old_ws - len(must_leave), new_ws)
+    joiners = [f"j{i}" for i in range(new_ws - staying)]
+    ours = assign_members_best(old, new, members, joiners, must_leave)
+    assert sorted(ours) == sorted([m for m in ours if m in members] + joiners)
+    assert not set(ours) & set(must_leave)
+    kept = plan_transition(old, new, members, ours).numel_kept
+    assert kept == brute_force_best_kept(old, new, members, joiners, must_leave)
+    if not must_leave:
+        assert kept >= plan_transition(old, new, members, assign_members(members, new_ws, joiners)).numel_kept
+
+
+def test_shrink_64_to_48_keeps_two_thirds_instead_of_three_percent():
+    params = tuple(ParamMeta(f"w{i}", (4096, 4096), "bfloat16") for i in range(96))
+    old = ZeroLayout(64, (params,))
+    new = old.with_world_size(48)
+    members = [f"m{i}" for i in range(64)]
+    keep = plan_transition(old, new, members, assign_members(members, 48, []))
+    best = plan_transition(old, new, members, assign_members_best(old, new, members, []))
+    total = keep.numel_kept + keep.numel_moved
+    assert keep.numel_kept / total == pytest.approx(1 / 32, abs=1e-3)
+    assert best.numel_kept / total == pytest.approx(2 / 3, abs=1e-3)
+
+
+def test_assignment_refuses_an_impossible_membership():
+    old, new = layout([10, 10], 2), layout([10, 10], 3)
+    with pytest.raises(ValueError, match="do not make world size 3"):
+        assign_members_best(old, new, ["a", "b"], [])
+
+
+def test_plan_cli_reports_a_complete_plan(tmp_path):
+    """``dynatrain plan`` on a small Hugging Face config: the per-rank bytes add up to the state."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+           "vocab_size": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
+                          "4", "--to", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    rep = json.loads(run.stdout.strip().splitlines()[-1])
+    n = rep["parameters"]
+    assert n == 64 * 256 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) + 64
+    assert rep["bytes_moved"] + rep["bytes_kept"] == 12 * n
+    staying = [r for r in rep["ranks"] if r["rank"] is not None]
+    assert [r["rank"] for r in staying] == [0, 1, 2] and len(rep["ranks"]) == 4
+    assert sum(r["bytes_received"] for r in staying) == rep["bytes_moved"]
+    assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
+    assert sum(r["bytes_kept"] for r in staying) == rep["bytes_kept"]
+    bad = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
+                          "4", "--to", "3", "--zero-stage", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "stage 3 is not yet" in bad.stderr
