@@ -19,16 +19,22 @@ def stdlib_sources() -> List[str]:
     return out
 
 
+def _looks_like_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(4096)
+
+
 def text_files(path: str) -> List[str]:
-    """A text file, or every regular file under a folder (sorted)."""
+    """A text file, or the text files under a folder (sorted; hidden folders, ``__pycache__`` and
+    files with NUL bytes in their first 4 KiB, i.e. binaries, are skipped)."""
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--data {path!r}: no such file or folder")
     out = []
     for d, dirs, files in os.walk(path):
-        dirs.sort()
-        out += [os.path.join(d, f) for f in sorted(files)]
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
+        out += [os.path.join(d, f) for f in sorted(files) if _looks_like_text(os.path.join(d, f))]
     return out
 
 
