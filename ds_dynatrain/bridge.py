@@ -137,7 +137,7 @@ def inject_partitions(engine, state: PartitionState) -> None:
 
     The fp32 master partition is copied into the tensor the optimizer already references; the
     optimizer state dict entry is created (torch Adam has none before its first ``step``) with the
-    received tensors; DeepSpeed's fragment links (``_hp_mapping.optim_fragment``) are made so
+    received tensors (the working parameters were already broadcast by DeepSpeed's set-up); DeepSpeed's fragment links (``_hp_mapping.optim_fragment``) are made so
     ``deepspeed.utils.safe_get_full_optimizer_state`` sees the injected moments.
 
     Raises:
@@ -159,15 +159,8 @@ def inject_partitions(engine, state: PartitionState) -> None:
                 entry[k] = v.to(device=fp32.device, dtype=v.dtype).view_as(fp32)
         if len(entry):
             opt.optimizer.state[fp32] = entry
-    # low-precision working copies: copy the master partition down, then gather (DeepSpeed's own path)
-    with torch.no_grad():
-        for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
-            part = opt.parallel_partitioned_bit16_groups[gi][_dp_rank(opt, gi)]
-            part.copy_(fp32.to(part.dtype))
-    from deepspeed.runtime.utils import all_gather_dp_groups
-    all_gather_dp_groups(groups_flat=opt.bit16_groups_flat, partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
-                         dp_process_group=opt.real_dp_process_group, start_alignment_factor=opt.nccl_start_alignment_factor,
-                         allgather_bucket_size=opt.allgather_bucket_size)
+    # The low-precision working copies need nothing: DeepSpeed's engine set-up broadcast them from
+    # rank 0, which held them as the cast of the very master partitions injected here.
     if any(len(s) for s in state.tensors) and not opt._hp_optimizer_states_linked:
         opt._lazy_init_hp_params_optimizer_state()
 

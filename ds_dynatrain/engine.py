@@ -214,20 +214,10 @@ class ElasticEngine(DeepSpeedEngine):
         atomically by the engine's commit (DeepSpeed's own write of it is skipped)."""
         self._require_member()
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        info_latest = save_latest
         ce = self.checkpoint_engine
         if isinstance(ce, SnapshotCheckpointEngine):
-            ce_commit = ce.commit
-
-            def commit(info):
-                info.save_latest = info_latest
-                return ce_commit(info)
-            ce.commit = commit
-            try:
-                return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False,
-                                               exclude_frozen_parameters=exclude_frozen_parameters)
-            finally:
-                del ce.commit
+            ce.publish_latest = save_latest  # the engine's commit replaces ``latest`` atomically
+            save_latest = False
         return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 

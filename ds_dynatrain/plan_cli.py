@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional
+
 
 from .errors import ConfigError
 from .layout import ParamMeta, ZeroLayout

@@ -171,6 +171,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         # path in the saved dict -> footer attributes of that tensor (the VPS coordinates of ZeRO
         # partitions, set by the elastic engine); None: none
         self.tensor_attrs = None
+        # set by ElasticEngine.save_checkpoint, which keeps DeepSpeed from writing ``latest`` itself
+        # (non-atomically) and has this engine's commit publish it instead; None: DeepSpeed's flag
+        self.publish_latest = None
 
     @property
     def store(self):
@@ -303,7 +306,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         snap, self._current = self._current, None
         if snap is None:
             return True
-        snap.info = CheckpointCommitInfo(tag=info.tag, save_dir=info.save_dir, save_latest=info.save_latest)
+        latest = info.save_latest if self.publish_latest is None else self.publish_latest
+        self.publish_latest = None
+        snap.info = CheckpointCommitInfo(tag=info.tag, save_dir=info.save_dir, save_latest=latest)
         snap.committed = True
         self._last = snap
         if self.asynchronous:
