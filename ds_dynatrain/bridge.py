@@ -7,6 +7,7 @@ comm backend of ``deepspeed.comm``), so the rest of the plugin deals in layouts 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -132,37 +133,85 @@ def extract_partitions(engine) -> PartitionState:
     return PartitionState(tensors, scalars)
 
 
-def inject_partitions(engine, state: PartitionState) -> None:
-    """Install received partitions into a freshly built engine of the new layout.
-
-    The fp32 master partition is copied into the tensor the optimizer already references; the
-    optimizer state dict entry is created (torch Adam has none before its first ``step``) with the
-    received tensors (the working parameters were already broadcast by DeepSpeed's set-up); DeepSpeed's fragment links (``_hp_mapping.optim_fragment``) are made so
-    ``deepspeed.utils.safe_get_full_optimizer_state`` sees the injected moments.
+def install_master(engine, masters: List[torch.Tensor]) -> None:
+    """Copy received fp32 master partitions (one 1-D tensor per group) into a freshly built engine.
 
     Raises:
         LayoutMismatchError: a received partition has another size than the engine's.
     """
     opt = zero_optimizer_of(engine)
     for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
-        kinds = state.tensors[gi]
-        if kinds[MASTER].numel() != fp32.numel():
-            raise LayoutMismatchError(f"parameter group {gi}: received partition of {kinds[MASTER].numel()} elements, "
+        if masters[gi].numel() != fp32.numel():
+            raise LayoutMismatchError(f"parameter group {gi}: received partition of {masters[gi].numel()} elements, "
                                       f"engine partition has {fp32.numel()}")
         with torch.no_grad():
-            fp32.copy_(kinds[MASTER])
-        entry = {}
-        for k, v in state.scalars[gi].items():
-            entry[k] = v.clone() if torch.is_tensor(v) else v
-        for k, v in kinds.items():
-            if k != MASTER:
-                entry[k] = v.to(device=fp32.device, dtype=v.dtype).view_as(fp32)
-        if len(entry):
+            fp32.copy_(masters[gi])
+
+
+def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scalars: List[Dict[str, Any]]) -> None:
+    """Create the optimizer state of a freshly built engine from received partitions.
+
+    ``tensors[g]``: ``{kind: 1-D tensor}`` of group ``g`` (kinds other than the master; used as
+    the state, not copied); ``scalars[g]``: non-partition states (Adam's ``step``). torch's Adam
+    has no state before its first ``step``; the entry is created here, and DeepSpeed's fragment
+    links (``_hp_mapping.optim_fragment``) are made so ``safe_get_full_optimizer_state`` sees it.
+
+    Raises:
+        LayoutMismatchError: a received partition has another size than the engine's.
+    """
+    opt = zero_optimizer_of(engine)
+    any_state = False
+    for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars[gi].items()}
+        for k, v in tensors[gi].items():
+            if k == MASTER:
+                continue
+            if v.numel() != fp32.numel():
+                raise LayoutMismatchError(f"parameter group {gi}: received {k} of {v.numel()} elements, "
+                                          f"engine partition has {fp32.numel()}")
+            entry[k] = v.to(device=fp32.device).view_as(fp32)
+        if entry:
             opt.optimizer.state[fp32] = entry
-    # The low-precision working copies need nothing: DeepSpeed's engine set-up broadcast them from
-    # rank 0, which held them as the cast of the very master partitions injected here.
-    if any(len(s) for s in state.tensors) and not opt._hp_optimizer_states_linked:
+            any_state = True
+    if any_state:
+        opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
+
+
+def inject_partitions(engine, state: PartitionState) -> None:
+    """Install received partitions into a freshly built engine of the new layout: the fp32 master
+    (:func:`install_master`, when present) and the optimizer state
+    (:func:`install_optimizer_state`). The low-precision working copies need nothing: DeepSpeed's
+    engine set-up made them from the same values.
+
+    Raises:
+        LayoutMismatchError: a received partition has another size than the engine's.
+    """
+    if all(MASTER in t for t in state.tensors):
+        install_master(engine, [t[MASTER] for t in state.tensors])
+    install_optimizer_state(engine, state.tensors, state.scalars)
+
+
+@contextmanager
+def light_rebuild():
+    """While building a ZeRO-1/2 optimizer whose state is installed right after (a resize), skip
+    ``DeepSpeedZeroOptimizer.initialize_optimizer_states``: without offload and for optimizers
+    that create their state lazily (everything but Adagrad), it only allocates a zero gradient
+    partition and drops it again (deepspeed/runtime/zero/stage_1_and_2.py), which costs a full
+    partition's page faults on the resize's critical path.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    original = DeepSpeedZeroOptimizer.initialize_optimizer_states
+
+    def initialize_optimizer_states(self):
+        if self.cpu_offload or isinstance(self.optimizer, torch.optim.Adagrad):
+            return original(self)
+
+    DeepSpeedZeroOptimizer.initialize_optimizer_states = initialize_optimizer_states
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.initialize_optimizer_states = original
 
 
 def relink_optimizer_state(engine) -> None:

@@ -66,6 +66,10 @@ class DynatrainConfig(_Strict):
     collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every wait of a transition, seconds")
     join_timeout_s: float = Field(600.0, gt=0,
                                   description="how long a spawned joiner waits for its generation, seconds")
+    max_inflight_bytes: int = Field(256 << 20, ge=1024, description="bound of the bytes a process has in flight "
+                                    "during a resize (messages sent and received plus packing buffers)")
+    overlap_transfer: bool = Field(True, description="let the optimizer moments of a resize arrive while the first "
+                                   "step on the new world runs forward and backward; False waits inside the resize")
     spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
                                        "early, so their start-up overlaps training")
 

@@ -37,8 +37,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .batch import BatchSplit, split_global_batch
-from .bridge import (PartitionState, detach_engine, extract_partitions, inject_partitions, layout_of,
-                     relink_optimizer_state, zero_optimizer_of)
+from .bridge import (MASTER, PartitionState, detach_engine, extract_partitions, install_master,
+                     install_optimizer_state, layout_of, light_rebuild, relink_optimizer_state, zero_optimizer_of)
 from .config import DynatrainConfig
 from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from .launch_env import member_id
@@ -47,7 +47,7 @@ from .membership import GenerationRecord, Membership
 from .metrics import MetricsWriter, format_resize, format_step, logger
 from .planner import Plan, assign_members, plan_transition
 from .snapshot import SnapshotCheckpointEngine
-from .transition import execute_plan
+from .transition import PendingTransition, execute_plan, start_plan, transition_group, transition_ranks
 
 
 @dataclass
@@ -73,6 +73,8 @@ class ElasticState:
     snapshot_stall_s: float = 0.0
     published: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> members published
     resizes: List[dict] = field(default_factory=list)
+    pending: Optional["PendingResize"] = None  # a resize whose optimizer-state transfer still runs
+    rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (see ElasticEngine._broadcast_model)
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -99,16 +101,24 @@ def ds_config_for(dt: ElasticState, split: BatchSplit, client_objects: bool) -> 
 
 
 def construct(engine: "ElasticEngine", dt: ElasticState, model, optimizer, model_parameters, lr_scheduler,
-              ds_config: dict) -> None:
-    """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt)."""
+              ds_config: dict, light: bool = False) -> None:
+    """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt).
+
+    ``light``: the optimizer state is installed right after (a resize), so DeepSpeed's
+    throw-away state initialisation is skipped (:func:`~ds_dynatrain.bridge.light_rebuild`).
+    """
+    import contextlib
     import deepspeed
     config_class = DeepSpeedConfig(ds_config)
     deepspeed.set_optimizer_flags(config_class, model)
-    DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=None, lr_scheduler=lr_scheduler, mpu=None, dist_init_required=False,
-                             collate_fn=dt.collate_fn, config=ds_config, config_class=config_class)
+    engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
+    with light_rebuild() if light else contextlib.nullcontext():
+        DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer,
+                                 model_parameters=model_parameters, training_data=None, lr_scheduler=lr_scheduler,
+                                 mpu=None, dist_init_required=False, collate_fn=dt.collate_fn, config=ds_config,
+                                 config_class=config_class)
     engine._configure_python_gc()
-    engine._dt = dt
+    dt.rebuild_broadcast = None
     snap = dt.config.snapshot
     engine.checkpoint_engine = SnapshotCheckpointEngine(
         store_address=store_address(dt), rank=tdist.get_rank(), world_size=tdist.get_world_size(), generation=dt.generation,
@@ -202,9 +212,11 @@ class ElasticEngine(DeepSpeedEngine):
     def step(self, lr_kwargs=None):
         self._require_member()
         before = self.global_steps
-        if self.is_gradient_accumulation_boundary() and isinstance(self.checkpoint_engine, SnapshotCheckpointEngine):
-            # the optimizer step is the first thing that changes the state a snapshot captures
-            self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
+        if self.is_gradient_accumulation_boundary():
+            self.wait_transition()  # the optimizer moments of the last resize must have arrived
+            if isinstance(self.checkpoint_engine, SnapshotCheckpointEngine):
+                # the optimizer step is the first thing that changes the state a snapshot captures
+                self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
             self._after_optimizer_step()
@@ -213,6 +225,7 @@ class ElasticEngine(DeepSpeedEngine):
         """DeepSpeed's ``save_checkpoint`` through the snapshot engine; ``latest`` is replaced
         atomically by the engine's commit (DeepSpeed's own write of it is skipped)."""
         self._require_member()
+        self.wait_transition()
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         ce = self.checkpoint_engine
         if isinstance(ce, SnapshotCheckpointEngine):
@@ -226,6 +239,7 @@ class ElasticEngine(DeepSpeedEngine):
         loads with ``weights_only=True``; afterwards the optimizer-state fragments are linked
         again so ``deepspeed.utils.safe_get_full_optimizer_state`` works at once."""
         self._require_member()
+        self.wait_transition()
         out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         if out[0] is not None:
             relink_optimizer_state(self)
@@ -250,6 +264,7 @@ class ElasticEngine(DeepSpeedEngine):
             LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
         """
         self._require_member()
+        self.wait_transition()
         dt = self._dt
         split = dt.split(world_size)
         if dt.membership is None:
@@ -342,10 +357,64 @@ class ElasticEngine(DeepSpeedEngine):
         dt.spawned_for = {g: j for g, j in dt.spawned_for.items() if g <= dt.generation}
 
     # ------------------------------------------------------------------ the resize
+    def wait_transition(self) -> Optional[dict]:
+        """Finish the optimizer-state transfer of the last resize, if one is still running.
+
+        A resize returns as soon as the new engine can run forward and backward; the optimizer
+        moments keep arriving in the background and are installed here. :meth:`step`,
+        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`resize` call it; call it
+        yourself before reading optimizer state (e.g. ``safe_get_full_optimizer_state``) between
+        a resize and the next optimizer step (until then the optimizer has no state).
+
+        Returns:
+            The completed resize record, or None if nothing was pending.
+
+        Raises:
+            TransitionAbortedError: a peer failed during the transfer (names the peer and step).
+        """
+        dt = getattr(self, "_dt", None)
+        pending = dt.pending if dt is not None else None
+        if pending is None:
+            return None
+        dt.pending = None
+        t = time.perf_counter()
+        stats = pending.transfer.wait(dt.config.collective_timeout_s)
+        waited = time.perf_counter() - t
+        if pending.dests is not None:
+            install_optimizer_state(self, [pending.dests[g] for g in sorted(pending.dests)], pending.scalars)
+        rec = pending.record
+        rec.update(transfer_s=rec["transfer_s"] + stats.seconds, deferred_wait_s=waited,
+                   peak_extra_bytes=max(rec.get("peak_extra_bytes", 0), _peak_extra_bytes(pending.rss_base)),
+                   peak_staging_bytes=max(rec.get("peak_staging_bytes", 0), stats.peak_staging_bytes),
+                   messages=rec.get("messages", 0) + stats.messages)
+        if dt.retired:
+            return rec
+        dt.resizes.append(rec)
+        if self.global_rank == 0 and rec["event"] == "resize":
+            dt.metrics.write(rec)
+            logger.info(format_resize(rec))
+        return rec
+
+    def _broadcast_model(self):
+        """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none
+        after a shrink (every survivor holds them already), spread over the survivors as sources
+        after a grow (parameter ``k`` from survivor ``k mod S``), DeepSpeed's own otherwise."""
+        dt = self.__dict__.get("_dt")
+        mode = dt.rebuild_broadcast if dt is not None else None
+        if mode is None:
+            return super()._broadcast_model()
+        if mode == "none":
+            return None
+        holders = list(mode)
+        for k, (_, p) in enumerate(self.module.named_parameters()):
+            tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
+        return None
+
     def _resize(self, world_size: int, split: BatchSplit) -> Optional[dict]:
         dt = self._dt
         clock = time.perf_counter
         t0 = clock()
+        rss_base = _start_peak_rss()
         old_ws = self.dp_world_size
         grow = world_size > old_ws
         new_members = self._request_joiners(world_size)
@@ -355,36 +424,53 @@ class ElasticEngine(DeepSpeedEngine):
         header = self._header(plan, state) if self.global_rank == 0 else None
         stays = dt.member in plan.new_members
         new_rank = plan.new_members.index(dt.member) if stays else None
-        dests = allocate_partitions(plan.new_layout, new_rank, state_kinds(state),
-                                    state.tensors[0]["fp32"].dtype) if stays else None
         plan_s = clock() - t0
 
         group_s = 0.0
         if grow:
-            # the new generation's group is the transition group; the old engine stays as it is
-            # (its groups dead) until the plan is agreed and executed
+            # the new generation's group carries the header; the old engine stays as it is (its
+            # groups dead) until the plan is agreed
             t = clock()
             if self.global_rank == 0:
                 dt.membership.go(dt.generation + 1)
-            dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.join_timeout_s)
+            dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.collective_timeout_s)
             group_s += clock() - t
-            pg_rank_of = {m: r for r, m in enumerate(plan.new_members)}
-        else:
-            pg_rank_of = {m: r for r, m in enumerate(plan.old_members)}
         t = clock()
         header = agree_on_header(header, lambda h: "plan digest differs" if h["digest"] != plan.digest() else None)
-        kinds = tuple(header["kinds"])
-        stats = execute_plan(plan, dt.member, pg_rank_of, kinds, sources=state.tensors, dests=dests,
-                             timeout_s=dt.config.collective_timeout_s)
+        kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
+        dests = allocate_partitions(plan, dt.member, kinds if master_moves else moment_kinds(kinds),
+                                    state.tensors[0]["fp32"].dtype) if stays else None
+        ranks = transition_ranks(plan)
+        xgroup = transition_group(dt.membership.store, dt.generation + 1, ranks, dt.member,
+                                  dt.config.collective_timeout_s)
+        plan_s += clock() - t
+        t = clock()
+        run = dict(sources=state.tensors, dests=dests, timeout_s=dt.config.collective_timeout_s,
+                   max_inflight_bytes=dt.config.max_inflight_bytes, ranks=ranks)
+        stats = execute_plan(plan, dt.member, xgroup, (MASTER,) if master_moves else (), **run)
+        moments = moment_kinds(kinds)
+        transfer = start_plan(plan, dt.member, xgroup, moments, **run)
+        if not dt.config.overlap_transfer:
+            transfer.wait(dt.config.collective_timeout_s)
         transfer_s = clock() - t
 
-        t = clock()
+        elsize = state.tensors[0]["fp32"].element_size()
+        moved_kinds = len(kinds) if master_moves else len(moments)
+        record = {
+            "event": "resize", "step": self.global_steps, "from": old_ws, "to": world_size,
+            "bytes_moved": plan.numel_moved * elsize * moved_kinds, "bytes_kept": plan.numel_kept * elsize * moved_kinds,
+            "plan_s": plan_s, "group_s": group_s, "transfer_s": transfer_s, "rebuild_s": 0.0,
+            "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
+        }
         basic, scheduler, model = self.optimizer.optimizer, self.lr_scheduler, self.module
+        t = clock()
         teardown(self)
         if not stays:
+            dt.retired = True
+            dt.pending = PendingResize(transfer, None, [], record, rss_base)
+            self.wait_transition()  # a leaver hands everything over before it goes
             if tdist.is_initialized():
                 tdist.destroy_process_group()
-            dt.retired = True
             logger.info(f"member {dt.member} left the job after step {self.global_steps} "
                         f"({stats.bytes_sent / 2**20:.2f} MiB handed over)")
             return None
@@ -396,7 +482,9 @@ class ElasticEngine(DeepSpeedEngine):
         t = clock()
         dt.members = plan.new_members
         dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
-        construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True))
+        dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members) \
+            if grow else "none"
+        construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True)
         returned = dt.returned_optimizer
         if returned is not None and returned is not self.optimizer:
             # the optimizer object handed out at start shares the rebuilt optimizer's state
@@ -404,18 +492,10 @@ class ElasticEngine(DeepSpeedEngine):
             self.optimizer = returned
         install_state(self, header, dests, joiner=False)
         rebuild_s += clock() - t
-
-        elsize = sum(state.tensors[0][k].element_size() for k in kinds)
-        record = {
-            "event": "resize", "step": self.global_steps, "from": old_ws, "to": world_size,
-            "bytes_moved": plan.numel_moved * elsize, "bytes_kept": plan.numel_kept * elsize,
-            "seconds": clock() - t0, "plan_s": plan_s, "group_s": group_s, "transfer_s": transfer_s,
-            "rebuild_s": rebuild_s,
-        }
-        dt.resizes.append(record)
-        if self.global_rank == 0:
-            dt.metrics.write(record)
-            logger.info(format_resize(record))
+        record.update(group_s=group_s, rebuild_s=rebuild_s, seconds=clock() - t0)
+        dt.pending = PendingResize(transfer, dests, header["scalars"], record, rss_base)
+        if transfer.done():
+            self.wait_transition()
         return record
 
     def _header(self, plan: Plan, state: PartitionState) -> dict:
@@ -427,6 +507,7 @@ class ElasticEngine(DeepSpeedEngine):
             "old_members": list(plan.old_members),
             "new_members": list(plan.new_members),
             "kinds": list(state_kinds(state)),
+            "master_moves": not master_from_working(self),
             "dtype": str(state.tensors[0]["fp32"].dtype).replace("torch.", ""),
             "scalars": state.scalars,
             "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -452,11 +533,87 @@ def state_kinds(state: PartitionState) -> Tuple[str, ...]:
     return kinds
 
 
-def allocate_partitions(layout: ZeroLayout, rank: int, kinds, dtype) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Zeroed new partitions of ``rank`` (padding stays zero), ``{group: {kind: 1-D tensor}}``."""
+def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict[str, torch.Tensor]]:
+    """New partitions of ``member`` in ``plan.new_layout``, ``{group: {kind: 1-D tensor}}``.
+
+    Uninitialised except for the elements no transfer of the plan writes (DeepSpeed's alignment
+    padding), which are zeroed: the transfers fill the rest, so the memory is touched once.
+    """
     device = get_accelerator().current_device_name()
-    return {g: {k: torch.zeros(layout.partition_numel(g), dtype=dtype, device=device) for k in kinds}
-            for g in range(layout.num_groups)}
+    rank = plan.new_members.index(member)
+    layout = plan.new_layout
+    covered: Dict[int, List[Tuple[int, int]]] = {}
+    for t in plan.transfers:
+        if t.dst == rank:
+            covered.setdefault(t.group, []).append((t.dst_offset, t.dst_offset + t.numel))
+    out = {}
+    for g in range(layout.num_groups):
+        n = layout.partition_numel(g)
+        out[g] = {k: torch.empty(n, dtype=dtype, device=device) for k in kinds}
+        pos = 0
+        for lo, hi in sorted(covered.get(g, [])) + [(n, n)]:
+            if lo > pos:
+                for k in kinds:
+                    out[g][k][pos:lo].zero_()
+            pos = max(pos, hi)
+    return out
+
+
+def moment_kinds(kinds) -> Tuple[str, ...]:
+    """The state kinds other than the fp32 master (the optimizer's own state, e.g. Adam moments)."""
+    return tuple(k for k in kinds if k != MASTER)
+
+
+def master_from_working(engine) -> bool:
+    """True when the engine trains in fp32: DeepSpeed's set-up clones the master partition from
+    the working parameters, which every optimizer step makes an exact copy of the master, so a
+    resize need not move the master (deepspeed/runtime/zero/stage_1_and_2.py ``step``)."""
+    from .bridge import zero_optimizer_of
+    zopt = zero_optimizer_of(engine)
+    return all(p.dtype == f.dtype for grp, f in zip(zopt.bit16_groups, zopt.single_partition_of_fp32_groups)
+               for p in grp[:1])
+
+
+@dataclass
+class PendingResize:
+    """A resize whose optimizer-state transfer still runs in the background."""
+
+    transfer: PendingTransition
+    dests: Optional[Dict[int, Dict[str, torch.Tensor]]]
+    scalars: List[Dict[str, Any]]
+    record: dict
+    rss_base: Optional[int]
+
+
+def _proc_status_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _start_peak_rss() -> Optional[int]:
+    """Reset the process's peak resident set (Linux ``clear_refs`` 5) and return the current
+    resident set, bytes; None where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status_bytes("VmRSS")
+
+
+def _peak_extra_bytes(base: Optional[int]) -> int:
+    """Peak resident set since :func:`_start_peak_rss` above both the start and the current
+    resident set, bytes (0 if unmeasurable): the transient memory of the transition."""
+    hwm, rss = _proc_status_bytes("VmHWM"), _proc_status_bytes("VmRSS")
+    if base is None or hwm is None or rss is None:
+        return 0
+    return max(0, hwm - max(base, rss))
 
 
 def agree_on_header(header: Optional[dict], check) -> dict:
@@ -498,8 +655,10 @@ def teardown(engine: ElasticEngine) -> None:
 
 
 def install_state(engine: ElasticEngine, header: dict, dests, joiner: bool) -> None:
-    """Put received partitions and rank 0's non-tensor state into a freshly built engine."""
-    inject_partitions(engine, PartitionState(tensors=[dests[g] for g in sorted(dests)], scalars=header["scalars"]))
+    """Put the received master partitions (when they were moved) and rank 0's non-tensor state
+    into a freshly built engine. The optimizer moments follow in :meth:`ElasticEngine.wait_transition`."""
+    if dests is not None and all(MASTER in dests[g] for g in dests):
+        install_master(engine, [dests[g][MASTER] for g in sorted(dests)])
     c = header["counters"]
     engine.global_steps = c["global_steps"]
     engine.global_samples = c["global_samples"]

@@ -7,17 +7,17 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .batch import split_global_batch
-from .bridge import layout_for_model
+from .bridge import MASTER, layout_for_model
 from .config import ConfigError, load_ds_config
-from .engine import (ElasticEngine, ElasticState, agree_on_header, allocate_partitions, construct, ds_config_for,
-                     install_state)
+from .engine import (ElasticEngine, ElasticState, PendingResize, agree_on_header, allocate_partitions, construct,
+                     ds_config_for, install_state, moment_kinds)
 from .errors import NotAMemberError, ResizeRefusedError
 from .launch_env import LaunchContext, member_id
 from .layout import ZeroLayout
 from .membership import GenerationRecord, Membership
 from .metrics import MetricsWriter, logger
 from .planner import plan_transition
-from .transition import execute_plan
+from .transition import execute_plan, start_plan, transition_group, transition_ranks
 
 
 def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
@@ -242,6 +242,10 @@ def _close_snapshots(engine) -> None:
     from .snapshot import SnapshotCheckpointEngine
     if getattr(engine, "_dt", None) is not None and engine.is_member:
         engine.cancel_pending_joiners()
+        try:
+            engine.wait_transition()  # peers may still be sending to or receiving from this process
+        except Exception as err:  # noqa: BLE001 - exiting anyway; say why
+            logger.warning(f"at exit: the last resize's transfer failed: {err}")
     ce = getattr(engine, "checkpoint_engine", None)
     if isinstance(ce, SnapshotCheckpointEngine):
         ce.close()
@@ -279,12 +283,22 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
 
     header = agree_on_header(None, check)
     plan = box["plan"]
-    kinds = tuple(header["kinds"])
-    dests = allocate_partitions(plan.new_layout, ctx.rank, kinds, getattr(torch, header["dtype"]))
-    execute_plan(plan, ctx.member, {m: r for r, m in enumerate(plan.new_members)}, kinds, sources=None, dests=dests,
-                 timeout_s=cfg.collective_timeout_s)
+    kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
+    moments = moment_kinds(kinds)
+    dests = allocate_partitions(plan, ctx.member, kinds if master_moves else moments, getattr(torch, header["dtype"]))
+    ranks = transition_ranks(plan)
+    xgroup = transition_group(dt.membership.store, rec.generation, ranks, ctx.member, cfg.collective_timeout_s)
+    run = dict(sources=None, dests=dests, timeout_s=cfg.collective_timeout_s, max_inflight_bytes=cfg.max_inflight_bytes,
+               ranks=ranks)
+    execute_plan(plan, ctx.member, xgroup, (MASTER,) if master_moves else (), **run)
+    transfer = start_plan(plan, ctx.member, xgroup, moments, **run)
+    if not cfg.overlap_transfer:
+        transfer.wait(cfg.collective_timeout_s)
     dt.members = plan.new_members
     dt.generation = rec.generation
+    dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members)
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
-              ds_config_for(dt, dt.split(rec.world_size), client_objects=False))
+              ds_config_for(dt, dt.split(rec.world_size), client_objects=False), light=True)
     install_state(engine, header, dests, joiner=True)
+    record = {"event": "join", "step": engine.global_steps, "generation": rec.generation, "transfer_s": 0.0}
+    dt.pending = PendingResize(transfer, dests, header["scalars"], record, None)

@@ -44,6 +44,7 @@ def main():
             torch.save(state, os.path.join(a.out, f"{tag}.pt"))
 
     if engine.global_steps > 0:  # a joiner: take part in the survivors' post-resize gather
+        engine.wait_transition()
         save(f"after_{engine.global_steps}")
     while engine.is_member and engine.global_steps < a.steps:
         for batch in loader:
@@ -80,6 +81,7 @@ def main():
                 engine.resize(resize[s])
                 if not engine.is_member:
                     break
+                engine.wait_transition()  # the optimizer moments arrive in the background
                 save(f"after_{s}")
             if s >= a.steps:
                 break

@@ -1,0 +1,111 @@
+"""The transition engine (``ds_dynatrain.transition``): the XOR pairing schedule and the chunking
+of streams (pure), and real multi-process transitions between world sizes 1-4 over gloo, checked
+element by element against the values the new layout must hold."""
+import json
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_dynatrain.layout import ParamMeta, ZeroLayout
+from ds_dynatrain.planner import assign_members, plan_transition
+from ds_dynatrain.transition import _Stream, next_pow2, pair_schedule, peer_at, transition_ranks
+
+from conftest import WORKERS, run_plain
+
+
+@pytest.mark.parametrize("n", range(1, 65))
+def test_schedule_pairs_every_pair_exactly_once(n):
+    seen = {}
+    for s, pairs in enumerate(pair_schedule(n), start=1):
+        ranks = [r for pr in pairs for r in pr]
+        assert len(ranks) == len(set(ranks)), f"a rank is paired twice in step {s}"
+        for i, j in pairs:
+            assert peer_at(i, s, n) == j and peer_at(j, s, n) == i  # both sides agree
+            assert (i, j) not in seen
+            seen[(i, j)] = s
+    assert set(seen) == {(i, j) for i in range(n) for j in range(i + 1, n)}
+    assert len(pair_schedule(n)) == next_pow2(n) - 1
+
+
+def test_schedule_covers_every_sender_receiver_of_plans():
+    rnd = random.Random(5)
+    groups = ((ParamMeta("a", (rnd.randint(1, 90), 7), "float32"), ParamMeta("b", (1,), "float32")),
+              (ParamMeta("c", (33,), "float32"),))
+    for _ in range(60):
+        a, b = rnd.randint(1, 12), rnd.randint(1, 12)
+        old = ZeroLayout(a, groups, False, False, 2)
+        olds = tuple(f"m{i}" for i in range(a))
+        plan = plan_transition(old, old.with_world_size(b), olds,
+                               assign_members(olds, b, tuple(f"j{i}" for i in range(max(0, b - a)))))
+        ranks = transition_ranks(plan)
+        n = len(ranks)
+        step_of = {}
+        for s, pairs in enumerate(pair_schedule(n), start=1):
+            for i, j in pairs:
+                step_of[(i, j)] = step_of[(j, i)] = s
+        for t in plan.transfers:
+            if plan.is_keep(t):
+                continue
+            i, j = ranks.index(plan.old_members[t.src]), ranks.index(plan.new_members[t.dst])
+            assert (i, j) in step_of  # the pair meets once, in that step
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(1, 50))
+def test_chunks_cover_the_stream_within_the_bound(sizes, limit):
+    parts = {0: {"k": torch.zeros(sum(sizes))}}
+
+    class T:  # a transfer of ``numel`` elements at ``offset``
+        def __init__(self, off, n):
+            self.group, self.src_offset, self.dst_offset, self.numel = 0, off, off, n
+
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    stream = _Stream(parts, ("k",), [T(o, n) for o, n in zip(offs, sizes)], "src")
+    chunks = stream.chunks(limit)
+    assert chunks[0][0] == 0 and chunks[-1][1] == stream.numel
+    for (a0, b0), (a1, _) in zip(chunks, chunks[1:]):
+        assert b0 == a1
+    for a, b in chunks:
+        assert 0 < b - a <= limit
+        pieces = list(stream.pieces(a, b))
+        assert sum(p.numel() for p, _ in pieces) == b - a
+        # a range is either inside one slice (sent without a copy) or whole slices smaller than the bound
+        if len(pieces) > 1:
+            assert all(p.numel() < limit for p, _ in pieces)
+
+
+def test_transitions_between_1_and_4_processes(tmp_path):
+    jobs = run_plain(tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4,
+                     ["--mode", "all", "--out", str(tmp_path)], timeout=200)
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-3000:]
+    by_case = {}
+    for r in range(4):
+        with open(tmp_path / f"rank{r}.json") as f:
+            for res in json.load(f):
+                by_case.setdefault(res["case"], []).append(res)
+    assert len(by_case) == 36
+    transitions = set()
+    for case, res in by_case.items():
+        done = [x for x in res if not x.get("skipped")]
+        assert done and all(x["ok"] for x in done), f"case {case}: {done}"
+        assert sum(x["sent"] for x in done) == sum(x["received"] for x in done)
+        transitions.add(done[0]["transition"])
+        if done[0]["inflight"] == 64:  # 8 fp32 elements per message each way
+            assert all(x["peak_staging"] <= 64 for x in done)
+            assert max(x["messages"] for x in done) > 10
+    assert len(transitions) == 12
+
+
+def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path):
+    jobs = run_plain(tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4,
+                     ["--mode", "die", "--victim", "1", "--out", str(tmp_path)], timeout=90)
+    assert jobs[1].returncode == 17  # the victim vanished as injected
+    with open(tmp_path / "rank0.json") as f:
+        res = json.load(f)[0]
+    assert "error" in res, res
+    assert "member p1" in res["error"] and "step" in res["error"] and "chunk" in res["error"]
+    assert res["seconds"] < 30  # well within the 30 s wait timeout: a closed connection is noticed at once
