@@ -194,24 +194,72 @@ def inject_partitions(engine, state: PartitionState) -> None:
 
 @contextmanager
 def light_rebuild():
-    """While building a ZeRO-1/2 optimizer whose state is installed right after (a resize), skip
-    ``DeepSpeedZeroOptimizer.initialize_optimizer_states``: without offload and for optimizers
-    that create their state lazily (everything but Adagrad), it only allocates a zero gradient
-    partition and drops it again (deepspeed/runtime/zero/stage_1_and_2.py), which costs a full
-    partition's page faults on the resize's critical path.
+    """While building a ZeRO-1/2 optimizer whose state is installed right after (a resize):
+
+    * skip ``DeepSpeedZeroOptimizer.initialize_optimizer_states``: without offload and for
+      optimizers that create their state lazily (everything but Adagrad), it only allocates a
+      zero gradient partition and drops it again (deepspeed/runtime/zero/stage_1_and_2.py),
+      which costs a full partition's page faults on the resize's critical path;
+    * flatten the parameter groups in place when they already lie in one long-enough buffer in
+      the order and padding DeepSpeed asks for (:func:`flat_in_place`; after a shrink).
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    original = DeepSpeedZeroOptimizer.initialize_optimizer_states
+    init_states = DeepSpeedZeroOptimizer.initialize_optimizer_states
+    flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
     def initialize_optimizer_states(self):
         if self.cpu_offload or isinstance(self.optimizer, torch.optim.Adagrad):
-            return original(self)
+            return init_states(self)
+
+    def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+        reused = None if use_cpu_data else flat_in_place(tensor_list, alignment, param_padding)
+        return reused if reused is not None else flatten(self, tensor_list, alignment, use_cpu_data, param_padding)
 
     DeepSpeedZeroOptimizer.initialize_optimizer_states = initialize_optimizer_states
+    DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
     try:
         yield
     finally:
-        DeepSpeedZeroOptimizer.initialize_optimizer_states = original
+        DeepSpeedZeroOptimizer.initialize_optimizer_states = init_states
+        DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = flatten
+
+
+def flat_in_place(tensors: List[torch.Tensor], alignment: int, padding=None):
+    """The flat buffer DeepSpeed's ``flatten_dense_tensors_aligned`` would build from ``tensors``
+    (each followed by ``padding[i]`` zeros, the total padded to a multiple of ``alignment``), as
+    a view of the storage they already live in, or None.
+
+    After a shrink the parameters still sit in the old engine's flat buffer, in the same order
+    and with the same per-parameter padding; only the tail padding depends on the world size.
+    When the old buffer is long enough, the new one is a view of it (the tail zeroed) instead of
+    a copy of every parameter.
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, el = first.untyped_storage(), first.element_size()
+    base = first.storage_offset()
+    pos = 0
+    for i, t in enumerate(tensors):
+        if (t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + pos):
+            return None
+        pos += t.numel() + (padding[i] if padding else 0)
+    total = -(-pos // alignment) * alignment
+    if (base + total) * el > storage.nbytes():
+        return None
+    flat = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (total,))
+    with torch.no_grad():
+        # per-parameter padding and the tail: zeros, as DeepSpeed's copy would have them
+        pos = 0
+        for i, t in enumerate(tensors):
+            pos += t.numel()
+            pad = padding[i] if padding else 0
+            if pad:
+                flat[pos:pos + pad].zero_()
+            pos += pad
+        flat[pos:].zero_()
+    return flat.detach()
 
 
 def relink_optimizer_state(engine) -> None:

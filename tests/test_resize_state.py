@@ -122,3 +122,23 @@ def test_refused_resizes_change_nothing(runs):
     assert ninety_nine and "world size 99 refused: above max_world_size=6" in ninety_nine
     resizes = [x for x in read_jsonl(out / "metrics.jsonl") if x["event"] == "resize"]
     assert [(x["from"], x["to"], x["step"]) for x in resizes] == [(2, 1, 2), (1, 2, 4), (2, 3, 6), (3, 2, 9)]
+
+
+def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):
+    """bf16 training: the working copy is rounded, so the fp32 master itself must move (before
+    the resize returns); the moments follow in chunks of a few hundred bytes (a
+    ``max_inflight_bytes`` far below the state size), waited for inside the resize."""
+    from workers.common import base_config
+    cfg = base_config(2, str(tmp_path / "metrics.jsonl"))
+    cfg["bf16"] = {"enabled": True}
+    cfg["dynatrain"].update(max_inflight_bytes=1024, overlap_transfer=False)
+    job = launch(tmp_path, os.path.join(WORKERS, "resize_worker.py"), 2, cfg,
+                 ["--out", str(tmp_path), "--steps", "6", "--resize", "2:1,4:2"], timeout=200, name="bf16")
+    assert job.returncode == 0, job.output[-5000:]
+    for step in (2, 4):
+        before, after = torch.load(tmp_path / f"before_{step}.pt"), torch.load(tmp_path / f"after_{step}.pt")
+        assert_same_state(before, after, f"bf16 resize after step {step}")
+    resizes = [x for x in read_jsonl(tmp_path / "metrics.jsonl") if x["event"] == "resize"]
+    assert [(x["from"], x["to"]) for x in resizes] == [(2, 1), (1, 2)]
+    for r in resizes:
+        assert r["messages"] >= 6 and r["peak_staging_bytes"] <= 1024  # many chunks, each within the bound

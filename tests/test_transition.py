@@ -109,3 +109,17 @@ def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path):
     assert "error" in res, res
     assert "member p1" in res["error"] and "step" in res["error"] and "chunk" in res["error"]
     assert res["seconds"] < 30  # well within the 30 s wait timeout: a closed connection is noticed at once
+
+
+def test_flat_in_place_reuses_the_buffer_the_parameters_live_in():
+    from ds_dynatrain.bridge import flat_in_place
+    old = torch.arange(1.0, 25.0)
+    old[10:12] = 0  # padding after the first parameter, as DeepSpeed lays it out
+    old[20:] = 0    # tail padding of the old world size
+    a, b = old[0:10].view(2, 5), old[12:20]
+    flat = flat_in_place([a, b], 11, [2, 0])
+    want = torch.cat([a.reshape(-1), torch.zeros(2), b, torch.zeros(2)])
+    assert flat is not None and flat.data_ptr() == old.data_ptr() and torch.equal(flat, want)
+    assert flat_in_place([b, a], 4, [0, 2]) is None   # another order: DeepSpeed must copy
+    assert flat_in_place([a, b], 13, [2, 0]) is None  # the buffer is too short for the new padding
+    assert flat_in_place([a.clone(), b], 4, [2, 0]) is None
