@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -68,8 +68,10 @@ class DynatrainConfig(_Strict):
                                   description="how long a spawned joiner waits for its generation, seconds")
     max_inflight_bytes: int = Field(256 << 20, ge=1024, description="bound of the bytes a process has in flight "
                                     "during a resize (messages sent and received plus packing buffers)")
-    overlap_transfer: bool = Field(True, description="let the optimizer moments of a resize arrive while the first "
-                                   "step on the new world runs forward and backward; False waits inside the resize")
+    transfer_overlap: Literal["none", "rebuild", "step"] = Field(
+        "rebuild", description="what the optimizer-moment transfer of a resize overlaps: 'none' (it completes "
+        "before the engine is rebuilt), 'rebuild' (it runs while the DeepSpeed engine is rebuilt and completes "
+        "before the resize returns), 'step' (it completes only before the first optimizer step on the new world)")
     spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
                                        "early, so their start-up overlaps training")
 

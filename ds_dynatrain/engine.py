@@ -360,11 +360,13 @@ class ElasticEngine(DeepSpeedEngine):
     def wait_transition(self) -> Optional[dict]:
         """Finish the optimizer-state transfer of the last resize, if one is still running.
 
-        A resize returns as soon as the new engine can run forward and backward; the optimizer
-        moments keep arriving in the background and are installed here. :meth:`step`,
-        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`resize` call it; call it
-        yourself before reading optimizer state (e.g. ``safe_get_full_optimizer_state``) between
-        a resize and the next optimizer step (until then the optimizer has no state).
+        The optimizer moments of a resize move in a background thread while the DeepSpeed engine
+        is rebuilt, and are installed here. By default (``transfer_overlap: "rebuild"``) the
+        resize itself calls this before it returns. With ``transfer_overlap: "step"`` the resize
+        returns as soon as the new engine can run forward and backward; :meth:`step`,
+        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`resize` call it, and code
+        that reads optimizer state (``safe_get_full_optimizer_state``) between the resize and the
+        next optimizer step must call it first (until then the optimizer has no state).
 
         Returns:
             The completed resize record, or None if nothing was pending.
@@ -372,6 +374,13 @@ class ElasticEngine(DeepSpeedEngine):
         Raises:
             TransitionAbortedError: a peer failed during the transfer (names the peer and step).
         """
+        rec = self._complete_pending()
+        if rec is not None:
+            self._publish(rec)
+        return rec
+
+    def _complete_pending(self) -> Optional[dict]:
+        """Wait for the background transfer, install the moments, complete the record."""
         dt = getattr(self, "_dt", None)
         pending = dt.pending if dt is not None else None
         if pending is None:
@@ -383,17 +392,24 @@ class ElasticEngine(DeepSpeedEngine):
         if pending.dests is not None:
             install_optimizer_state(self, [pending.dests[g] for g in sorted(pending.dests)], pending.scalars)
         rec = pending.record
-        rec.update(transfer_s=rec["transfer_s"] + stats.seconds, deferred_wait_s=waited,
+        rec.update(transfer_s=rec["transfer_s"] + stats.seconds - stats.keep_seconds,
+                   keep_s=rec.get("keep_s", 0.0) + stats.keep_seconds, transfer_wait_s=waited,
                    peak_extra_bytes=max(rec.get("peak_extra_bytes", 0), _peak_extra_bytes(pending.rss_base)),
                    peak_staging_bytes=max(rec.get("peak_staging_bytes", 0), stats.peak_staging_bytes),
-                   messages=rec.get("messages", 0) + stats.messages)
+                   messages=rec.get("messages", 0) + stats.messages,
+                   bytes_sent=rec.get("bytes_sent", 0) + stats.bytes_sent,
+                   bytes_received=rec.get("bytes_received", 0) + stats.bytes_received)
+        return rec
+
+    def _publish(self, rec: dict) -> None:
+        """Keep a completed resize record; rank 0 writes and prints it."""
+        dt = self._dt
         if dt.retired:
-            return rec
+            return
         dt.resizes.append(rec)
         if self.global_rank == 0 and rec["event"] == "resize":
             dt.metrics.write(rec)
             logger.info(format_resize(rec))
-        return rec
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none
@@ -440,27 +456,26 @@ class ElasticEngine(DeepSpeedEngine):
         kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
         dests = allocate_partitions(plan, dt.member, kinds if master_moves else moment_kinds(kinds),
                                     state.tensors[0]["fp32"].dtype) if stays else None
-        ranks = transition_ranks(plan)
-        xgroup = transition_group(dt.membership.store, dt.generation + 1, ranks, dt.member,
-                                  dt.config.collective_timeout_s)
+        ranks, xgroup, overlap = data_plane(plan, dt, dt.generation + 1, grow)
         plan_s += clock() - t
-        t = clock()
         run = dict(sources=state.tensors, dests=dests, timeout_s=dt.config.collective_timeout_s,
                    max_inflight_bytes=dt.config.max_inflight_bytes, ranks=ranks)
         stats = execute_plan(plan, dt.member, xgroup, (MASTER,) if master_moves else (), **run)
         moments = moment_kinds(kinds)
         transfer = start_plan(plan, dt.member, xgroup, moments, **run)
-        if not dt.config.overlap_transfer:
+        if overlap == "none":
             transfer.wait(dt.config.collective_timeout_s)
-        transfer_s = clock() - t
 
         elsize = state.tensors[0]["fp32"].element_size()
         moved_kinds = len(kinds) if master_moves else len(moments)
         record = {
             "event": "resize", "step": self.global_steps, "from": old_ws, "to": world_size,
             "bytes_moved": plan.numel_moved * elsize * moved_kinds, "bytes_kept": plan.numel_kept * elsize * moved_kinds,
-            "plan_s": plan_s, "group_s": group_s, "transfer_s": transfer_s, "rebuild_s": 0.0,
+            "plan_s": plan_s, "group_s": group_s, "transfer_s": stats.seconds - stats.keep_seconds,
+            "keep_s": stats.keep_seconds, "rebuild_s": 0.0,
+            "transfer_overlap": overlap,
             "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
         }
         basic, scheduler, model = self.optimizer.optimizer, self.lr_scheduler, self.module
         t = clock()
@@ -468,11 +483,11 @@ class ElasticEngine(DeepSpeedEngine):
         if not stays:
             dt.retired = True
             dt.pending = PendingResize(transfer, None, [], record, rss_base)
-            self.wait_transition()  # a leaver hands everything over before it goes
+            self._complete_pending()  # a leaver hands everything over before it goes
             if tdist.is_initialized():
                 tdist.destroy_process_group()
             logger.info(f"member {dt.member} left the job after step {self.global_steps} "
-                        f"({stats.bytes_sent / 2**20:.2f} MiB handed over)")
+                        f"({record['bytes_sent'] / 2**20:.2f} MiB handed over)")
             return None
         rebuild_s = clock() - t
         if not grow:
@@ -492,9 +507,15 @@ class ElasticEngine(DeepSpeedEngine):
             self.optimizer = returned
         install_state(self, header, dests, joiner=False)
         rebuild_s += clock() - t
-        record.update(group_s=group_s, rebuild_s=rebuild_s, seconds=clock() - t0)
         dt.pending = PendingResize(transfer, dests, header["scalars"], record, rss_base)
-        if transfer.done():
+        record.update(group_s=group_s, rebuild_s=rebuild_s)
+        state = run = None  # the old partitions go as soon as the transfer is done with them
+        if overlap != "step":
+            self._complete_pending()
+        record["seconds"] = clock() - t0
+        if dt.pending is None:
+            self._publish(record)
+        elif transfer.done():
             self.wait_transition()
         return record
 
@@ -557,6 +578,24 @@ def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict
                     out[g][k][pos:lo].zero_()
             pos = max(pos, hi)
     return out
+
+
+def data_plane(plan: Plan, dt: ElasticState, generation: int, grow: bool):
+    """``(ranks, group, overlap)`` of a transition: the member of each rank, the process-group
+    object the bytes go through, and the ``transfer_overlap`` mode that applies.
+
+    State in host memory goes through a private gloo group (:func:`transition_group`) and may
+    overlap the rebuild. State on an accelerator goes through the current default group (NCCL
+    moves device memory; the old group for a shrink, the new one for a grow) and completes
+    before that group is replaced (overlap ``"none"``).
+    """
+    if get_accelerator().device_name() == "cpu":
+        ranks = transition_ranks(plan)
+        group = transition_group(dt.membership.store, generation, ranks, dt.member,
+                                 dt.config.collective_timeout_s)
+        return ranks, group, dt.config.transfer_overlap
+    ranks = plan.new_members if grow else plan.old_members
+    return ranks, tdist.distributed_c10d._get_default_group(), "none"
 
 
 def moment_kinds(kinds) -> Tuple[str, ...]:

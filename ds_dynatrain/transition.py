@@ -52,7 +52,8 @@ class TransitionStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_kept: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0       # the whole call: local copies and exchanges
+    keep_seconds: float = 0.0  # local copies of kept elements
     messages: int = 0
     peak_staging_bytes: int = 0  # largest packing buffers alive at once
 
@@ -210,10 +211,12 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
     chunk = max(1, max_inflight_bytes // (2 * elsize))  # elements per direction per message
 
     if sources is not None and dests is not None:
+        t_keep = time.perf_counter()
         for t in plan.keeps_of(member):
             for k in kinds:
                 dests[t.group][k].narrow(0, t.dst_offset, t.numel).copy_(sources[t.group][k].narrow(0, t.src_offset, t.numel))
             stats.bytes_kept += t.numel * len(kinds) * elsize
+        stats.keep_seconds = time.perf_counter() - t_keep
 
     sends, recvs = plan.sends_of(member), plan.receives_of(member)
     timeout = timedelta(seconds=timeout_s)

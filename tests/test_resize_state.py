@@ -131,7 +131,7 @@ def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):
     from workers.common import base_config
     cfg = base_config(2, str(tmp_path / "metrics.jsonl"))
     cfg["bf16"] = {"enabled": True}
-    cfg["dynatrain"].update(max_inflight_bytes=1024, overlap_transfer=False)
+    cfg["dynatrain"].update(max_inflight_bytes=1024, transfer_overlap="none")
     job = launch(tmp_path, os.path.join(WORKERS, "resize_worker.py"), 2, cfg,
                  ["--out", str(tmp_path), "--steps", "6", "--resize", "2:1,4:2"], timeout=200, name="bf16")
     assert job.returncode == 0, job.output[-5000:]
