@@ -22,6 +22,8 @@ layers, 12 for about 97 M parameters; ``--hidden``/``--layers`` override), ZeRO-
   same end point as ours). ``deepspeed_route_s`` = the sum; ``ratio`` = ``deepspeed_route_s / ours_s``.
 * the link bound: two plain gloo processes send a 256 MiB buffer (best of 3 after a warm-up):
   ``link_gbps``; ``bound_s = bytes_moved / link``; ``transfer_vs_bound = transfer_s / bound_s``.
+  For 2->1 and 1->2 every byte crosses the one link; for 2->3 two senders feed one joiner, so the
+  bound counts the bytes as if they crossed one link.
 
 Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``--json`` prints one
 JSON object per transition; otherwise a table. Checkpoints and logs go to a temporary directory
@@ -305,8 +307,8 @@ def print_table(results: List[dict], a) -> None:
               f"{r['relaunch_s']:>9.2f} {r['relaunch_startup_s']:>7.2f} {r['relaunch_load_s']:>7.2f} "
               f"{r['relaunch_first_step_s']:>7.2f} {r['checkpoint_bytes'] / 2**20:>9.0f} "
               f"{fmt(r['old_iter_s'], '.2f', 7)} {fmt(r['new_iter_s'], '.2f', 7)} {fmt(r['ratio'], '.1f', 7)}")
-    print("\nratio = DeepSpeed's route / ours; relaunch includes one normal iteration on M (iter M); "
-          "bound = bytes moved / link bandwidth")
+    print("\nratio = DeepSpeed's route / ours; relaunch = start + load + the first step's excess over iter M; "
+          "bound = bytes moved / link bandwidth (all bytes over one link)")
 
 
 def main(argv=None) -> int:

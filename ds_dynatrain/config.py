@@ -72,6 +72,8 @@ class DynatrainConfig(_Strict):
         "rebuild", description="what the optimizer-moment transfer of a resize overlaps: 'none' (it completes "
         "before the engine is rebuilt), 'rebuild' (it runs while the DeepSpeed engine is rebuilt and completes "
         "before the resize returns), 'step' (it completes only before the first optimizer step on the new world)")
+    leaver_nice: int = Field(19, ge=0, le=19, description="a process that leaves the job at a resize raises its "
+                             "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors")
     spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
                                        "early, so their start-up overlaps training")
 

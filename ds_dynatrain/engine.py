@@ -23,6 +23,7 @@ A resize at a step boundary (DESIGN.md "Hot switch"):
 from __future__ import annotations
 
 import copy
+import os
 import random
 import re
 import time
@@ -478,6 +479,12 @@ class ElasticEngine(DeepSpeedEngine):
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
         }
         basic, scheduler, model = self.optimizer.optimizer, self.lr_scheduler, self.module
+        if not stays and dt.config.leaver_nice:
+            # the rest of a leaver's life (teardown, then an interpreter exit with torch loaded:
+            # about 0.5 s of CPU) must not slow the survivors' rebuild and first steps where they
+            # share the host. Linux sets the nice value per thread: this one only, not the threads
+            # still sending the leaver's partitions.
+            os.nice(dt.config.leaver_nice)
         t = clock()
         teardown(self)
         if not stays:

@@ -20,6 +20,9 @@ FULL_SECTION = {
     "collective_timeout_s": 30.5,
     "join_timeout_s": 120,
     "spawn_lookahead_steps": 0,
+    "max_inflight_bytes": 1 << 20,
+    "transfer_overlap": "step",
+    "leaver_nice": 0,
 }
 
 DS_CONFIG = {
@@ -81,6 +84,10 @@ REFUSED = [
      "resize_schedule steps must increase strictly; got 20 then 10"),
     ({"resize_schedule": [{"step": 1, "world_size": 3}, {"step": 9, "world_size": 2}, {"step": 4, "world_size": 1}]},
      "got 9 then 4"),
+    ({"transfer_overlap": "forward"}, "dynatrain.transfer_overlap:"),
+    ({"max_inflight_bytes": 16}, "dynatrain.max_inflight_bytes:"),
+    ({"max_inflight_bytes": 1.5e9}, "dynatrain.max_inflight_bytes:"),
+    ({"leaver_nice": 20}, "dynatrain.leaver_nice:"),
     ({"snapshot": {"interval_steps": 5}}, "snapshot.dir is required when snapshot.interval_steps > 0"),
     ({"snapshot": {"interval_steps": 5, "dir": ""}}, "snapshot.dir is required"),
 ]
