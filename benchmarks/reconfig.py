@@ -272,7 +272,11 @@ def transition(n: int, m: int, a, work: str, link: dict) -> dict:
         "ratio": route / ours_s if ours_s > 0 else None,
         "link_gbps": link["link_gbps"], "bound_s": bound_s,
         "transfer_vs_bound": rec["transfer_s"] / bound_s if bound_s > 0 else None,
-        "peak_extra_bytes": rec.get("peak_extra_bytes"), "record": rec,
+        "peak_extra_bytes": rec.get("peak_extra_bytes"),
+        # the issue's memory bound: max(max_inflight_bytes, 1.25 x the largest local partition),
+        # a partition being one rank's fp32 master and two Adam moments at the smaller world size
+        "peak_bound_bytes": max(256 << 20, int(1.25 * math.ceil(ours["params"] / min(n, m)) * 12)),
+        "record": rec,
     }
 
 
@@ -293,12 +297,12 @@ def print_table(results: List[dict], a) -> None:
     short = {"first_step_excess_s": "excess"}
     print("\nours (seconds)")
     head = f"{'transition':<10} {'ours':>8} " + " ".join(f"{short.get(c, c[:-2]):>9}" for c in cols)
-    print(head + f" {'moved MiB':>10} {'GB/s':>7} {'bound':>8} {'xfer/bound':>10} {'peak+ MiB':>9}")
+    print(head + f" {'moved MiB':>10} {'GB/s':>7} {'bound':>8} {'xfer/bound':>10} {'peak+ MiB':>9} {'limit MiB':>9}")
     for r in results:
         peak = r["peak_extra_bytes"] / 2**20 if r["peak_extra_bytes"] is not None else None
         print(f"{r['transition']:<10} {r['ours_s']:>8.3f} " + " ".join(fmt(r.get(c), ".3f", 9) for c in cols)
               + f" {r['bytes_moved'] / 2**20:>10.1f} {fmt(r['transfer_gbps'], '.2f', 7)} {r['bound_s']:>8.3f}"
-              f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(peak, '.1f', 9)}")
+              f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(peak, '.1f', 9)} {r['peak_bound_bytes'] / 2**20:>9.0f}")
     print("\nDeepSpeed's route: save_checkpoint -> ds_to_universal -> relaunch with load_universal (seconds)")
     print(f"{'transition':<10} {'route':>8} {'save':>8} {'convert':>8} {'relaunch':>9} "
           f"{'(start':>7} {'load':>7} {'step)':>7} {'ckpt MiB':>9} {'iter N':>7} {'iter M':>7} {'ratio':>7}")

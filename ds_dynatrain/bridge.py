@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -178,41 +178,32 @@ def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scal
         opt._lazy_init_hp_params_optimizer_state()
 
 
-def inject_partitions(engine, state: PartitionState) -> None:
-    """Install received partitions into a freshly built engine of the new layout: the fp32 master
-    (:func:`install_master`, when present) and the optimizer state
-    (:func:`install_optimizer_state`). The low-precision working copies need nothing: DeepSpeed's
-    engine set-up made them from the same values.
-
-    Raises:
-        LayoutMismatchError: a received partition has another size than the engine's.
-    """
-    if all(MASTER in t for t in state.tensors):
-        install_master(engine, [t[MASTER] for t in state.tensors])
-    install_optimizer_state(engine, state.tensors, state.scalars)
-
-
 @contextmanager
-def light_rebuild():
+def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
     """While building a ZeRO-1/2 optimizer whose state is installed right after (a resize):
 
     * skip ``DeepSpeedZeroOptimizer.initialize_optimizer_states``: without offload and for
       optimizers that create their state lazily (everything but Adagrad), it only allocates a
       zero gradient partition and drops it again (deepspeed/runtime/zero/stage_1_and_2.py),
       which costs a full partition's page faults on the resize's critical path;
-    * flatten the parameter groups in place when they already lie in one long-enough buffer in
-      the order and padding DeepSpeed asks for (:func:`flat_in_place`; after a shrink).
+    * flatten the parameter groups in place when they already lie in one of ``reuse_flat`` (the
+      old engine's flat buffers), long enough and in the order and padding DeepSpeed asks for
+      (:func:`flat_in_place`; after a shrink). Parameters anywhere else are copied as DeepSpeed
+      does: a client's own memory is never taken over.
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     init_states = DeepSpeedZeroOptimizer.initialize_optimizer_states
     flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+    owned = {t.untyped_storage().data_ptr() for t in reuse_flat}
 
     def initialize_optimizer_states(self):
         if self.cpu_offload or isinstance(self.optimizer, torch.optim.Adagrad):
             return init_states(self)
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
-        reused = None if use_cpu_data else flat_in_place(tensor_list, alignment, param_padding)
+        reused = None
+        if not use_cpu_data and tensor_list and tensor_list[0].untyped_storage().data_ptr() in owned:
+            reused = flat_in_place(tensor_list, alignment, param_padding)
         return reused if reused is not None else flatten(self, tensor_list, alignment, use_cpu_data, param_padding)
 
     DeepSpeedZeroOptimizer.initialize_optimizer_states = initialize_optimizer_states

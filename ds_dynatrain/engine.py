@@ -13,12 +13,16 @@ A resize at a step boundary (DESIGN.md "Hot switch"):
 2. ranks are assigned (old rank ``r`` stays ``r``; the highest leave; joiners come last) and the
    planner intersects the old and new :class:`~ds_dynatrain.layout.ZeroLayout`;
 3. grow: the joiners (started by the launcher agent, ahead of time) and the survivors form the
-   new generation's process group; shrink: the old group is the transition group;
-4. rank 0 broadcasts a header (plan inputs, non-tensor state) and every process checks it agrees
-   (plan digest, model layout) before any byte moves; a disagreement is the same error everywhere;
-5. the transition engine moves fp32 master partitions and optimizer moments by the plan;
+   new generation's process group;
+4. rank 0 broadcasts a header (plan inputs, chunk size, non-tensor state) and every process
+   checks it agrees (plan digest, model layout) before any byte moves; a disagreement is the same
+   error everywhere;
+5. the transition engine moves, over a private gloo group of the old members and the joiners,
+   the fp32 master partitions (bf16/fp16 training only: in fp32 the rebuild copies them from the
+   working parameters) and then, in a background thread, the optimizer moments;
 6. leavers detach and stop iterating; survivors re-form the process group (shrink), rebuild the
-   engine in place and inject the received partitions, counters, scheduler and RNG state.
+   engine in place (:func:`~ds_dynatrain.bridge.light_rebuild`) and install the received
+   partitions, counters, scheduler and RNG state (``transfer_overlap``).
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ class ElasticState:
     resizes: List[dict] = field(default_factory=list)
     pending: Optional["PendingResize"] = None  # a resize whose optimizer-state transfer still runs
     rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (see ElasticEngine._broadcast_model)
+    failed: Optional[str] = None  # why the last resize's transfer failed (the engine then refuses to train)
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -102,18 +107,19 @@ def ds_config_for(dt: ElasticState, split: BatchSplit, client_objects: bool) -> 
 
 
 def construct(engine: "ElasticEngine", dt: ElasticState, model, optimizer, model_parameters, lr_scheduler,
-              ds_config: dict, light: bool = False) -> None:
+              ds_config: dict, light: bool = False, reuse_flat=()) -> None:
     """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt).
 
     ``light``: the optimizer state is installed right after (a resize), so DeepSpeed's
-    throw-away state initialisation is skipped (:func:`~ds_dynatrain.bridge.light_rebuild`).
+    throw-away state initialisation is skipped (:func:`~ds_dynatrain.bridge.light_rebuild`);
+    ``reuse_flat``: the old engine's flat parameter buffers, which the new one may keep.
     """
     import contextlib
     import deepspeed
     config_class = DeepSpeedConfig(ds_config)
     deepspeed.set_optimizer_flags(config_class, model)
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
-    with light_rebuild() if light else contextlib.nullcontext():
+    with light_rebuild(reuse_flat) if light else contextlib.nullcontext():
         DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer,
                                  model_parameters=model_parameters, training_data=None, lr_scheduler=lr_scheduler,
                                  mpu=None, dist_init_required=False, collate_fn=dt.collate_fn, config=ds_config,
@@ -278,8 +284,12 @@ class ElasticEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------------ step boundary
     def _require_member(self):
-        if getattr(self, "_dt", None) is not None and self._dt.retired:
-            raise NotAMemberError(f"member {self._dt.member} left the job at a resize; this engine cannot train")
+        dt = getattr(self, "_dt", None)
+        if dt is not None and dt.retired:
+            raise NotAMemberError(f"member {dt.member} left the job at a resize; this engine cannot train")
+        if dt is not None and dt.failed:
+            raise TransitionAbortedError(f"this engine's last resize failed, its optimizer state is incomplete: "
+                                         f"{dt.failed}")
 
     def _after_optimizer_step(self):
         dt = self._dt
@@ -386,9 +396,14 @@ class ElasticEngine(DeepSpeedEngine):
         pending = dt.pending if dt is not None else None
         if pending is None:
             return None
-        dt.pending = None
         t = time.perf_counter()
-        stats = pending.transfer.wait(dt.config.collective_timeout_s)
+        try:
+            stats = pending.transfer.wait()  # every wait inside is bounded by collective_timeout_s
+        except TransitionAbortedError as err:
+            dt.failed = str(err)  # the new partitions are incomplete: this engine must not train
+            dt.pending = None
+            raise
+        dt.pending = None
         waited = time.perf_counter() - t
         if pending.dests is not None:
             install_optimizer_state(self, [pending.dests[g] for g in sorted(pending.dests)], pending.scalars)
@@ -457,13 +472,15 @@ class ElasticEngine(DeepSpeedEngine):
         kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
         dests = allocate_partitions(plan, dt.member, kinds if master_moves else moment_kinds(kinds),
                                     state.tensors[0]["fp32"].dtype) if stays else None
-        ranks, xgroup, overlap = data_plane(plan, dt, dt.generation + 1, grow)
+        ranks, xgroup, overlap = data_plane(plan, dt, dt.generation + 1)
         plan_s += clock() - t
-        run = dict(sources=state.tensors, dests=dests, timeout_s=dt.config.collective_timeout_s,
-                   max_inflight_bytes=dt.config.max_inflight_bytes, ranks=ranks)
-        stats = execute_plan(plan, dt.member, xgroup, (MASTER,) if master_moves else (), **run)
         moments = moment_kinds(kinds)
-        transfer = start_plan(plan, dt.member, xgroup, moments, **run)
+        run = dict(dests=dests, timeout_s=dt.config.collective_timeout_s,
+                   max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
+        stats = execute_plan(plan, dt.member, xgroup, (MASTER,) if master_moves else (),
+                             sources=_only(state.tensors, (MASTER,)), **run)
+        # the background thread holds only the moments: the old master goes with the old engine
+        transfer = start_plan(plan, dt.member, xgroup, moments, sources=_only(state.tensors, moments), **run)
         if overlap == "none":
             transfer.wait(dt.config.collective_timeout_s)
 
@@ -479,6 +496,7 @@ class ElasticEngine(DeepSpeedEngine):
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
         }
         basic, scheduler, model = self.optimizer.optimizer, self.lr_scheduler, self.module
+        old_flat = tuple(zero_optimizer_of(self).bit16_groups_flat)
         if not stays and dt.config.leaver_nice:
             # the rest of a leaver's life (teardown, then an interpreter exit with torch loaded:
             # about 0.5 s of CPU) must not slow the survivors' rebuild and first steps where they
@@ -506,7 +524,9 @@ class ElasticEngine(DeepSpeedEngine):
         dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
         dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members) \
             if grow else "none"
-        construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True)
+        construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True,
+                  reuse_flat=old_flat)
+        old_flat = None
         returned = dt.returned_optimizer
         if returned is not None and returned is not self.optimizer:
             # the optimizer object handed out at start shares the rebuilt optimizer's state
@@ -536,6 +556,7 @@ class ElasticEngine(DeepSpeedEngine):
             "new_members": list(plan.new_members),
             "kinds": list(state_kinds(state)),
             "master_moves": not master_from_working(self),
+            "max_inflight_bytes": self._dt.config.max_inflight_bytes,
             "dtype": str(state.tensors[0]["fp32"].dtype).replace("torch.", ""),
             "scalars": state.scalars,
             "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -587,22 +608,21 @@ def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict
     return out
 
 
-def data_plane(plan: Plan, dt: ElasticState, generation: int, grow: bool):
-    """``(ranks, group, overlap)`` of a transition: the member of each rank, the process-group
-    object the bytes go through, and the ``transfer_overlap`` mode that applies.
+def data_plane(plan: Plan, dt: ElasticState, generation: int):
+    """``(ranks, group, overlap)`` of the transition into ``generation``: the member of each rank,
+    the private gloo group the bytes go through (:func:`transition_group`), and the
+    ``transfer_overlap`` mode that applies. State on an accelerator is staged through host
+    buffers and completes before the rebuild (overlap ``"none"``): a background thread would
+    copy device memory on another stream than training's."""
+    ranks = transition_ranks(plan)
+    group = transition_group(dt.membership.store, generation, ranks, dt.member, dt.config.collective_timeout_s)
+    on_host = get_accelerator().device_name() == "cpu"
+    return ranks, group, dt.config.transfer_overlap if on_host else "none"
 
-    State in host memory goes through a private gloo group (:func:`transition_group`) and may
-    overlap the rebuild. State on an accelerator goes through the current default group (NCCL
-    moves device memory; the old group for a shrink, the new one for a grow) and completes
-    before that group is replaced (overlap ``"none"``).
-    """
-    if get_accelerator().device_name() == "cpu":
-        ranks = transition_ranks(plan)
-        group = transition_group(dt.membership.store, generation, ranks, dt.member,
-                                 dt.config.collective_timeout_s)
-        return ranks, group, dt.config.transfer_overlap
-    ranks = plan.new_members if grow else plan.old_members
-    return ranks, tdist.distributed_c10d._get_default_group(), "none"
+
+def _only(parts: List[Dict[str, torch.Tensor]], kinds) -> List[Dict[str, torch.Tensor]]:
+    """``parts`` restricted to ``kinds`` (references, no copies)."""
+    return [{k: g[k] for k in kinds if k in g} for g in parts]
 
 
 def moment_kinds(kinds) -> Tuple[str, ...]:

@@ -294,9 +294,9 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
     kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
     moments = moment_kinds(kinds)
     dests = allocate_partitions(plan, ctx.member, kinds if master_moves else moments, getattr(torch, header["dtype"]))
-    ranks, xgroup, overlap = data_plane(plan, dt, rec.generation, grow=True)
-    run = dict(sources=None, dests=dests, timeout_s=cfg.collective_timeout_s, max_inflight_bytes=cfg.max_inflight_bytes,
-               ranks=ranks)
+    ranks, xgroup, overlap = data_plane(plan, dt, rec.generation)
+    run = dict(sources=None, dests=dests, timeout_s=cfg.collective_timeout_s,
+               max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
     execute_plan(plan, ctx.member, xgroup, (MASTER,) if master_moves else (), **run)
     transfer = start_plan(plan, ctx.member, xgroup, moments, **run)
     if overlap == "none":

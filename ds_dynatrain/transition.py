@@ -20,10 +20,10 @@ It moves bytes and interprets nothing (DynaTrain, "State Transition Engine"):
   :attr:`TransitionStats.peak_staging_bytes` records the largest packing footprint.
 * **Timeouts.** Every wait has a timeout; an error names the peer, the step and the chunk.
 
-The data plane is any ``torch.distributed`` process-group object with ``send``/``recv``
-(:func:`transition_group` makes a private gloo group that survives the re-forming of the
-default group, so a transfer may continue in the background while the new engine is built:
-:func:`start_plan`).
+The data plane is a gloo process-group object (:func:`transition_group` makes a private one that
+survives the re-forming of the default group, so a transfer may continue in the background while
+the new engine is built: :func:`start_plan`). Partitions on an accelerator are staged through host
+buffers.
 """
 from __future__ import annotations
 
@@ -152,9 +152,12 @@ class _Stream:
             i += 1
 
     def view(self, a: int, b: int) -> Optional[torch.Tensor]:
-        """The range ``[a, b)`` as one view when it lies inside one slice, else None."""
+        """The range ``[a, b)`` as one view when it lies inside one host-memory slice, else None
+        (slices on an accelerator are staged through host buffers: the data plane is gloo)."""
         pieces = list(self.pieces(a, b))
-        return pieces[0][0] if len(pieces) == 1 and pieces[0][0].numel() == b - a else None
+        if len(pieces) == 1 and pieces[0][0].numel() == b - a and pieces[0][0].device.type == "cpu":
+            return pieces[0][0]
+        return None
 
 
 def _state_dtype(kinds, *parts_list):
@@ -173,7 +176,7 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
                  sources: Optional[Dict[int, Dict[str, torch.Tensor]]],
                  dests: Optional[Dict[int, Dict[str, torch.Tensor]]], timeout_s: float,
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                 ranks: Optional[Sequence[str]] = None) -> TransitionStats:
+                 ranks: Optional[Sequence[str]] = None, progress: Optional[dict] = None) -> TransitionStats:
     """Move this process's share of ``plan``: keeps, then the XOR-paired exchanges.
 
     Args:
@@ -190,6 +193,7 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
         max_inflight_bytes: bound of the bytes in flight (sent plus received, packing buffers
             included) per process at any moment; at least one element each way.
         ranks: member of each rank of ``group`` (default :func:`transition_ranks`).
+        progress: if given, updated with the peer and stage being exchanged (for reports).
 
     Returns:
         :class:`TransitionStats` of this process.
@@ -200,6 +204,7 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
     """
     t0 = time.perf_counter()
     stats = TransitionStats()
+    progress = progress if progress is not None else {}
     kinds = tuple(kinds)
     if not kinds:
         return stats
@@ -234,6 +239,7 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
             if fault_hook is not None:
                 fault_hook(step, c)
             where = f"step {step}, chunk {c + 1}/{nchunks}"
+            progress.update(peer=peer, where=where)
             staging = 0
             rbuf = rview = None
             works = []
@@ -283,6 +289,8 @@ class PendingTransition:
         self._error: Optional[BaseException] = None
         self.started = time.perf_counter()
         self.finished: Optional[float] = None
+        self.progress: dict = {}
+        kwargs["progress"] = self.progress
 
         def run():
             try:
@@ -301,13 +309,18 @@ class PendingTransition:
     def wait(self, timeout_s: Optional[float] = None) -> TransitionStats:
         """Block until the transfer is complete; returns its stats.
 
+        Every wait inside the transfer has its own timeout, so without ``timeout_s`` this
+        returns or raises within (number of messages) x the per-message timeout.
+
         Raises:
-            TransitionAbortedError: the transfer failed (the background error), or it did not
-                finish within ``timeout_s`` seconds.
+            TransitionAbortedError: the transfer failed (the background error, naming the peer,
+                step and chunk), or it did not finish within ``timeout_s`` seconds.
         """
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TransitionAbortedError(f"transition: background transfer still running after {timeout_s:.0f} s")
+            raise TransitionAbortedError(
+                f"transition: background transfer still running after {timeout_s:.0f} s, exchanging with member "
+                f"{self.progress.get('peer')} at {self.progress.get('where')}")
         if self._error is not None:
             if isinstance(self._error, TransitionAbortedError):
                 raise TransitionAbortedError(str(self._error)) from self._error

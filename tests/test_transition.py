@@ -32,10 +32,13 @@ def test_schedule_pairs_every_pair_exactly_once(n):
 
 
 def test_schedule_covers_every_sender_receiver_of_plans():
+    """Walk each process's loop as ``execute_plan`` does (step 1.., peer = rank XOR step) over
+    random plans: every (sender, receiver) pair of the plan is met exactly once by the sender and
+    once by the receiver, in the same step; nothing is met that the plan does not hold."""
     rnd = random.Random(5)
-    groups = ((ParamMeta("a", (rnd.randint(1, 90), 7), "float32"), ParamMeta("b", (1,), "float32")),
-              (ParamMeta("c", (33,), "float32"),))
-    for _ in range(60):
+    for _ in range(80):
+        groups = ((ParamMeta("a", (rnd.randint(1, 90), 7), "float32"), ParamMeta("b", (1,), "float32")),
+                  (ParamMeta("c", (rnd.randint(1, 60),), "float32"),))
         a, b = rnd.randint(1, 12), rnd.randint(1, 12)
         old = ZeroLayout(a, groups, False, False, 2)
         olds = tuple(f"m{i}" for i in range(a))
@@ -43,15 +46,21 @@ def test_schedule_covers_every_sender_receiver_of_plans():
                                assign_members(olds, b, tuple(f"j{i}" for i in range(max(0, b - a)))))
         ranks = transition_ranks(plan)
         n = len(ranks)
-        step_of = {}
-        for s, pairs in enumerate(pair_schedule(n), start=1):
-            for i, j in pairs:
-                step_of[(i, j)] = step_of[(j, i)] = s
-        for t in plan.transfers:
-            if plan.is_keep(t):
-                continue
-            i, j = ranks.index(plan.old_members[t.src]), ranks.index(plan.new_members[t.dst])
-            assert (i, j) in step_of  # the pair meets once, in that step
+        sent, received = {}, {}  # (sender, receiver) -> steps in which each side handled it
+        for me, member in enumerate(ranks):
+            sends, recvs = plan.sends_of(member), plan.receives_of(member)
+            for step in range(1, next_pow2(n)):
+                p = peer_at(me, step, n)
+                if p is None:
+                    continue
+                if ranks[p] in sends:
+                    sent.setdefault((member, ranks[p]), []).append(step)
+                if ranks[p] in recvs:
+                    received.setdefault((ranks[p], member), []).append(step)
+        want = {(plan.old_members[t.src], plan.new_members[t.dst]) for t in plan.transfers if not plan.is_keep(t)}
+        assert set(sent) == set(received) == want
+        for pair in want:
+            assert len(sent[pair]) == 1 and sent[pair] == received[pair], pair
 
 
 @settings(max_examples=300, deadline=None)
@@ -100,9 +109,11 @@ def test_transitions_between_1_and_4_processes(tmp_path):
     assert len(transitions) == 12
 
 
-def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
     jobs = run_plain(tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4,
-                     ["--mode", "die", "--victim", "1", "--out", str(tmp_path)], timeout=90)
+                     ["--mode", "die", "--victim", "1", "--out", str(tmp_path)] + (["--background"] if background else []),
+                     timeout=90)
     assert jobs[1].returncode == 17  # the victim vanished as injected
     with open(tmp_path / "rank0.json") as f:
         res = json.load(f)[0]

@@ -83,6 +83,7 @@ def main():
     p.add_argument("--mode", choices=["all", "die"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--victim", type=int, default=1)
+    p.add_argument("--background", action="store_true", help="mode die: run the transfer in a background thread")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
@@ -107,7 +108,7 @@ def main():
             transition.fault_hook = die
         t = time.perf_counter()
         try:
-            results.append(one(store, 0, 3, 1, me, 64, False))
+            results.append(one(store, 0, 3, 1, me, 64, a.background))
         except TransitionAbortedError as err:
             results.append({"error": str(err), "seconds": time.perf_counter() - t})
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
