@@ -482,7 +482,7 @@ class ElasticEngine(DeepSpeedEngine):
         # the background thread holds only the moments: the old master goes with the old engine
         transfer = start_plan(plan, dt.member, xgroup, moments, sources=_only(state.tensors, moments), **run)
         if overlap == "none":
-            transfer.wait(dt.config.collective_timeout_s)
+            transfer.wait()  # every wait inside is bounded by collective_timeout_s
 
         elsize = state.tensors[0]["fp32"].element_size()
         moved_kinds = len(kinds) if master_moves else len(moments)

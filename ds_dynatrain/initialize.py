@@ -300,7 +300,7 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
     execute_plan(plan, ctx.member, xgroup, (MASTER,) if master_moves else (), **run)
     transfer = start_plan(plan, ctx.member, xgroup, moments, **run)
     if overlap == "none":
-        transfer.wait(cfg.collective_timeout_s)
+        transfer.wait()  # every wait inside is bounded by collective_timeout_s
     dt.members = plan.new_members
     dt.generation = rec.generation
     dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members)
