@@ -469,23 +469,12 @@ class ElasticEngine(DeepSpeedEngine):
             group_s += clock() - t
         t = clock()
         header = agree_on_header(header, lambda h: "plan digest differs" if h["digest"] != plan.digest() else None)
-        kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
-        dests = allocate_partitions(plan, dt.member, kinds if master_moves else moment_kinds(kinds),
-                                    state.tensors[0]["fp32"].dtype) if stays else None
-        ranks, xgroup, overlap = data_plane(plan, dt, dt.generation + 1)
         plan_s += clock() - t
-        moments = moment_kinds(kinds)
-        run = dict(dests=dests, timeout_s=dt.config.collective_timeout_s,
-                   max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
-        stats = execute_plan(plan, dt.member, xgroup, (MASTER,) if master_moves else (),
-                             sources=_only(state.tensors, (MASTER,)), **run)
-        # the background thread holds only the moments: the old master goes with the old engine
-        transfer = start_plan(plan, dt.member, xgroup, moments, sources=_only(state.tensors, moments), **run)
-        if overlap == "none":
-            transfer.wait()  # every wait inside is bounded by collective_timeout_s
+        dests, stats, transfer, overlap = begin_transition(plan, dt, dt.generation + 1, header,
+                                                           state.tensors, stays)
 
         elsize = state.tensors[0]["fp32"].element_size()
-        moved_kinds = len(kinds) if master_moves else len(moments)
+        moved_kinds = len(header["kinds"]) if header["master_moves"] else len(moment_kinds(header["kinds"]))
         record = {
             "event": "resize", "step": self.global_steps, "from": old_ws, "to": world_size,
             "bytes_moved": plan.numel_moved * elsize * moved_kinds, "bytes_kept": plan.numel_kept * elsize * moved_kinds,
@@ -522,8 +511,7 @@ class ElasticEngine(DeepSpeedEngine):
         t = clock()
         dt.members = plan.new_members
         dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
-        dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members) \
-            if grow else "none"
+        dt.rebuild_broadcast = plan.survivor_ranks if grow else "none"
         construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True,
                   reuse_flat=old_flat)
         old_flat = None
@@ -536,14 +524,12 @@ class ElasticEngine(DeepSpeedEngine):
         rebuild_s += clock() - t
         dt.pending = PendingResize(transfer, dests, header["scalars"], record, rss_base)
         record.update(group_s=group_s, rebuild_s=rebuild_s)
-        state = run = None  # the old partitions go as soon as the transfer is done with them
-        if overlap != "step":
+        state = None  # the old partitions go as soon as the transfer is done with them
+        if overlap != "step" or transfer.done():
             self._complete_pending()
         record["seconds"] = clock() - t0
         if dt.pending is None:
-            self._publish(record)
-        elif transfer.done():
-            self.wait_transition()
+            self._publish(record)  # else wait_transition publishes it
         return record
 
     def _header(self, plan: Plan, state: PartitionState) -> dict:
@@ -620,9 +606,40 @@ def data_plane(plan: Plan, dt: ElasticState, generation: int):
     return ranks, group, dt.config.transfer_overlap if on_host else "none"
 
 
-def _only(parts: List[Dict[str, torch.Tensor]], kinds) -> List[Dict[str, torch.Tensor]]:
-    """``parts`` restricted to ``kinds`` (references, no copies)."""
-    return [{k: g[k] for k in kinds if k in g} for g in parts]
+def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: dict, sources, receives: bool):
+    """Start moving this process's share of ``plan`` into ``generation`` (survivors, leavers and
+    joiners alike, after the header is agreed).
+
+    The master partitions move first when the header says they must (bf16/fp16 training); the
+    optimizer moments then move in a background thread, waited for here when the
+    ``transfer_overlap`` that applies is ``"none"``.
+
+    Args:
+        sources: this process's old partitions (``PartitionState.tensors``), None for a joiner.
+        receives: whether this process is in the new world (its new partitions are allocated).
+
+    Returns:
+        ``(dests, stats of the master phase, PendingTransition of the moments, overlap mode)``.
+    """
+    kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
+    moments = moment_kinds(kinds)
+    dests = allocate_partitions(plan, dt.member, kinds if master_moves else moments,
+                                getattr(torch, header["dtype"])) if receives else None
+    ranks, group, overlap = data_plane(plan, dt, generation)
+    run = dict(dests=dests, timeout_s=dt.config.collective_timeout_s,
+               max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
+    stats = execute_plan(plan, dt.member, group, (MASTER,) if master_moves else (),
+                         sources=_only(sources, (MASTER,)), **run)
+    # the background thread holds only the moments: the old master goes with the old engine
+    transfer = start_plan(plan, dt.member, group, moments, sources=_only(sources, moments), **run)
+    if overlap == "none":
+        transfer.wait()  # every wait inside is bounded by collective_timeout_s
+    return dests, stats, transfer, overlap
+
+
+def _only(parts: Optional[List[Dict[str, torch.Tensor]]], kinds) -> Optional[List[Dict[str, torch.Tensor]]]:
+    """``parts`` restricted to ``kinds`` (references, no copies); None stays None."""
+    return None if parts is None else [{k: g[k] for k in kinds if k in g} for g in parts]
 
 
 def moment_kinds(kinds) -> Tuple[str, ...]:

@@ -7,17 +7,16 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .batch import split_global_batch
-from .bridge import MASTER, layout_for_model
+from .bridge import layout_for_model
 from .config import ConfigError, load_ds_config
-from .engine import (ElasticEngine, ElasticState, PendingResize, agree_on_header, allocate_partitions, construct,
-                     data_plane, ds_config_for, install_state, moment_kinds)
+from .engine import (ElasticEngine, ElasticState, PendingResize, agree_on_header, begin_transition, construct,
+                     ds_config_for, install_state)
 from .errors import NotAMemberError, ResizeRefusedError
 from .launch_env import LaunchContext, member_id
 from .layout import ZeroLayout
 from .membership import GenerationRecord, Membership
 from .metrics import MetricsWriter, logger
 from .planner import plan_transition
-from .transition import execute_plan, start_plan
 
 
 def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
@@ -291,19 +290,10 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
 
     header = agree_on_header(None, check)
     plan = box["plan"]
-    kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
-    moments = moment_kinds(kinds)
-    dests = allocate_partitions(plan, ctx.member, kinds if master_moves else moments, getattr(torch, header["dtype"]))
-    ranks, xgroup, overlap = data_plane(plan, dt, rec.generation)
-    run = dict(sources=None, dests=dests, timeout_s=cfg.collective_timeout_s,
-               max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
-    execute_plan(plan, ctx.member, xgroup, (MASTER,) if master_moves else (), **run)
-    transfer = start_plan(plan, ctx.member, xgroup, moments, **run)
-    if overlap == "none":
-        transfer.wait()  # every wait inside is bounded by collective_timeout_s
+    dests, _, transfer, overlap = begin_transition(plan, dt, rec.generation, header, None, receives=True)
     dt.members = plan.new_members
     dt.generation = rec.generation
-    dt.rebuild_broadcast = tuple(plan.new_members.index(m) for m in plan.old_members if m in plan.new_members)
+    dt.rebuild_broadcast = plan.survivor_ranks
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
               ds_config_for(dt, dt.split(rec.world_size), client_objects=False), light=True)
     install_state(engine, header, dests, joiner=True)

@@ -83,6 +83,12 @@ class Plan:
         return tuple(m for m in self.new_members if m not in old)
 
     @property
+    def survivor_ranks(self) -> Tuple[int, ...]:
+        """New ranks of the processes that were in the old world too, in old-rank order."""
+        new = {m: r for r, m in enumerate(self.new_members)}
+        return tuple(new[m] for m in self.old_members if m in new)
+
+    @property
     def leavers(self) -> Tuple[str, ...]:
         new = set(self.new_members)
         return tuple(m for m in self.old_members if m not in new)
