@@ -533,8 +533,15 @@ class ElasticEngine(DeepSpeedEngine):
         return record
 
     def _header(self, plan: Plan, state: PartitionState) -> dict:
-        """Rank 0's account of the transition and of the non-tensor training state."""
+        """Rank 0's account of the transition and of the non-tensor training state.
+
+        ``loss_scaler``: the attributes of the ZeRO optimizer's loss scaler (DeepSpeed's
+        ``DynamicLossScaler`` in fp16: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
+        ``cur_hysteresis``, ...; a static ``LossScaler`` of 1 in bf16/fp32). Every rebuilt engine
+        starts with a fresh scaler, so every process of the new world installs rank 0's.
+        """
         sched = self.lr_scheduler
+        scaler = getattr(self.optimizer, "loss_scaler", None)
         return {
             "digest": plan.digest(),
             "old_layout": plan.old_layout.to_dict(),
@@ -551,6 +558,7 @@ class ElasticEngine(DeepSpeedEngine):
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in self.optimizer.optimizer.param_groups],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "loss_scaler": None if scaler is None else {"class": type(scaler).__name__, "state": dict(vars(scaler))},
         }
 
 
@@ -739,9 +747,20 @@ def teardown(engine: ElasticEngine) -> None:
 
 def install_state(engine: ElasticEngine, header: dict, dests, joiner: bool) -> None:
     """Put the received master partitions (when they were moved) and rank 0's non-tensor state
-    into a freshly built engine. The optimizer moments follow in :meth:`ElasticEngine.wait_transition`."""
+    into a freshly built engine. The optimizer moments follow in :meth:`ElasticEngine.wait_transition`.
+
+    Raises:
+        DynatrainError: the rebuilt engine's loss scaler is of another kind than rank 0's.
+    """
     if dests is not None and all(MASTER in dests[g] for g in dests):
         install_master(engine, [dests[g][MASTER] for g in sorted(dests)])
+    sent = header.get("loss_scaler")
+    if sent is not None:  # survivors and joiners alike: the rebuild made a fresh scaler
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        if type(scaler).__name__ != sent["class"]:
+            raise DynatrainError(f"rank 0's loss scaler is a {sent['class']}, this rebuilt engine's a "
+                                 f"{type(scaler).__name__}: the processes run different configs")
+        scaler.__dict__.update(sent["state"])
     c = header["counters"]
     engine.global_steps = c["global_steps"]
     engine.global_samples = c["global_samples"]
