@@ -1,7 +1,8 @@
 """The DeepSpeed bridge: reads ZeRO geometry and state out of a live engine and puts state back.
 
 Everything that touches DeepSpeed internals lives here (``DeepSpeedZeroOptimizer`` of
-``deepspeed/runtime/zero/stage_1_and_2.py``, the ``_hp_mapping`` fragments of
+``deepspeed/runtime/zero/stage_1_and_2.py``, ``DeepSpeedZeroOptimizer_Stage3`` of
+``deepspeed/runtime/zero/stage3.py`` and its partitioned parameters, the ``_hp_mapping`` fragments of
 ``deepspeed/utils/tensor_fragment.py``, the cached groups of ``deepspeed.utils.groups`` and the
 comm backend of ``deepspeed.comm``), so the rest of the plugin deals in layouts and flat tensors.
 """
@@ -20,26 +21,71 @@ MASTER = "fp32"  # state kind of the fp32 master partition
 
 
 def zero_optimizer_of(engine):
-    """The engine's ZeRO-1/2 optimizer wrapper.
+    """The engine's ZeRO optimizer wrapper (stage 1/2 ``DeepSpeedZeroOptimizer`` or stage 3
+    ``DeepSpeedZeroOptimizer_Stage3``).
 
     Raises:
-        DynatrainError: the engine does not run ZeRO stage 1 or 2.
+        DynatrainError: the engine does not run ZeRO stage 1, 2 or 3.
     """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     opt = engine.optimizer
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
-        raise DynatrainError(f"online resizing needs ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer); the engine runs "
+    if not isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        raise DynatrainError(f"online resizing needs ZeRO stage 1, 2 or 3; the engine runs "
                              f"{type(opt).__name__} at ZeRO stage {engine.zero_optimization_stage()}")
     return opt
 
 
+def is_zero3(opt) -> bool:
+    """Whether ``opt`` (from :func:`zero_optimizer_of`) is the stage-3 optimizer."""
+    return hasattr(opt, "fp32_partitioned_groups_flat")
+
+
+def fp32_partitions(opt) -> List[torch.Tensor]:
+    """This rank's fp32 master partitions, one 1-D tensor per partition (the optimizer's
+    parameters): per parameter group at stages 1/2, per sub-group at stage 3."""
+    return list(opt.fp32_partitioned_groups_flat if is_zero3(opt) else opt.single_partition_of_fp32_groups)
+
+
+def working_partitions(opt) -> List[List[torch.nn.Parameter]]:
+    """Per partition (see :func:`fp32_partitions`), the model parameters it holds, in its order."""
+    return [list(g) for g in (opt.fp16_groups if is_zero3(opt) else opt.bit16_groups)]
+
+
+def trainable_groups(opt) -> List[List[torch.nn.Parameter]]:
+    """Per optimizer parameter group, its trainable parameters in group order."""
+    if not is_zero3(opt):
+        return [list(g) for g in opt.bit16_groups]
+    out: Dict[int, list] = {}
+    for i, sub in enumerate(opt.fp16_groups):
+        out.setdefault(opt.sub_group_to_group_id[i], []).extend(sub)
+    return [out[g] for g in sorted(out)]
+
+
 def layout_of(engine) -> ZeroLayout:
-    """The :class:`ZeroLayout` of a live ZeRO-1/2 engine, from its groups and config."""
+    """The :class:`ZeroLayout` of a live ZeRO-1/2/3 engine, from its groups and config.
+
+    Raises:
+        LayoutMismatchError: (stage 3) DeepSpeed's sub-groups differ from the computed ones.
+    """
     opt = zero_optimizer_of(engine)
     zcfg = engine._config.zero_config
-    groups = param_metas_from_groups(list(engine.module.named_parameters()), opt.bit16_groups)
-    return ZeroLayout(world_size=engine.dp_world_size, groups=groups, round_robin=bool(zcfg.round_robin_gradients),
-                      parameter_alignment=bool(zcfg.parameter_alignment), stage=engine.zero_optimization_stage())
+    named = list(engine.module.named_parameters())
+    if not is_zero3(opt):
+        groups = param_metas_from_groups(named, opt.bit16_groups)
+        return ZeroLayout(world_size=engine.dp_world_size, groups=groups,
+                          round_robin=bool(zcfg.round_robin_gradients),
+                          parameter_alignment=bool(zcfg.parameter_alignment), stage=engine.zero_optimization_stage())
+    groups = param_metas_from_groups(named, trainable_groups(opt))
+    layout = ZeroLayout(world_size=engine.dp_world_size, groups=groups, stage=3,
+                        sub_group_size=int(opt.sub_group_size))
+    names = {id(p): n for n, p in named}
+    real = [tuple(names[id(p)] for p in sub) for sub in opt.fp16_groups]
+    computed = [layout.partition_keys(b) for b in range(layout.num_partitions)]
+    if real != computed or [layout.partition_numel(b) for b in range(layout.num_partitions)] != [
+            int(n) for n in opt.fp16_partitioned_groups_flat_numel]:
+        raise LayoutMismatchError(f"DeepSpeed's ZeRO-3 sub-groups {real} differ from the computed {computed}")
+    return layout
 
 
 def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dtype: torch.dtype) -> ZeroLayout:
@@ -51,8 +97,11 @@ def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dty
     dname = str(dtype).replace("torch.", "")
     metas = tuple(tuple(type(m)(m.key, m.shape, dname) for m in g) for g in metas)
     z = ds_config.get("zero_optimization", {})
+    stage = int(z.get("stage", 0))
+    if stage == 3:
+        return ZeroLayout(world_size, metas, stage=3, sub_group_size=int(z.get("sub_group_size", 10**9)))
     return ZeroLayout(world_size, metas, bool(z.get("round_robin_gradients", False)),
-                      bool(z.get("parameter_alignment", False)), int(z.get("stage", 0)))
+                      bool(z.get("parameter_alignment", False)), stage)
 
 
 def engine_fragments(engine) -> Tuple[Fragment, ...]:
@@ -85,6 +134,19 @@ def engine_storage_fragments(engine) -> Tuple[Fragment, ...]:
     opt = zero_optimizer_of(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = []
+    if is_zero3(opt):
+        # each parameter's piece (ds_tensor) sits in its sub-group's flat partition; rank r's
+        # piece starts at r * piece of the parameter (partition_parameters.py ``_partition_param``)
+        from deepspeed import comm as dist
+        for b, flat in enumerate(opt.fp16_partitioned_groups_flat):
+            rank = dist.get_rank(group=opt.sub_group_process_groups[b])
+            for p in opt.fp16_groups[b]:
+                piece = p.partition_numel()
+                lo, hi = rank * piece, min((rank + 1) * piece, p.ds_numel)
+                if lo < hi:
+                    local = (p.ds_tensor.data_ptr() - flat.data_ptr()) // p.ds_tensor.element_size()
+                    out.append(Fragment(b, names[id(p)], lo, hi - lo, local))
+        return tuple(sorted(out, key=lambda f: (f.group, f.local)))
     for gi, flat in enumerate(opt.bit16_groups_flat):
         size = opt.single_partition_of_fp32_groups[gi].numel()
         lo_p = _dp_rank(opt, gi) * size
@@ -118,7 +180,7 @@ def extract_partitions(engine) -> PartitionState:
     """References (no copies) to this rank's fp32 master partitions and their optimizer states."""
     opt = zero_optimizer_of(engine)
     tensors, scalars = [], []
-    for fp32 in opt.single_partition_of_fp32_groups:
+    for fp32 in fp32_partitions(opt):
         state = opt.optimizer.state.get(fp32, {})
         kinds = {MASTER: fp32.detach()}
         sc = {}
@@ -140,7 +202,7 @@ def install_master(engine, masters: List[torch.Tensor]) -> None:
         LayoutMismatchError: a received partition has another size than the engine's.
     """
     opt = zero_optimizer_of(engine)
-    for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+    for gi, fp32 in enumerate(fp32_partitions(opt)):
         if masters[gi].numel() != fp32.numel():
             raise LayoutMismatchError(f"parameter group {gi}: received partition of {masters[gi].numel()} elements, "
                                       f"engine partition has {fp32.numel()}")
@@ -161,7 +223,7 @@ def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scal
     """
     opt = zero_optimizer_of(engine)
     any_state = False
-    for gi, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+    for gi, fp32 in enumerate(fp32_partitions(opt)):
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars[gi].items()}
         for k, v in tensors[gi].items():
             if k == MASTER:
@@ -173,7 +235,7 @@ def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scal
         if entry:
             opt.optimizer.state[fp32] = entry
             any_state = True
-    if any_state:
+    if any_state and not is_zero3(opt):  # stage 3 reads optimizer.state directly
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
 
@@ -261,9 +323,99 @@ def relink_optimizer_state(engine) -> None:
     next step; this repairs the links at once.
     """
     opt = zero_optimizer_of(engine)
+    if is_zero3(opt):
+        return
     if all(f in opt.optimizer.state for f in opt.single_partition_of_fp32_groups):
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
+
+
+def gather_whole_params(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter of a ZeRO-3 module, gathered whole (``name -> full tensor``, a copy in the
+    working dtype). Collective over the parameters' data-parallel group: every rank of the
+    engine calls it. One parameter at a time, so the transient memory is one parameter beyond
+    the copies.
+    """
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    out = {}
+    for name, p in module.named_parameters():
+        with GatheredParameters([p]):
+            out[name] = p.data.detach().clone()
+    return out
+
+
+# attributes DeepSpeed's ZeRO-3 attaches to modules besides those named ``ds_*``
+# (deepspeed/runtime/zero/parameter_offload.py, partition_parameters.py, deepspeed 0.19.8)
+ZERO3_MODULE_ATTRS = frozenset({"_external_params", "_original_parameters", "all_parameters",
+                                "applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn", "to_empty"})
+
+
+def client_attrs(module: torch.nn.Module) -> Dict[str, frozenset]:
+    """The attribute names of every parameter (``"param:<name>"``) and submodule
+    (``"module:<name>"``) of a model no engine has touched yet: what
+    :func:`release_zero3_params` keeps."""
+    out = {f"param:{n}": frozenset(vars(p)) for n, p in module.named_parameters()}
+    out.update({f"module:{n}": frozenset(vars(m)) for n, m in module.named_modules()})
+    return out
+
+
+def release_zero3_params(module: torch.nn.Module, whole: Dict[str, torch.Tensor],
+                         own_attrs: Dict[str, frozenset]) -> None:
+    """Turn the ZeRO-3 parameters of a detached engine back into plain parameters holding
+    ``whole`` (from :func:`gather_whole_params`), so a new engine partitions them afresh.
+
+    DeepSpeed's ZeRO-3 set-up skips parameters and modules that carry its attributes (it treats
+    them as converted already; a module keeps backward hooks bound to the old engine), so:
+
+    * every attribute DeepSpeed attached to a parameter (``ds_tensor``, ``ds_id``,
+      ``all_gather``, ...) is removed, keeping those in ``own_attrs`` (:func:`client_attrs`);
+    * every ``ds_*`` attribute and those of :data:`ZERO3_MODULE_ATTRS` are removed from the
+      submodules (again keeping the client's own), and each module's parameter dict is a plain
+      dict again (ZeRO-3 replaces it with one that gathers on access).
+
+    The Parameter objects stay the same, so tied parameters stay tied and references held by
+    the caller stay valid.
+
+    Raises:
+        LayoutMismatchError: ``whole`` lacks a parameter of the module.
+    """
+    from deepspeed.runtime.zero import parameter_offload
+    for name, p in module.named_parameters():
+        if name not in whole:
+            raise LayoutMismatchError(f"no whole copy of parameter {name} to rebuild the ZeRO-3 engine from")
+        keep = own_attrs.get(f"param:{name}", frozenset())
+        for attr in list(vars(p)):
+            if attr not in keep:
+                delattr(p, attr)
+        p.data = whole[name]
+    for name, m in module.named_modules():
+        keep = own_attrs.get(f"module:{name}", frozenset())
+        for attr in list(vars(m)):
+            if attr not in keep and (attr.startswith("ds_") or attr in ZERO3_MODULE_ATTRS):
+                delattr(m, attr)
+        if type(m._parameters) is not dict:
+            m._parameters = dict(m._parameters.items())
+    stack = parameter_offload.FWD_MODULE_STACK  # the engine pushed its module at set-up
+    while stack and stack[-1] is module:
+        stack.pop()
+    reset_zero3_counters()
+
+
+def reset_zero3_counters() -> None:
+    """Start DeepSpeed's ZeRO-3 process-wide counters from 0 again, as in a fresh process.
+
+    Module ids come from a counter kept in a default argument of
+    ``DeepSpeedZeRoOffload._register_deepspeed_module``, parameter ids from ``Init.param_id``, and
+    the persistent-parameter budget from ``Init.num_persisted_*``; all run on across engines in
+    one process. Every rank checks that all ranks trace the same module and parameter ids, and a
+    process joining the job starts from 0, so a rebuilt engine must too.
+    """
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import Init
+    parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+    Init.param_id = 0
+    Init.num_persisted_parameters = 0
+    Init.num_persisted_elements = 0
 
 
 def _dp_rank(opt, group: int) -> int:

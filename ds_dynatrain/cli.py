@@ -35,10 +35,14 @@ def _cmd_plot(a) -> int:
     return 0
 
 
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def _cmd_plan(a) -> int:
     from .plan_cli import plan_report, print_report
     try:
-        rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, a.dtype, a.assignment)
+        rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, DTYPE_NAMES.get(a.dtype, a.dtype),
+                          a.assignment)
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
         return 2
@@ -61,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
     qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
-    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1 or 2)")
+    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3)")
     qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
     qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
-    qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+    qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", *DTYPE_NAMES],
                     help="working dtype of the parameters")
     qp.add_argument("--assignment", default="best", choices=["best", "keep"],
                     help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r")

@@ -42,8 +42,10 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .batch import BatchSplit, split_global_batch
-from .bridge import (MASTER, PartitionState, detach_engine, extract_partitions, install_master,
-                     install_optimizer_state, layout_of, light_rebuild, relink_optimizer_state, zero_optimizer_of)
+from .bridge import (MASTER, PartitionState, client_attrs, detach_engine, extract_partitions, fp32_partitions, gather_whole_params,
+                     install_master, install_optimizer_state, is_zero3, layout_of, light_rebuild,
+                     relink_optimizer_state, release_zero3_params, working_partitions,
+                     zero_optimizer_of)
 from .config import DynatrainConfig
 from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from .launch_env import member_id
@@ -81,6 +83,7 @@ class ElasticState:
     pending: Optional["PendingResize"] = None  # a resize whose optimizer-state transfer still runs
     rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (see ElasticEngine._broadcast_model)
     failed: Optional[str] = None  # why the last resize's transfer failed (the engine then refuses to train)
+    param_attrs: Dict[str, frozenset] = field(default_factory=dict)  # the client's own attributes (ZeRO-3)
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -119,6 +122,8 @@ def construct(engine: "ElasticEngine", dt: ElasticState, model, optimizer, model
     config_class = DeepSpeedConfig(ds_config)
     deepspeed.set_optimizer_flags(config_class, model)
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
+    if not dt.param_attrs:  # what is the client's own, before ZeRO-3 attaches its attributes
+        dt.param_attrs = client_attrs(model)
     with light_rebuild(reuse_flat) if light else contextlib.nullcontext():
         DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer,
                                  model_parameters=model_parameters, training_data=None, lr_scheduler=lr_scheduler,
@@ -142,11 +147,14 @@ class VPSAttributes:
     Paths (``DeepSpeedZeroOptimizer.state_dict``, deepspeed/runtime/zero/stage_1_and_2.py):
     ``optimizer_state_dict/single_partition_of_fp32_groups/<g>`` (fp32 master) and
     ``optimizer_state_dict/base_optimizer_state[/state]/<g>/<state>`` (Adam moments; the torch
-    optimizer's ``step`` is a scalar and gets none).
+    optimizer's ``step`` is a scalar and gets none). Stage 3 (``DeepSpeedZeroOptimizer_Stage3``
+    ``_rigid_state_dict``, deepspeed/runtime/zero/stage3.py), per sub-group ``<g>``:
+    ``optimizer_state_dict/fp32_flat_groups/<g>`` and
+    ``optimizer_state_dict/optimizer_state_dict/state/<g>/<state>``.
     """
 
-    PATTERN = re.compile(r"optimizer_state_dict/(?:single_partition_of_fp32_groups/(\d+)|"
-                         r"base_optimizer_state/(?:state/)?(\d+)/(\w+))")
+    PATTERN = re.compile(r"optimizer_state_dict/(?:(?:single_partition_of_fp32_groups|fp32_flat_groups)/(\d+)|"
+                         r"(?:base_optimizer_state|optimizer_state_dict)/(?:state/)?(\d+)/(\w+))")
 
     def __init__(self, layout: ZeroLayout, rank: int):
         self.layout, self.rank = layout, rank
@@ -453,6 +461,11 @@ class ElasticEngine(DeepSpeedEngine):
         old_layout = layout_of(self)
         plan = plan_transition(old_layout, old_layout.with_world_size(world_size), dt.members, new_members)
         state = extract_partitions(self)
+        zero3 = is_zero3(zero_optimizer_of(self))
+        # ZeRO-3: the working parameters are partitioned too; every old rank takes part in gathering
+        # them whole on the old group (before a grow re-forms it), and the rebuild partitions them
+        # for the new world
+        whole = gather_whole_params(self.module) if zero3 else None
         header = self._header(plan, state) if self.global_rank == 0 else None
         stays = dt.member in plan.new_members
         new_rank = plan.new_members.index(dt.member) if stays else None
@@ -485,7 +498,7 @@ class ElasticEngine(DeepSpeedEngine):
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
         }
         basic, scheduler, model = self.optimizer.optimizer, self.lr_scheduler, self.module
-        old_flat = tuple(zero_optimizer_of(self).bit16_groups_flat)
+        old_flat = () if zero3 else tuple(zero_optimizer_of(self).bit16_groups_flat)
         if not stays and dt.config.leaver_nice:
             # the rest of a leaver's life (teardown, then an interpreter exit with torch loaded:
             # about 0.5 s of CPU) must not slow the survivors' rebuild and first steps where they
@@ -503,6 +516,9 @@ class ElasticEngine(DeepSpeedEngine):
             logger.info(f"member {dt.member} left the job after step {self.global_steps} "
                         f"({record['bytes_sent'] / 2**20:.2f} MiB handed over)")
             return None
+        if whole is not None:
+            release_zero3_params(model, whole, dt.param_attrs)
+            whole = None
         rebuild_s = clock() - t
         if not grow:
             t = clock()
@@ -522,7 +538,7 @@ class ElasticEngine(DeepSpeedEngine):
             self.optimizer = returned
         install_state(self, header, dests, joiner=False)
         rebuild_s += clock() - t
-        dt.pending = PendingResize(transfer, dests, header["scalars"], record, rss_base)
+        dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, rss_base)
         record.update(group_s=group_s, rebuild_s=rebuild_s)
         state = None  # the old partitions go as soon as the transfer is done with them
         if overlap != "step" or transfer.done():
@@ -576,6 +592,18 @@ def state_kinds(state: PartitionState) -> Tuple[str, ...]:
     return kinds
 
 
+def scalars_for(plan: Plan, scalars: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The non-partition optimizer states (Adam's ``step``) of each new partition, from those of
+    the old partitions (``scalars[b]`` for old partition ``b``): a new partition takes those of
+    the first old partition of its parameter group. At stages 1/2 partitions are the parameter
+    groups; at stage 3 the sub-groups change with the world size."""
+    old, new = plan.old_layout, plan.new_layout
+    first = {}
+    for b in range(old.num_partitions):
+        first.setdefault(old.partition_group(b), scalars[b])
+    return [first[new.partition_group(b)] for b in range(new.num_partitions)]
+
+
 def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict[str, torch.Tensor]]:
     """New partitions of ``member`` in ``plan.new_layout``, ``{group: {kind: 1-D tensor}}``.
 
@@ -588,9 +616,9 @@ def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict
     covered: Dict[int, List[Tuple[int, int]]] = {}
     for t in plan.transfers:
         if t.dst == rank:
-            covered.setdefault(t.group, []).append((t.dst_offset, t.dst_offset + t.numel))
+            covered.setdefault(t.dst_group, []).append((t.dst_offset, t.dst_offset + t.numel))
     out = {}
-    for g in range(layout.num_groups):
+    for g in range(layout.num_partitions):
         n = layout.partition_numel(g)
         out[g] = {k: torch.empty(n, dtype=dtype, device=device) for k in kinds}
         pos = 0
@@ -659,9 +687,8 @@ def master_from_working(engine) -> bool:
     """True when the engine trains in fp32: DeepSpeed's set-up clones the master partition from
     the working parameters, which every optimizer step makes an exact copy of the master, so a
     resize need not move the master (deepspeed/runtime/zero/stage_1_and_2.py ``step``)."""
-    from .bridge import zero_optimizer_of
     zopt = zero_optimizer_of(engine)
-    return all(p.dtype == f.dtype for grp, f in zip(zopt.bit16_groups, zopt.single_partition_of_fp32_groups)
+    return all(p.dtype == f.dtype for grp, f in zip(working_partitions(zopt), fp32_partitions(zopt))
                for p in grp[:1])
 
 
@@ -739,8 +766,15 @@ def teardown(engine: ElasticEngine) -> None:
         engine.checkpoint_engine.close()
     zopt = zero_optimizer_of(engine)
     basic = zopt.optimizer
-    for i, g in enumerate(basic.param_groups):
-        g["params"] = list(zopt.bit16_groups[i])
+    if is_zero3(zopt):
+        by_group: Dict[int, list] = {}
+        for i, sub in enumerate(zopt.fp16_groups):
+            by_group.setdefault(zopt.sub_group_to_group_id[i], []).extend(sub)
+        for i, g in enumerate(basic.param_groups):
+            g["params"] = by_group.get(i, [])
+    else:
+        for i, g in enumerate(basic.param_groups):
+            g["params"] = list(zopt.bit16_groups[i])
     basic.state.clear()
     detach_engine(engine)
 

@@ -10,7 +10,7 @@ from .batch import split_global_batch
 from .bridge import layout_for_model
 from .config import ConfigError, load_ds_config
 from .engine import (ElasticEngine, ElasticState, PendingResize, agree_on_header, begin_transition, construct,
-                     ds_config_for, install_state)
+                     ds_config_for, install_state, scalars_for)
 from .errors import NotAMemberError, ResizeRefusedError
 from .launch_env import LaunchContext, member_id
 from .layout import ZeroLayout
@@ -58,7 +58,7 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
 
     Checks: both batch keys for a job started by ``dynatrain launch`` (``elastic``); the launch
     world size and every scheduled one keep the global batch and respect ``max_world_size``; a
-    schedule only with what a resize can move (ZeRO stage 1 or 2, fp16 at stages 1 and
+    schedule only with what a resize can move (ZeRO stage 1, 2 or 3, fp16 at stages 1 and
     2 only, no offload). Returns ``(global batch, largest micro-batch)``.
 
     Raises:
@@ -77,9 +77,9 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
     if dt_cfg.resize_schedule:
         zero = ds_config.get("zero_optimization", {}) or {}
         stage = zero.get("stage", 0)
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
-                              f"1 or 2 (online resizing of stage {stage} is not supported yet)")
+                              f"1, 2 or 3 (stage {stage} has no partitions to resize)")
         if (ds_config.get("fp16") or {}).get("enabled") and stage not in (1, 2):
             raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule with fp16.enabled at "
                               f"zero_optimization.stage {stage}: a resize moves the fp16 loss scaler at stages 1 and 2 "
@@ -299,6 +299,6 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
               ds_config_for(dt, dt.split(rec.world_size), client_objects=False), light=True)
     install_state(engine, header, dests, joiner=True)
     record = {"event": "join", "step": engine.global_steps, "generation": rec.generation, "transfer_s": 0.0}
-    dt.pending = PendingResize(transfer, dests, header["scalars"], record, None)
+    dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, None)
     if overlap != "step":
         engine.wait_transition()

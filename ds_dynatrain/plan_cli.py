@@ -7,21 +7,22 @@ import time
 
 
 from .errors import ConfigError
-from .layout import ParamMeta, ZeroLayout
+from .layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .planner import assign_members, assign_members_best, plan_transition
 
 # fp32 master + Adam exp_avg + exp_avg_sq, bytes per element moved by a resize
 STATE_BYTES_PER_ELEMENT = 12
 
 
-def model_layout(model_config: str, world_size: int, stage: int, dtype: str) -> ZeroLayout:
+def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
+                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> ZeroLayout:
     """The ZeRO layout of the causal LM described by a Hugging Face config file (one group).
 
     Raises:
-        ConfigError: unreadable config, or a ZeRO stage the planner does not cover.
+        ConfigError: unreadable config, or a ZeRO stage other than 1, 2 or 3.
     """
-    if stage not in (1, 2):
-        raise ConfigError(f"--zero-stage {stage}: layouts of ZeRO stages 1 and 2 are implemented; stage 3 is not yet")
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"--zero-stage {stage}: ZeRO stages 1, 2 and 3 have partitions to plan")
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,12 +35,16 @@ def model_layout(model_config: str, world_size: int, stage: int, dtype: str) -> 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     metas = tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
-    return ZeroLayout(world_size, (metas,), stage=stage)
+    return ZeroLayout(world_size, (metas,), stage=stage, sub_group_size=sub_group_size)
 
 
 def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16",
                 assignment: str = "best") -> dict:
-    """Per-rank and total bytes of the transition (state: fp32 master and two Adam moments)."""
+    """Per-rank and total bytes of the transition (state: fp32 master and two Adam moments).
+
+    ``peak_extra_bytes`` of a rank: its new partitions plus what it receives; at ZeRO stage 3
+    also the working parameters gathered whole, which the rebuild partitions afresh.
+    """
     if old_ws < 1 or new_ws < 1:
         raise ConfigError("--from and --to must be >= 1")
     old = model_layout(model_config, old_ws, stage, dtype)
@@ -54,14 +59,15 @@ def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: 
     plan = plan_transition(old, new, members, new_members)
     seconds = time.perf_counter() - t0
     b = STATE_BYTES_PER_ELEMENT
+    whole = sum(p.numel * p.element_size for g in old.groups for p in g) if stage == 3 else 0
     ranks = []
     for r, m in enumerate(new_members):
         recv = sum(t.numel for ts in plan.receives_of(m).values() for t in ts) * b
         sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
         kept = sum(t.numel for t in plan.keeps_of(m)) * b
-        part = sum(new.partition_numel(g) for g in range(new.num_groups)) * b
+        part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
         ranks.append({"rank": r, "member": m, "bytes_kept": kept, "bytes_sent": sent, "bytes_received": recv,
-                      "peak_extra_bytes": part + recv})
+                      "peak_extra_bytes": part + recv + whole})
     for m in plan.leavers:
         sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
         ranks.append({"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0,

@@ -110,10 +110,10 @@ class _Stream:
         self.starts: List[int] = []
         pos = 0
         for t in transfers:
-            off = t.src_offset if side == "src" else t.dst_offset
+            off, part = (t.src_offset, t.group) if side == "src" else (t.dst_offset, t.dst_group)
             for k in kinds:
                 self.starts.append(pos)
-                self.slices.append(parts[t.group][k].narrow(0, off, t.numel))
+                self.slices.append(parts[part][k].narrow(0, off, t.numel))
                 pos += t.numel
         self.numel = pos
 
@@ -219,7 +219,8 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
         t_keep = time.perf_counter()
         for t in plan.keeps_of(member):
             for k in kinds:
-                dests[t.group][k].narrow(0, t.dst_offset, t.numel).copy_(sources[t.group][k].narrow(0, t.src_offset, t.numel))
+                dests[t.dst_group][k].narrow(0, t.dst_offset, t.numel).copy_(
+                    sources[t.group][k].narrow(0, t.src_offset, t.numel))
             stats.bytes_kept += t.numel * len(kinds) * elsize
         stats.keep_seconds = time.perf_counter() - t_keep
 

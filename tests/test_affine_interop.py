@@ -19,9 +19,10 @@ PARAMS = (ParamMeta("a", (5, 7), "float32"), ParamMeta("b", (1,), "float32"), Pa
           ParamMeta("d", (11,), "float32"))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("ws", [1, 2, 3, 4, 7])
-def test_zero_maps_pass_deepspeeds_checks_and_rebuild(ws):
-    layout = ZeroLayout(ws, (PARAMS,))
+def test_zero_maps_pass_deepspeeds_checks_and_rebuild(ws, stage):
+    layout = ZeroLayout(ws, (PARAMS,), stage=stage, sub_group_size=8)
     for p in PARAMS:
         amap = zero_param_affine_map(layout, 0, p.key)
         amap.validate_coverage()
@@ -49,12 +50,15 @@ VECTORS = (ParamMeta("v", (37,), "float32"), ParamMeta("one", (1,), "float32"), 
            ParamMeta("x", (5,), "float32"))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("old_ws, new_ws", [(2, 1), (1, 2), (2, 3), (3, 2), (4, 3), (3, 5)])
-def test_plan_transfer_moves_what_our_planner_moves(old_ws, new_ws):
+def test_plan_transfer_moves_what_our_planner_moves(old_ws, new_ws, stage):
     """DeepSpeed's planner accepts only pieces with the parameter's number of axes, and a ZeRO
     interval of a multi-dimensional parameter is a union of boxes, so this oracle runs on 1-D
-    parameters (where every interval is a box)."""
-    old, new = ZeroLayout(old_ws, (VECTORS,)), ZeroLayout(new_ws, (VECTORS,))
+    parameters (where every interval is a box). At stage 3 (sub-groups of 16 elements) the
+    sub-groups differ between the two world sizes."""
+    old = ZeroLayout(old_ws, (VECTORS,), stage=stage, sub_group_size=16)
+    new = ZeroLayout(new_ws, (VECTORS,), stage=stage, sub_group_size=16)
     ours = plan_transition(old, new, [f"o{i}" for i in range(old_ws)], [f"n{j}" for j in range(new_ws)])
     ds_counts, our_counts = Counter(), Counter()
     for p in VECTORS:
@@ -67,6 +71,6 @@ def test_plan_transfer_moves_what_our_planner_moves(old_ws, new_ws):
         lo, hi = t.dst_offset, t.dst_offset + t.numel
         for f in new.fragments(t.dst):
             a, b = max(lo, f.local), min(hi, f.local + f.numel)
-            if f.group == t.group and a < b:
+            if f.group == t.dst_group and a < b:
                 our_counts[(f.key, t.src, t.dst)] += b - a
     assert ds_counts == our_counts

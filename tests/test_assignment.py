@@ -89,6 +89,17 @@ def test_plan_cli_reports_a_complete_plan(tmp_path):
     assert sum(r["bytes_received"] for r in staying) == rep["bytes_moved"]
     assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
     assert sum(r["bytes_kept"] for r in staying) == rep["bytes_kept"]
+    z3 = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
+                         "4", "--to", "3", "--zero-stage", "3", "--json"], capture_output=True, text=True, timeout=120,
+                        cwd=ROOT)
+    assert z3.returncode == 0, z3.stderr
+    rep3 = json.loads(z3.stdout.strip().splitlines()[-1])
+    assert rep3["zero_stage"] == 3 and rep3["parameters"] == n
+    assert rep3["bytes_moved"] + rep3["bytes_kept"] == 12 * n
+    staying3 = [r for r in rep3["ranks"] if r["rank"] is not None]
+    assert sum(r["bytes_received"] for r in staying3) == rep3["bytes_moved"]
+    # the rebuild partitions the bf16 working parameters afresh from whole copies
+    assert all(r["peak_extra_bytes"] >= 2 * n for r in staying3)
     bad = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                          "4", "--to", "3", "--zero-stage", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode == 2 and "stage 3 is not yet" in bad.stderr
+                          "4", "--to", "3", "--zero-stage", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--zero-stage 0" in bad.stderr

@@ -1,9 +1,11 @@
-"""ZeRO-1/2 layouts (``ds_dynatrain.layout``) and the routing planner (``ds_dynatrain.planner``).
+"""ZeRO-1/2/3 layouts (``ds_dynatrain.layout``) and the routing planner (``ds_dynatrain.planner``).
 
 Pure metadata: no process group, no engine. The oracle is an element-level model of DeepSpeed's flat
-groups written independently of the interval arithmetic under test: every parameter element gets a
-unique id (> 0), a group is the list of those ids in flat order with 0 for padding, and rank ``r``
-holds the ``r``-th equal slice. A plan is checked by *executing* it on such partitions.
+partitions written independently of the interval arithmetic under test: every parameter element gets
+a unique id (> 0), and each rank's flat partition is the list of the ids it holds with 0 for padding
+(stages 1/2: the group in flat order cut in equal slices; stage 3: each parameter cut in equal
+pieces, the pieces of a sub-group concatenated). A plan is checked by *executing* it on such
+partitions.
 """
 import json
 import math
@@ -25,7 +27,8 @@ DTYPE_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
 @st.composite
 def models(draw):
-    """``(groups, round_robin, parameter_alignment)``: 1-4 groups of 1-6 parameters, 1-3 dims each."""
+    """``(groups, settings)``: 1-4 groups of 1-6 parameters, 1-3 dims each; ``settings`` the ZeRO
+    keyword arguments of :class:`ZeroLayout` (stage 2 or 3, round robin, alignment, sub-group size)."""
     groups, k = [], 0
     for gi in range(draw(st.integers(1, 4))):
         dtype = draw(st.sampled_from(sorted(DTYPE_ELEMENT_SIZE)))  # one dtype per flat group, as DeepSpeed has
@@ -35,7 +38,11 @@ def models(draw):
             params.append(ParamMeta(f"g{gi}.p{k}.weight", shape, dtype))
             k += 1
         groups.append(tuple(params))
-    return tuple(groups), draw(st.booleans()), draw(st.booleans())
+    stage = draw(st.sampled_from([2, 3]))
+    kw = dict(round_robin=draw(st.booleans()), parameter_alignment=draw(st.booleans()), stage=stage)
+    if stage == 3:
+        kw = dict(stage=3, sub_group_size=draw(st.sampled_from([1, 3, 8, 30, 10**9])))
+    return tuple(groups), kw
 
 
 world_sizes = st.integers(1, 8)
@@ -58,14 +65,17 @@ def element_ids(groups):
     return out, nxt
 
 
-def oracle_partitions(groups, world_size, round_robin, parameter_alignment):
-    """Per group, a ``(world_size, P)`` array: the ids each rank holds in its flat partition (0 = padding).
+def oracle_partitions(groups, world_size, round_robin=False, parameter_alignment=False, stage=2,
+                      sub_group_size=10**9):
+    """Per partition, a ``(world_size, P)`` array: the ids each rank holds in it (0 = padding).
 
     Written from DeepSpeed's rules (``stage_1_and_2.py``), element by element: round robin puts
     parameter ``i`` in bucket ``i % world_size`` (buckets in order); with alignment each parameter but
     the last is padded to 16 bytes (4 float32 or 8 bfloat16 elements); the group is padded to a
     multiple of 2 * world_size and cut into equal slices."""
     ids, _ = element_ids(groups)
+    if stage == 3:
+        return oracle_partitions_zero3(groups, ids, world_size, sub_group_size)
     parts = []
     for gi, params in enumerate(groups):
         order = list(range(len(params)))
@@ -81,6 +91,34 @@ def oracle_partitions(groups, world_size, round_robin, parameter_alignment):
         while len(flat) % (2 * world_size):
             flat.append(0)
         parts.append(np.asarray(flat, dtype=np.int64).reshape(world_size, -1))
+    return parts
+
+
+def oracle_partitions_zero3(groups, ids, world_size, sub_group_size):
+    """Stage 3 (``partition_parameters.py``, ``stage3.py`` ``_create_fp16_sub_groups``): each
+    parameter padded with zeros to a multiple of the world size and cut in equal pieces; a
+    parameter group's parameters taken in order into sub-groups, closing one when its pieces reach
+    ``sub_group_size`` elements (one sub-group when the whole group's pieces fit); a rank's
+    partition of a sub-group is its pieces, concatenated."""
+    parts = []
+    for gi, params in enumerate(groups):
+        pieces = []
+        for p in params:
+            v = ids[(gi, p.key)].tolist()
+            v += [0] * ((-len(v)) % world_size)
+            pieces.append(np.asarray(v, dtype=np.int64).reshape(world_size, -1))
+        if sum(x.shape[1] for x in pieces) <= sub_group_size:
+            cut = [pieces]
+        else:
+            cut, cur = [], []
+            for x in pieces:
+                cur.append(x)
+                if sum(y.shape[1] for y in cur) >= sub_group_size:
+                    cut.append(cur)
+                    cur = []
+            if cur:
+                cut.append(cur)
+        parts.extend(np.concatenate(c, axis=1) for c in cut)
     return parts
 
 
@@ -100,30 +138,33 @@ def holder_rank(parts, total_ids):
 @settings(max_examples=150, deadline=None)
 @given(models(), world_sizes)
 def test_layout_tiles_every_parameter(model, ws):
-    groups, rr, align = model
-    layout = ZeroLayout(ws, groups, rr, align)
-    parts = oracle_partitions(groups, ws, rr, align)
+    groups, kw = model
+    layout = ZeroLayout(ws, groups, **kw)
+    parts = oracle_partitions(groups, ws, **kw)
     ids, total = element_ids(groups)
+    ids_by_key = {key: v for (_, key), v in ids.items()}
     held = np.zeros(total, dtype=np.int64)
-    for gi, params in enumerate(groups):
-        P = layout.partition_numel(gi)
-        assert P == parts[gi].shape[1]
-        assert (P * ws) % (2 * ws) == 0
+    assert layout.num_partitions == len(parts)
+    for b in range(layout.num_partitions):
+        P = layout.partition_numel(b)
+        assert P == parts[b].shape[1]
+        if kw["stage"] != 3:
+            assert (P * ws) % (2 * ws) == 0
     for r in range(ws):
         frags = layout.fragments(r)
         assert list(frags) == sorted(frags, key=lambda f: (f.group, f.local))
-        for gi in range(len(groups)):
-            P = layout.partition_numel(gi)
+        for b in range(layout.num_partitions):
+            P = layout.partition_numel(b)
             expected = np.zeros(P, dtype=np.int64)  # this rank's partition rebuilt from its fragments
-            for f in (f for f in frags if f.group == gi):
+            for f in (f for f in frags if f.group == b):
                 assert f.numel > 0 and 0 <= f.local and f.local + f.numel <= P
                 assert (expected[f.local:f.local + f.numel] == 0).all(), "fragments overlap"
-                pid = ids[(gi, f.key)]
+                pid = ids_by_key[f.key]
                 assert 0 <= f.start and f.start + f.numel <= pid.size
                 expected[f.local:f.local + f.numel] = pid[f.start:f.start + f.numel]
                 held[pid[f.start:f.start + f.numel]] += 1
             # exactly the oracle's partition: no padding inside a fragment, nothing missing
-            assert expected.tolist() == parts[gi][r].tolist()
+            assert expected.tolist() == parts[b][r].tolist()
     assert (held[1:] == 1).all(), "every element is held by exactly one rank"
     # the per-parameter view and the regions agree with the per-rank view
     for gi, params in enumerate(groups):
@@ -133,11 +174,11 @@ def test_layout_tiles_every_parameter(model, ws):
             assert sum(f.numel for _, f in pf) == math.prod(p.shape)
             cursor = 0
             for r, f in pf:
-                assert f.start == cursor and f.key == p.key and f.group == gi
+                assert f.start == cursor and f.key == p.key and layout.partition_group(f.group) == gi
                 assert f in layout.fragments(r)
                 cursor += f.numel
             for r in range(ws):
-                on_rank = set(parts[gi][r].tolist())
+                on_rank = set(v for part in parts for v in part[r].tolist())
                 want = [i for i, v in enumerate(ids[(gi, p.key)].tolist()) if v in on_rank]
                 assert layout.region(r, p.key) == Region.from_intervals((i, i + 1) for i in want)
     assert ZeroLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
@@ -182,8 +223,8 @@ def test_layout_refusals():
         ZeroLayout(0, g)
     with pytest.raises(ValueError, match="parameter group 1 has no trainable parameter"):
         ZeroLayout(2, g + ((),))
-    with pytest.raises(ValueError, match="stages 1 and 2"):
-        ZeroLayout(2, g, stage=3)
+    with pytest.raises(ValueError, match="stages 1, 2 and 3"):
+        ZeroLayout(2, g, stage=4)
     with pytest.raises(ValueError, match="rank 2 outside world size 2"):
         ZeroLayout(2, g).fragments(2)
     with pytest.raises(KeyError, match="'b'"):
@@ -215,25 +256,25 @@ def execute(plan, old_parts, new_shapes):
         assert src.size == t.numel, f"{t} reads past the old partition"
         assert (src > 0).all(), f"{t} carries padding"
         dst = slice(t.dst_offset, t.dst_offset + t.numel)
-        assert t.dst_offset + t.numel <= new_shapes[t.group][1], f"{t} writes past the new partition"
-        new_parts[t.group][t.dst, dst] = src
-        writes[t.group][t.dst, dst] += 1
+        assert t.dst_offset + t.numel <= new_shapes[t.dst_group][1], f"{t} writes past the new partition"
+        new_parts[t.dst_group][t.dst, dst] = src
+        writes[t.dst_group][t.dst, dst] += 1
     return new_parts, writes
 
 
-def check_plan(groups, rr, align, old_ws, new_ws, old_members, new_members):
-    old = ZeroLayout(old_ws, groups, rr, align)
-    new = ZeroLayout(new_ws, groups, rr, align)
+def check_plan(groups, kw, old_ws, new_ws, old_members, new_members):
+    old = ZeroLayout(old_ws, groups, **kw)
+    new = ZeroLayout(new_ws, groups, **kw)
     plan = plan_transition(old, new, old_members, new_members)
-    old_parts = oracle_partitions(groups, old_ws, rr, align)
-    new_parts = oracle_partitions(groups, new_ws, rr, align)
+    old_parts = oracle_partitions(groups, old_ws, **kw)
+    new_parts = oracle_partitions(groups, new_ws, **kw)
     _, total = element_ids(groups)
 
     # (2) every element of the new layout arrives exactly once, with the value its old holder had
     got, writes = execute(plan, old_parts, [p.shape for p in new_parts])
-    for gi in range(len(groups)):
-        assert got[gi].tolist() == new_parts[gi].tolist()
-        assert (writes[gi] == (new_parts[gi] > 0)).all(), "an element is received twice or never; padding written"
+    for b in range(len(new_parts)):
+        assert got[b].tolist() == new_parts[b].tolist()
+        assert (writes[b] == (new_parts[b] > 0)).all(), "an element is received twice or never; padding written"
     assert all(t.numel > 0 for t in plan.transfers)
     assert list(plan.transfers) == sorted(plan.transfers)
 
@@ -275,20 +316,20 @@ def check_plan(groups, rr, align, old_ws, new_ws, old_members, new_members):
 @settings(max_examples=250, deadline=None)
 @given(models(), world_sizes, world_sizes, st.permutations(member_names("m", 8)))
 def test_plan_executes_to_the_new_layout(model, old_ws, new_ws, names):
-    groups, rr, align = model
+    groups, kw = model
     old_members = tuple(names[:old_ws])
     new_members = assign_members(old_members, new_ws, member_names("join", max(0, new_ws - old_ws)))
-    check_plan(groups, rr, align, old_ws, new_ws, old_members, new_members)
+    check_plan(groups, kw, old_ws, new_ws, old_members, new_members)
 
 
 @settings(max_examples=100, deadline=None)
 @given(models(), world_sizes, world_sizes, st.permutations(member_names("m", 16)), st.data())
 def test_plan_with_any_rank_assignment(model, old_ws, new_ws, names, data):
     """Ranks reassigned arbitrarily (survivors change rank, joiners anywhere): still exact."""
-    groups, rr, align = model
+    groups, kw = model
     old_members = tuple(names[:old_ws])
     new_members = tuple(data.draw(st.permutations(names[:old_ws + new_ws]))[:new_ws])
-    check_plan(groups, rr, align, old_ws, new_ws, old_members, new_members)
+    check_plan(groups, kw, old_ws, new_ws, old_members, new_members)
 
 
 def test_plan_same_world_size_is_all_keeps():
@@ -305,12 +346,12 @@ def test_plan_same_world_size_is_all_keeps():
 @settings(max_examples=100, deadline=None)
 @given(models(), world_sizes, world_sizes, st.data())
 def test_plan_is_deterministic_and_round_trips(model, old_ws, new_ws, data):
-    groups, rr, align = model
+    groups, kw = model
     old_members = member_names("m", old_ws)
     new_members = assign_members(old_members, new_ws, member_names("j", max(0, new_ws - old_ws)))
-    plan = plan_transition(ZeroLayout(old_ws, groups, rr, align), ZeroLayout(new_ws, groups, rr, align),
+    plan = plan_transition(ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw),
                            old_members, new_members)
-    again = plan_transition(ZeroLayout(old_ws, groups, rr, align), ZeroLayout(new_ws, groups, rr, align),
+    again = plan_transition(ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw),
                             list(old_members), list(new_members))
     assert again == plan and again.digest() == plan.digest()
 
@@ -320,7 +361,7 @@ def test_plan_is_deterministic_and_round_trips(model, old_ws, new_ws, data):
     restored = tuple(
         tuple(ParamMeta.from_dict(d) for gj, _, d in sorted(shuffled, key=lambda x: x[:2]) if gj == gi)
         for gi in range(len(groups)))
-    other = plan_transition(ZeroLayout(old_ws, restored, rr, align), ZeroLayout(new_ws, restored, rr, align),
+    other = plan_transition(ZeroLayout(old_ws, restored, **kw), ZeroLayout(new_ws, restored, **kw),
                             old_members, new_members)
     assert other == plan and other.digest() == plan.digest()
 
@@ -449,7 +490,7 @@ def test_assign_members_refuses(old, ws, joiners):
 @settings(max_examples=100, deadline=None)
 @given(models(), world_sizes, world_sizes, st.data())
 def test_mismatch_names_first_differing_parameter(model, old_ws, new_ws, data):
-    groups, rr, align = model
+    groups, kw = model
     positions = [(gi, pi) for gi, ps in enumerate(groups) for pi in range(len(ps))]
     picked = sorted(data.draw(st.lists(st.sampled_from(positions), min_size=1, max_size=3, unique=True)))
     change = data.draw(st.sampled_from(["shape", "dtype", "name"]))
@@ -466,7 +507,7 @@ def test_mismatch_names_first_differing_parameter(model, old_ws, new_ws, data):
     first = groups[picked[0][0]][picked[0][1]].key
     for a, b in ((groups, other), (other, groups)):
         with pytest.raises(LayoutMismatchError) as info:
-            plan_transition(ZeroLayout(old_ws, a, rr, align), ZeroLayout(new_ws, b, rr, align),
+            plan_transition(ZeroLayout(old_ws, a, **kw), ZeroLayout(new_ws, b, **kw),
                             member_names("m", old_ws), member_names("n", new_ws))
         msg = str(info.value)
         assert f"parameter group {picked[0][0]}:" in msg

@@ -52,14 +52,24 @@ def gather_state(engine) -> dict:
             "fp32": safe_get_full_fp32_param(p).detach().clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone(),
-            "param": p.detach().float().clone(),
+            "param": _whole(p),
         }
+    from ds_dynatrain.bridge import fp32_partitions
     opt = engine.optimizer
-    steps = [opt.optimizer.state[f]["step"] for f in opt.single_partition_of_fp32_groups]
+    steps = [opt.optimizer.state[f]["step"] for f in fp32_partitions(opt)]
     out["__step__"] = [float(s) for s in steps]
     out["__lr__"] = [g["lr"] for g in opt.optimizer.param_groups]
     out["__global_steps__"] = engine.global_steps
     return out
+
+
+def _whole(p) -> torch.Tensor:
+    """The working parameter whole, as fp32 (a ZeRO-3 parameter is gathered: collective)."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        with GatheredParameters([p]):
+            return p.detach().float().clone()
+    return p.detach().float().clone()
 
 
 def base_config(stage: int, metrics_path: str | None = None) -> dict:
