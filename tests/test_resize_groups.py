@@ -155,7 +155,8 @@ def test_tied_and_frozen_parameters_survive(runs):
             assert torch.equal(f["tied_working"], facts[0]["tied_working"]), f"{where}: tied weight differs from rank 0"
             if gathered is not None:
                 assert torch.equal(f["tied_working"].float(), gathered["tok.weight"]["param"]), where
-            assert f["frozen"].dtype == dtype and torch.equal(f["frozen"], frozen0), f"{where}: frozen embedding changed"
+            assert f["frozen"].dtype == dtype and torch.equal(f["frozen"], frozen0), \
+                f"{where}: frozen embedding changed"
             assert not f["frozen_requires_grad"] and not f["frozen_in_optimizer"], where
             joiner_seen |= tag.startswith("after_") and rank >= 2
     assert joiner_seen, "no joiner reported"
