@@ -1,10 +1,13 @@
 """The layout computed from metadata alone equals what DeepSpeed's real engines build.
 
-For ZeRO-1 and ZeRO-2, world sizes 1-4, models with an odd parameter count, a 1-element
+For ZeRO-1, ZeRO-2 and ZeRO-3, world sizes 1-4, models with an odd parameter count, a 1-element
 parameter, a frozen embedding, two interleaved parameter groups, round-robin gradients,
-parameter alignment and bf16: every rank's fragments (parameter, start, length, offset in the
-partition) from ``ZeroLayout.fragments`` equal where DeepSpeed really put each parameter's data
-in the flat buffer, and, except under round-robin gradients, each parameter's ``_hp_mapping``.
+parameter alignment, ZeRO-3 sub-groups and bf16: every rank's fragments (parameter, start,
+length, offset in the partition) from ``ZeroLayout.fragments`` equal where DeepSpeed really put
+each parameter's data in the flat buffer (stage 3: each parameter's ``ds_tensor`` in its
+sub-group's flat partition), and, except under round-robin gradients, each parameter's
+``_hp_mapping`` (stage 3: the layout read back from the live engine, whose sub-groups are
+checked against DeepSpeed's).
 
 DeepSpeed 0.19.8 links ``_hp_mapping`` in the original parameter order even when
 ``round_robin_gradients`` lays the flat buffer out in round-robin order (without parameter
@@ -39,4 +42,4 @@ def test_layout_equals_deepspeed(tmp_path, world_size):
             else:
                 assert r["hp_mapping"] == r["actual"], f"{case}: rank {rank} of {world_size} (_hp_mapping)"
             assert r["expected_partition_numel"] == r["actual_partition_numel"], case
-    assert len(seen_cases) == 8
+    assert len(seen_cases) == 12

@@ -1,5 +1,7 @@
 """The main job (examples/train_lm.py, a transformers Llama on the standard library's sources)
-under ``dynatrain launch``, resized by the config's schedule 2 -> 3 -> 1 -> 2, with snapshots.
+under ``dynatrain launch``, resized by the config's schedule 2 -> 3 -> 1 -> 2, with snapshots,
+with the shipped ZeRO-2 and ZeRO-3 configs (``configs/zero2_elastic.json``,
+``configs/zero3_elastic.json``).
 
 Oracle: the same job run without resizes (``--static``): identical world-size-independent inputs,
 so the losses may differ only by floating-point reduction order.
@@ -19,8 +21,8 @@ SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
 ARGS = ["--steps", "12", "--layers", "1", "--hidden", "64", "--seq-len", "32"]
 
 
-def job_config(tmp_path, name):
-    with open(os.path.join(ROOT, "configs", "zero2_elastic.json")) as f:
+def job_config(tmp_path, name, config="zero2_elastic.json"):
+    with open(os.path.join(ROOT, "configs", config)) as f:
         cfg = json.load(f)
     cfg["scheduler"]["params"]["total_num_steps"] = 12
     cfg["dynatrain"] = {
@@ -33,11 +35,12 @@ def job_config(tmp_path, name):
     return cfg
 
 
-@pytest.fixture(scope="module")
-def main_job(tmp_path_factory):
+@pytest.fixture(scope="module", params=["zero2_elastic.json", "zero3_elastic.json"], ids=["zero2", "zero3"])
+def main_job(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main_job")
-    el = launch(tmp, SCRIPT, 2, job_config(tmp, "elastic"), ARGS, timeout=240, name="elastic")
-    st = launch(tmp, SCRIPT, 2, job_config(tmp, "static"), ARGS + ["--static"], timeout=240, name="static")
+    el = launch(tmp, SCRIPT, 2, job_config(tmp, "elastic", request.param), ARGS, timeout=240, name="elastic")
+    st = launch(tmp, SCRIPT, 2, job_config(tmp, "static", request.param), ARGS + ["--static"], timeout=240,
+                name="static")
     return tmp, el, st
 
 

@@ -14,7 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_dynatrain.bridge import engine_fragments, engine_storage_fragments, layout_for_model  # noqa: E402
+from ds_dynatrain.bridge import (engine_fragments, engine_storage_fragments, fp32_partitions, layout_for_model,  # noqa: E402
+                                 layout_of)
 from tests.workers.common import TinyLM  # noqa: E402
 
 
@@ -53,6 +54,11 @@ def cases():
     yield "round_robin_zero2", tiny, 2, {"round_robin_gradients": True}, None
     yield "param_alignment_zero2_bf16", tiny, 2, {"parameter_alignment": True}, "bf16"
     yield "bf16_zero1", frozen, 1, {}, "bf16"
+    # ZeRO-3: per-parameter partitions; sub-groups of at most 40 / 100 elements per rank
+    yield "tiny_zero3", tiny, 3, {}, None
+    yield "sub_groups_zero3", tiny, 3, {"sub_group_size": 40}, None
+    yield "frozen_two_groups_zero3", frozen, 3, {"sub_group_size": 20}, groups_interleaved
+    yield "bf16_sub_groups_zero3", frozen, 3, {"sub_group_size": 30}, "bf16"
 
 
 def main():
@@ -83,9 +89,11 @@ def main():
         result[name] = {
             "expected": [list(vars(f).values()) for f in expected.fragments(rank)],
             "actual": [list(vars(f).values()) for f in engine_storage_fragments(engine)],
-            "hp_mapping": [list(vars(f).values()) for f in engine_fragments(engine)],
-            "expected_partition_numel": [expected.partition_numel(g) for g in range(expected.num_groups)],
-            "actual_partition_numel": [t.numel() for t in engine.optimizer.single_partition_of_fp32_groups],
+            # stage 3 has no _hp_mapping; layout_of checks its sub-groups against DeepSpeed's
+            "hp_mapping": ([list(vars(f).values()) for f in engine_fragments(engine)] if stage < 3 else
+                           [list(vars(f).values()) for f in layout_of(engine).fragments(rank)]),
+            "expected_partition_numel": [expected.partition_numel(g) for g in range(expected.num_partitions)],
+            "actual_partition_numel": [t.numel() for t in fp32_partitions(engine.optimizer)],
         }
         engine.destroy()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
