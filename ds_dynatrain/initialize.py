@@ -58,8 +58,8 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
 
     Checks: both batch keys for a job started by ``dynatrain launch`` (``elastic``); the launch
     world size and every scheduled one keep the global batch and respect ``max_world_size``; a
-    schedule only with what a resize can move (ZeRO stage 1, 2 or 3, fp16 at stages 1 and
-    2 only, no offload). Returns ``(global batch, largest micro-batch)``.
+    schedule only with what a resize can move (ZeRO stage 1, 2 or 3, no offload). Returns
+    ``(global batch, largest micro-batch)``.
 
     Raises:
         ConfigError: naming the key and the problem.
@@ -80,10 +80,6 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
         if stage not in (1, 2, 3):
             raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
                               f"1, 2 or 3 (stage {stage} has no partitions to resize)")
-        if (ds_config.get("fp16") or {}).get("enabled") and stage not in (1, 2):
-            raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule with fp16.enabled at "
-                              f"zero_optimization.stage {stage}: a resize moves the fp16 loss scaler at stages 1 and 2 "
-                              f"only; use bf16 or fp32")
         for key in ("offload_optimizer", "offload_param"):
             dev = (zero.get(key) or {}).get("device", "none")
             if dev not in (None, "none"):

@@ -1,14 +1,21 @@
 """Multi-process: real DeepSpeed engines resized 2 -> 3 -> 2 with two optimizer parameter groups
 of different hyperparameters, a frozen embedding, tied input/output embeddings and mixed
-precision (ZeRO-1 and ZeRO-2 in bf16; ZeRO-2 in fp16 with a dynamic loss scale, resized by the
-config's ``resize_schedule``). Model and records: ``tests/workers/groups_worker.py``.
+precision (ZeRO-1, ZeRO-2 and ZeRO-3 in bf16; ZeRO-2 and ZeRO-3 in fp16 with a dynamic loss
+scale, resized by the config's ``resize_schedule``). Model and records:
+``tests/workers/groups_worker.py``.
+
+At ZeRO-3 every parameter is partitioned on its own (the frozen and the tied embedding too) and
+the fp32 partitions of each parameter group are cut into sub-groups (``sub_group_size``
+:data:`SUB_GROUP_SIZE`) whose boundaries differ between world sizes 2 and 3
+(:data:`ZERO3_SUB_GROUPS`), so each resize moves elements between sub-groups of different index.
 
 Oracles:
 (a) the state gathered with DeepSpeed's own ``safe_get_full_*`` right before a resize equals,
     bitwise, the state gathered right after it on the new world;
 (b) every rank of the new world, joiners included, sees each parameter in the same optimizer
-    group with that group's own hyperparameters, the tied pair as one Parameter, the frozen
-    embedding bitwise as initialised and still frozen, and rank 0's loss scaler;
+    group with that group's own hyperparameters and Adam state on that group's own fp32
+    partitions, the tied pair as one Parameter equal on every rank (gathered whole at ZeRO-3),
+    the frozen embedding bitwise as initialised and still frozen, and rank 0's loss scaler;
 (c) losses, LRs, skipped steps and loss scales follow a static run with the same global batch.
 """
 from __future__ import annotations
@@ -37,10 +44,20 @@ INITIAL_SCALE = 2.0 ** 16
 # Only the order of floating-point reductions differs between a resized and a static run: gradients
 # are reduced in bf16/fp16 over 2 or 3 ranks and 3 or 2 accumulation steps. Measured on this model,
 # 9 steps: a static run at 3 ranks differs from one at 2 ranks by up to 3.2e-3 (bf16, loss about 6.5),
-# and resized runs by up to 2.3e-3 (bf16) and 2.4e-4 (fp16). The faults this test is about move the
+# and resized runs by up to 2.3e-3 (bf16) and 2.4e-4 (fp16) at ZeRO-1/2, 3.3e-3 (bf16, relative to
+# the loss 6.0e-4) and 2.3e-4 (fp16) at ZeRO-3. The faults this test is about move the
 # loss by far more: Adam moments reset at a resize, 2.3e-2 to 9.2e-2; group 1 given group 0's betas
 # and weight decay, 7e-2 to 1.7e-1; a fresh fp16 loss scaler, 1.3e-1 to 1.2.
 LOSS_RTOL = 1.5e-3
+# ZeRO-3: 20 elements per sub-group; at 2 ranks proj.weight (a 28-element piece) is a sub-group of
+# its own, at 3 ranks (19 elements) it shares one with mix.weight. (40 would cut world sizes 2 and
+# 3 alike.) Group 1's five small parameters form one sub-group at both sizes.
+SUB_GROUP_SIZE = 20
+_GROUP1 = ("gain", "proj.bias", "mix.bias", "norm.weight", "norm.bias")
+ZERO3_SUB_GROUPS = {
+    2: [("tok.weight",), ("proj.weight",), ("mix.weight",), _GROUP1],
+    3: [("tok.weight",), ("proj.weight", "mix.weight"), _GROUP1],
+}
 
 
 def _tensors(state):
@@ -50,6 +67,8 @@ def _tensors(state):
 def _cfg(stage: int, precision: str, metrics: str) -> dict:
     from workers.common import base_config
     cfg = base_config(stage, metrics)
+    if stage == 3:
+        cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     else:
@@ -71,8 +90,8 @@ def _run(tmp, name, stage, precision, nproc, steps, resizes, schedule):
     return out
 
 
-@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "bf16"), (2, "fp16")],
-                ids=["zero1-bf16", "zero2-bf16", "zero2-fp16"])
+@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
+                ids=["zero1-bf16", "zero2-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"])
 def runs(request, tmp_path_factory):
     stage, precision = request.param
     tmp = tmp_path_factory.mktemp(f"zero{stage}_{precision}")
@@ -80,7 +99,8 @@ def runs(request, tmp_path_factory):
     steps, resizes = (FP16_STEPS, FP16_RESIZES) if fp16 else (STEPS, RESIZES)
     elastic = _run(tmp, "elastic", stage, precision, 2, steps, resizes, schedule=fp16)
     static = _run(tmp, "static", stage, precision, 2, steps, {}, schedule=False)
-    return {"precision": precision, "steps": steps, "resizes": resizes, "elastic": elastic, "static": static}
+    return {"stage": stage, "precision": precision, "steps": steps, "resizes": resizes, "elastic": elastic,
+            "static": static}
 
 
 def _facts(out, tag):
@@ -106,7 +126,11 @@ def test_state_bitwise_equal_across_every_resize(runs):
             for kind in ("fp32", "exp_avg", "exp_avg_sq", "param"):
                 x, y = before[name][kind], after[name][kind]
                 assert x.shape == y.shape and torch.equal(x, y), f"{after_tag}: {name}.{kind} differs"
-        assert before["__step__"] == after["__step__"] and before["__lr__"] == after["__lr__"], after_tag
+        if runs["stage"] == 3:  # one Adam step count per sub-group; their number changes with the world size
+            assert set(before["__step__"]) == set(after["__step__"]) and len(set(after["__step__"])) == 1, after_tag
+        else:
+            assert before["__step__"] == after["__step__"], after_tag
+        assert before["__lr__"] == after["__lr__"], after_tag
         assert before["__global_steps__"] == after["__global_steps__"]
 
 
@@ -133,8 +157,13 @@ def test_groups_keep_their_parameters_and_hyperparameters(runs):
             assert f["returned_hparams"] == [{k: h[k] for k in ("lr", "weight_decay", "betas")}
                                              for h in f["hparams"]], where
             assert f["returned_is_engine_optimizer"], where
-            # each group's Adam state sits on that group's own fp32 partition
+            # each group's Adam state sits on that group's own fp32 partition(s); at stage 3 on every
+            # sub-group that sub_group_to_group_id maps to the group (membership above: the sub-groups
+            # a group is built from hold its parameters only)
             assert f["state_in_group"] == [True, True], where
+            assert f["zero3"] == (runs["stage"] == 3), where
+            if f["zero3"]:
+                assert f["partition_keys"] == ZERO3_SUB_GROUPS[f["world_size"]], where
             assert f["global_steps"] == ref["global_steps"] and f["skipped_steps"] == ref["skipped_steps"], where
 
 
@@ -205,14 +234,28 @@ def test_losses_follow_static_run(runs):
             "the test needs a scale change after the last resize"
 
 
-def test_fp16_schedule_accepted_at_stages_1_and_2_only():
+def test_fp16_schedule_accepted_at_every_zero_stage():
+    """fp16 resizes carry the loss scaler at stages 1, 2 and 3 (the zero2-fp16 and zero3-fp16 runs
+    above); only a stage without partitions is refused."""
     from ds_dynatrain.config import ConfigError, DynatrainConfig
     from ds_dynatrain.initialize import check_elastic_config
     dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
                "fp16": {"enabled": True}}
         assert check_elastic_config(cfg, dt_cfg, 2, elastic=True) == (4, 2)
-    cfg["zero_optimization"]["stage"] = 3  # refused for fp16 (the loss scaler of stage 3 is not carried yet)
-    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
+    cfg["zero_optimization"]["stage"] = 0
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage 1, 2 or 3 \(stage 0"):
+        check_elastic_config(cfg, dt_cfg, 2, elastic=True)
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_schedule_with_offload_refused(key):
+    """Offloaded optimizer state or parameters are not moved by a resize: refused at start, fp16 or not."""
+    from ds_dynatrain.config import ConfigError, DynatrainConfig
+    from ds_dynatrain.initialize import check_elastic_config
+    dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
+           "zero_optimization": {"stage": 3, key: {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}\.device='cpu': offloaded state is not moved"):
         check_elastic_config(cfg, dt_cfg, 2, elastic=True)

@@ -56,8 +56,10 @@ def test_write_error_keeps_previous_snapshot_loadable(tmp_path):
      "resize_schedule (step 3): world size 3 refused: the global batch train_batch_size=4 is not divisible"),
     ({"resize_schedule": [{"step": 3, "world_size": 4}], "max_world_size": 2}, 2, False,
      "world size 4 refused: above max_world_size=2"),
-    ({"resize_schedule": [{"step": 3, "world_size": 1}]}, 3, False, "needs zero_optimization.stage 1 or 2"),
-    ({"resize_schedule": [{"step": 3, "world_size": 1}]}, 2, True, "fp16 loss scaler is not moved"),
+    ({"resize_schedule": [{"step": 3, "world_size": 1}]}, 0, False,
+     "needs zero_optimization.stage 1, 2 or 3 (stage 0 has no partitions to resize)"),
+    ({"resize_schedule": [{"step": 3, "world_size": 1}, {"step": 3, "world_size": 2}]}, 3, True,
+     "resize_schedule steps must increase strictly; got 3 then 3"),
 ])
 def test_bad_config_refused_before_any_process_starts(tmp_path, section, zero, fp16, message):
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": zero},

@@ -1,15 +1,15 @@
 """Test worker: a model with two optimizer parameter groups of different hyperparameters, a
-frozen embedding and tied input/output embeddings, trained in bf16 or fp16 and resized through
-``engine.resize`` at given steps or by the config's ``resize_schedule``.
+frozen embedding and tied input/output embeddings, trained with ZeRO stage 1, 2 or 3 in bf16 or
+fp16 and resized through ``engine.resize`` at given steps or by the config's ``resize_schedule``.
 
 Right before and right after each resize it writes:
 
 * ``OUT/<tag>.pt`` (rank 0): the gathered fp32 master, Adam moments and step
   (:func:`~tests.workers.common.gather_state`, collective);
 * ``OUT/<tag>_rank<r>.pt`` (every rank, joiners included): what this rank sees of the
-  non-tensor state (:func:`rank_facts`): which optimizer group each parameter sits in and that
-  group's hyperparameters, whether the tied parameters are one Parameter, the frozen embedding,
-  the loss scaler.
+  non-tensor state (:func:`rank_facts`, collective at stage 3): which optimizer group each
+  parameter sits in and that group's hyperparameters, whether the tied parameters are one
+  Parameter, the frozen embedding, the loss scaler.
 
 ``<tag>`` is ``before_<step>`` or ``after_<step>``; a joiner writes its ``after_<step>`` files
 once it has joined. ``start_rank<r>.pt`` (no gather: Adam has no state yet) and ``final*`` frame
@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from ds_dynatrain.bridge import relink_optimizer_state  # noqa: E402
+from ds_dynatrain.bridge import (fp32_partitions, is_zero3, relink_optimizer_state, trainable_groups,  # noqa: E402
+                                 working_partitions)
 from tests.workers.common import VOCAB, Tokens, gather_state  # noqa: E402
 
 # per group: the hyperparameters the client sets (they override the config's optimizer params)
@@ -79,20 +80,52 @@ def param_groups(model: torch.nn.Module) -> list:
     return groups
 
 
+def whole(p: torch.nn.Parameter) -> torch.Tensor:
+    """A copy of the working parameter, whole, in its working dtype (a ZeRO-3 parameter is
+    gathered with DeepSpeed's ``GatheredParameters``: collective)."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        with GatheredParameters([p]):
+            return p.data.detach().clone()
+    return p.detach().clone()
+
+
+def state_in_group(zopt) -> list:
+    """Per optimizer parameter group: whether the Adam state sits on that group's own fp32
+    partitions, partition-shaped.
+
+    Stages 1/2: the torch group holds exactly its one fp32 partition, which has state. Stage 3:
+    the torch groups are empty between steps (DeepSpeed puts one sub-group's partition in at a
+    time), so every fp32 sub-group partition that ``sub_group_to_group_id`` maps to the group
+    has state, and the group has at least one.
+    """
+    basic = zopt.optimizer
+    parts = fp32_partitions(zopt)
+
+    def has_state(t):
+        st = basic.state.get(t, {})
+        return all(k in st and st[k].shape == t.shape for k in ("exp_avg", "exp_avg_sq"))
+
+    if not is_zero3(zopt):
+        return [len(g["params"]) == 1 and g["params"][0] is parts[gi] and has_state(parts[gi])
+                for gi, g in enumerate(basic.param_groups)]
+    owned = [[b for b in range(len(parts)) if zopt.sub_group_to_group_id[b] == gi]
+             for gi in range(len(basic.param_groups))]
+    return [bool(subs) and all(has_state(parts[b]) for b in subs) for subs in owned]
+
+
 def rank_facts(engine, model, returned_opt) -> dict:
     """This rank's view of the non-tensor state (see the module docstring)."""
     zopt = engine.optimizer
     basic = zopt.optimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = trainable_groups(zopt)
     membership = {}
-    for gi, params in enumerate(zopt.bit16_groups):
+    for gi, params in enumerate(groups):
         for p in params:
             membership[names[id(p)]] = gi
     hparams = [{"lr": g["lr"], "weight_decay": g["weight_decay"], "betas": tuple(g["betas"]), "eps": g["eps"]}
                for g in basic.param_groups]
-    state_in_group = [len(g["params"]) == 1 and g["params"][0] is zopt.single_partition_of_fp32_groups[gi]
-                      and zopt.single_partition_of_fp32_groups[gi] in basic.state
-                      for gi, g in enumerate(basic.param_groups)]
     scaler = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(zopt.loss_scaler).items()}
     all_names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -100,20 +133,22 @@ def rank_facts(engine, model, returned_opt) -> dict:
     return {
         "rank": engine.global_rank,
         "world_size": engine.dp_world_size,
+        "zero3": is_zero3(zopt),
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "membership": membership,
+        "partition_keys": [tuple(names[id(p)] for p in ps) for ps in working_partitions(zopt)],
         "hparams": hparams,
         "returned_hparams": [{k: g[k] for k in ("lr", "weight_decay")} | {"betas": tuple(g["betas"])}
                              for g in returned_opt.param_groups],
         "returned_is_engine_optimizer": returned_opt is engine.optimizer,
-        "state_in_group": state_in_group,
+        "state_in_group": state_in_group(zopt),
         "tied": model.head.weight is model.tok.weight and engine.module is model,
         "tied_names": sorted(ns for ns in all_names.values() if len(ns) > 1),
-        "tied_working": model.head.weight.detach().clone(),
-        "frozen": model.frozen.weight.detach().clone(),
+        "tied_working": whole(model.head.weight),
+        "frozen": whole(model.frozen.weight),
         "frozen_requires_grad": model.frozen.weight.requires_grad,
-        "frozen_in_optimizer": any(p is model.frozen.weight for ps in zopt.bit16_groups for p in ps),
+        "frozen_in_optimizer": any(p is model.frozen.weight for ps in groups for p in ps),
         "scaler_class": type(zopt.loss_scaler).__name__,
         "scaler": scaler,
         "dynamic_loss_scale": zopt.dynamic_loss_scale,
