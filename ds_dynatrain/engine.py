@@ -52,7 +52,7 @@ from .launch_env import member_id
 from .layout import ZeroLayout
 from .membership import GenerationRecord, Membership
 from .metrics import MetricsWriter, format_resize, format_step, logger
-from .planner import Plan, assign_members, plan_transition
+from .planner import Plan, assign_members_best, plan_transition
 from .snapshot import SnapshotCheckpointEngine
 from .transition import PendingTransition, execute_plan, start_plan, transition_group, transition_ranks
 
@@ -84,6 +84,8 @@ class ElasticState:
     rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (see ElasticEngine._broadcast_model)
     failed: Optional[str] = None  # why the last resize's transfer failed (the engine then refuses to train)
     param_attrs: Dict[str, frozenset] = field(default_factory=dict)  # the client's own attributes (ZeRO-3)
+    assigned: Dict[Tuple[int, int], Tuple[str, ...]] = field(default_factory=dict)  # (generation, size) -> members
+    hp_linked: bool = False  # DeepSpeed's fragment links repaired after the engine's first step
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -302,6 +304,13 @@ class ElasticEngine(DeepSpeedEngine):
     def _after_optimizer_step(self):
         dt = self._dt
         step = self.global_steps
+        if not dt.hp_linked:
+            # DeepSpeed 0.19.8 (stage_1_and_2.py ``_optimizer_step``) links every parameter's
+            # optimizer-state fragment right after group 0's first step, when the later groups
+            # have no state yet, and never again: ``safe_get_full_optimizer_state`` then fails
+            # for every parameter outside group 0. Link once more now that all groups have state.
+            relink_optimizer_state(self)
+            dt.hp_linked = True
         # on the accelerator: NCCL reduces device tensors only
         totals = torch.tensor([dt.loss_sum, float(dt.loss_count)], dtype=torch.float64,
                               device=get_accelerator().current_device_name())
@@ -345,22 +354,33 @@ class ElasticEngine(DeepSpeedEngine):
     def _request_joiners(self, world_size: int) -> Tuple[str, ...]:
         """Publish the next generation for ``world_size`` and have its joiners started (once).
 
-        If joiners were already started for the next generation with another membership (a
-        scheduled grow, then a manual resize to another size), they are cancelled first."""
+        Ranks are assigned by the planner (:func:`~ds_dynatrain.planner.assign_members_best`):
+        the staying processes take the new ranks that keep the most optimizer state in place,
+        joiners the others (a joiner is named after the rank it takes). If joiners were already
+        started for the next generation with another membership (a scheduled grow, then a manual
+        resize to another size), they are cancelled first.
+        """
         dt = self._dt
         g = dt.generation + 1
-        old_ws = self.dp_world_size
-        joiners = tuple(member_id(g, r) for r in range(old_ws, world_size))
-        new_members = assign_members(dt.members, world_size, joiners)
+        new_members = dt.assigned.get((g, world_size))
+        if new_members is None:
+            old = layout_of(self)
+            placeholders = tuple(f"joiner-{i}" for i in range(max(0, world_size - self.dp_world_size)))
+            drafted = assign_members_best(old, old.with_world_size(world_size), dt.members, placeholders)
+            new_members = tuple(member_id(g, r) if m in placeholders else m for r, m in enumerate(drafted))
+            dt.assigned[(g, world_size)] = new_members
+        old = set(dt.members)
+        joiners = tuple(m for m in new_members if m not in old)
         if dt.published.get(g) == new_members:
             return new_members
         if self.global_rank == 0:
             stale = dt.spawned_for.get(g, ())
             if stale:
                 dt.membership.cancel_spawn(g, stale)
-            dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps))
+            header_rank = new_members.index(dt.members[0]) if dt.members[0] in new_members else 0
+            dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps, header_rank))
             if joiners:
-                dt.membership.request_spawn(g, world_size, list(range(old_ws, world_size)), joiners)
+                dt.membership.request_spawn(g, world_size, [new_members.index(j) for j in joiners], joiners)
         dt.spawned_for[g] = joiners
         dt.published[g] = new_members
         return new_members
@@ -481,7 +501,10 @@ class ElasticEngine(DeepSpeedEngine):
             dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.collective_timeout_s)
             group_s += clock() - t
         t = clock()
-        header = agree_on_header(header, lambda h: "plan digest differs" if h["digest"] != plan.digest() else None)
+        # a grow agrees on the new group, where old rank 0 (a survivor) may hold another rank
+        src = plan.new_members.index(plan.old_members[0]) if grow else 0
+        header = agree_on_header(header, lambda h: "plan digest differs" if h["digest"] != plan.digest() else None,
+                                 src=src)
         plan_s += clock() - t
         dests, stats, transfer, overlap = begin_transition(plan, dt, dt.generation + 1, header,
                                                            state.tensors, stays)
@@ -734,15 +757,16 @@ def _peak_extra_bytes(base: Optional[int]) -> int:
     return max(0, hwm - max(base, rss))
 
 
-def agree_on_header(header: Optional[dict], check) -> dict:
-    """Broadcast rank 0's header; every rank checks it; any problem is the same error everywhere.
+def agree_on_header(header: Optional[dict], check, src: int = 0) -> dict:
+    """Broadcast rank ``src``'s header; every rank checks it; any problem is the same error
+    everywhere.
 
     ``check(header)`` returns None or a problem string. Raises :class:`LayoutMismatchError` on
     the rank whose check failed with a layout problem, :class:`TransitionAbortedError` elsewhere;
     both name the rank and the problem. Nothing has moved when this raises.
     """
     box = [header]
-    tdist.broadcast_object_list(box, src=0)
+    tdist.broadcast_object_list(box, src=src)
     header = box[0]
     try:
         problem = check(header)

@@ -285,7 +285,7 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
         box["plan"] = plan
         return "plan digest differs" if plan.digest() != header["digest"] else None
 
-    header = agree_on_header(None, check)
+    header = agree_on_header(None, check, src=rec.header_rank)
     plan = box["plan"]
     dests, _, transfer, overlap = begin_transition(plan, dt, rec.generation, header, None, receives=True)
     dt.members = plan.new_members

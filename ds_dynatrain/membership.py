@@ -40,10 +40,20 @@ CANCEL_KEY = "dynatrain/cancel/{}"
 
 @dataclass(frozen=True)
 class GenerationRecord:
+    """One generation's membership as published in the store.
+
+    Attributes:
+        generation: generation number.  world_size: its data-parallel world size.
+        members: member id of each rank.  step: the optimizer step it was published at.
+        header_rank: the rank of this generation that broadcasts the transition header into it
+            (a survivor; joiners wait for it there).
+    """
+
     generation: int
     world_size: int
     members: Tuple[str, ...]
     step: int
+    header_rank: int = 0
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
@@ -68,7 +78,7 @@ class Membership:
     def publish(self, rec: GenerationRecord) -> None:
         self.store.set(GEN_KEY.format(rec.generation), json.dumps(
             {"generation": rec.generation, "world_size": rec.world_size, "members": list(rec.members),
-             "step": rec.step}))
+             "step": rec.step, "header_rank": rec.header_rank}))
 
     def read(self, generation: int, timeout_s: float) -> GenerationRecord:
         """Wait for and read generation ``generation``.
@@ -82,7 +92,8 @@ class Membership:
         except RuntimeError as err:
             raise TransitionAbortedError(f"generation {generation} was not published within {timeout_s:.0f} s") from err
         d = json.loads(self.store.get(key))
-        return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]))
+        return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]),
+                                int(d.get("header_rank", 0)))
 
     def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str]) -> None:
         """Ask the launcher agent to start processes for ``ranks`` of ``generation``."""

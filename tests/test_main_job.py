@@ -54,12 +54,19 @@ def test_job_resizes_three_times_and_finishes(main_job):
         for k in ("bytes_moved", "seconds", "plan_s", "transfer_s", "rebuild_s"):
             assert r[k] >= 0, (k, r)
         assert r["bytes_moved"] > 0
-        assert r["seconds"] >= r["plan_s"] + r["transfer_s"] + r["rebuild_s"] - 1e-6
+        # the moments move in the background beside the rebuild: only plan, group and rebuild add up
+        assert r["seconds"] >= r["plan_s"] + r["group_s"] + r["rebuild_s"] - 1e-6
+        assert r["seconds"] >= r["transfer_s"] - 1e-6
     steps = [r for r in recs if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert [r["world_size"] for r in steps] == [2] * 3 + [3] * 3 + [1] * 3 + [2] * 3
     assert "resize 2 \u2192 3 after step 3" in el.output
-    assert "member g0r1 left the job after step 6" in el.output and "member g1r2 left the job after step 6" in el.output
+    # 3 -> 1: two of the three members leave; which ones is the planner's choice (the rank
+    # assignment that keeps the most optimizer state in place), one of them the joiner of step 3
+    import re
+    joiner = re.findall(r"agent: starting joiner (g1r\d)", el.output)
+    left = re.findall(r"member (g\d+r\d+) left the job after step 6", el.output)
+    assert len(joiner) == 1 and len(set(left)) == 2 and set(left) <= {"g0r0", "g0r1", joiner[0]}, (joiner, left)
 
 
 def test_losses_follow_static_run(main_job):
@@ -95,7 +102,8 @@ def test_job_ending_before_a_scheduled_grow_finishes(tmp_path):
     job = launch(tmp_path, SCRIPT, 2, cfg, ["--steps", "4", "--layers", "1", "--hidden", "64", "--seq-len", "32"],
                  timeout=180, name="short")
     assert job.returncode == 0, job.output[-4000:]
-    assert "agent: starting joiner g1r2" in job.output
-    assert "agent: stopping joiner g1r2: generation 1 will not be formed" in job.output
+    # the joiner is named after the rank the planner gives it (rank 1: old rank 1 moves to rank 2)
+    assert "agent: starting joiner g1r1" in job.output
+    assert "agent: stopping joiner g1r1: generation 1 will not be formed" in job.output
     steps = [r for r in read_jsonl(tmp_path / "short.jsonl") if r["event"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
