@@ -142,3 +142,25 @@ def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):
     assert [(x["from"], x["to"]) for x in resizes] == [(2, 1), (1, 2)]
     for r in resizes:
         assert r["messages"] >= 6 and r["peak_staging_bytes"] <= 1024  # many chunks, each within the bound
+
+
+def test_joiner_with_another_model_is_refused_before_any_byte_moves(tmp_path):
+    """A peer describing a different parameter set (a joiner that built its model 14 wide instead
+    of 13) is refused when the ranks agree on the plan: the joiner names the first differing
+    parameter, every survivor reports it, no byte of the plan has moved, and nothing hangs."""
+    from workers.common import base_config
+    cfg = base_config(2, str(tmp_path / "metrics.jsonl"))
+    job = launch(tmp_path, os.path.join(WORKERS, "resize_worker.py"), 2, cfg,
+                 ["--out", str(tmp_path), "--steps", "4", "--resize", "2:3", "--joiner-width", "14"],
+                 timeout=200, name="mismatch")
+    assert job.returncode != 0
+    out = job.output
+    first = "parameter group 0: embed.weight [37, 13] float32 differs from embed.weight [37, 14] float32"
+    assert "LayoutMismatchError" in out and first in out, out[-4000:]
+    import re
+    # the joiner's own LayoutMismatchError and each survivor's TransitionAbortedError, all naming it
+    reports = re.findall(r"(LayoutMismatchError|TransitionAbortedError): transition refused before any byte moved: "
+                         r"rank \d: layout mismatch: " + re.escape(first), out)
+    assert sorted(set(reports)) == ["LayoutMismatchError", "TransitionAbortedError"] and len(reports) >= 3, out[-4000:]
+    assert "MiB moved" not in out
+    assert not any(r["event"] == "resize" for r in read_jsonl(tmp_path / "metrics.jsonl"))

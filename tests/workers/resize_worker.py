@@ -27,6 +27,8 @@ def main():
     p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize")
     p.add_argument("--ds-ckpt-at", default="", help="STEP,... save a DeepSpeed checkpoint before that resize")
     p.add_argument("--refuse-at", type=int, default=0, help="at this step, ask for impossible world sizes")
+    p.add_argument("--joiner-width", type=int, default=0,
+                   help="a joining process builds TinyLM of this width (a model that does not match the job's)")
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -34,7 +36,8 @@ def main():
     ds_ckpt_at = {int(s) for s in a.ds_ckpt_at.split(",") if s}
 
     torch.manual_seed(0)
-    model = TinyLM()
+    joiner = os.environ.get("DYNATRAIN_JOIN") == "1"
+    model = TinyLM(a.joiner_width) if joiner and a.joiner_width else TinyLM()
     engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
                                                            training_data=Tokens(), config=a.deepspeed_config)
 
