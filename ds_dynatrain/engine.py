@@ -251,13 +251,49 @@ class ElasticEngine(DeepSpeedEngine):
         return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """DeepSpeed's ``load_checkpoint`` (same world size) through the snapshot engine, which
-        loads with ``weights_only=True``; afterwards the optimizer-state fragments are linked
-        again so ``deepspeed.utils.safe_get_full_optimizer_state`` works at once."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, **kwargs):
+        """Load a snapshot or a DeepSpeed ZeRO checkpoint, saved at this or any other world size
+        and ZeRO stage (1, 2, 3).
+
+        Same world size and stage: DeepSpeed's ``load_checkpoint`` through the snapshot engine
+        (``weights_only=True``); afterwards the optimizer-state fragments are linked again so
+        ``deepspeed.utils.safe_get_full_optimizer_state`` works at once. Otherwise
+        :func:`ds_dynatrain.migrate.load_resharded`: every file of the saving world is checked
+        first, then each rank reads only the fragments of its new partitions. Collective.
+
+        Returns:
+            ``(load path, client state)`` as DeepSpeed's; ``(None, None)`` when nothing is found.
+
+        Raises:
+            CheckpointIncompleteError: missing or damaged files of the saving world.
+            LayoutMismatchError: the checkpoint holds another model (names the first parameter).
+        """
         self._require_member()
         self.wait_transition()
-        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        from .migrate import SavedCheckpoint, load_resharded
+        saved = None
+        if self.zero_optimization_stage() in (1, 2, 3) and (tag is not None or os.path.isfile(
+                os.path.join(load_dir, "latest"))):
+            saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
+            saved.close()
+        if saved is not None and (saved.world_size, saved.stage) != (self.dp_world_size,
+                                                                    self.zero_optimization_stage()):
+            path, client, stats = load_resharded(self, load_dir, saved.tag, load_optimizer_states,
+                                                 load_lr_scheduler_states)
+            if self.global_rank == 0:
+                rec = {"event": "load", "step": self.global_steps, "from": stats.saved_world_size,
+                       "to": stats.world_size, "saved_stage": stats.saved_stage, "stage": stats.stage,
+                       "bytes_read": stats.bytes_read, "seconds": stats.seconds, "plan_s": stats.plan_s,
+                       "read_s": stats.read_s, "dir": path}
+                self._dt.metrics.write(rec)
+                logger.info(f"loaded {path} (ZeRO-{stats.saved_stage}, {stats.saved_world_size} ranks) onto "
+                            f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
+                            f"on rank 0 in {stats.seconds:.2f} s")
+            return path, client
+        out = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
         if out[0] is not None:
             relink_optimizer_state(self)
         return out

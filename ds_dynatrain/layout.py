@@ -304,14 +304,16 @@ class ZeroLayout:
         return ZeroLayout(world_size, self.groups, self.round_robin, self.parameter_alignment, self.stage,
                           self.sub_group_size)
 
-    def check_same_model(self, other: "ZeroLayout") -> None:
-        """Raise :class:`LayoutMismatchError` naming the first parameter that differs."""
+    def check_same_model(self, other: "ZeroLayout", settings: bool = True) -> None:
+        """Raise :class:`LayoutMismatchError` naming the first parameter that differs; with
+        ``settings`` also when the ZeRO settings or working dtypes differ (stage 3 against 1/2,
+        round robin, alignment, sub-group size)."""
         if self.num_groups != other.num_groups:
             raise LayoutMismatchError(
                 f"layouts have {self.num_groups} and {other.num_groups} parameter groups")
         for gi, (a, b) in enumerate(zip(self.groups, other.groups)):
             for pa, pb in zip(a, b):
-                if pa != pb:
+                if (pa != pb) if settings else ((pa.key, pa.shape) != (pb.key, pb.shape)):
                     raise LayoutMismatchError(
                         f"parameter group {gi}: {pa.key} {list(pa.shape)} {pa.dtype} differs from "
                         f"{pb.key} {list(pb.shape)} {pb.dtype}")
@@ -319,6 +321,8 @@ class ZeroLayout:
                 longer = a if len(a) > len(b) else b
                 first = longer[min(len(a), len(b))]
                 raise LayoutMismatchError(f"parameter group {gi}: parameter {first.key} is present in only one layout")
+        if not settings:
+            return
         if self.stage != other.stage and 3 in (self.stage, other.stage):
             raise LayoutMismatchError(f"layouts of ZeRO stages {self.stage} and {other.stage}: a stage-3 "
                                       "partition is not a stage-1/2 partition")

@@ -196,17 +196,19 @@ def _intersections(old: ZeroLayout, new: ZeroLayout) -> List[tuple]:
 
 
 def plan_transition(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str],
-                    new_members: Sequence[str]) -> Plan:
+                    new_members: Sequence[str], same_settings: bool = True) -> Plan:
     """Intersect two layouts of the same model into a :class:`Plan`.
 
     Args:
         old, new: layouts of the same parameters (any world sizes).
         old_members, new_members: member id per old / new rank.
+        same_settings: also require the same ZeRO stage family and settings (a resize of a
+            running job); False for loading a checkpoint into another ZeRO configuration.
 
     Raises:
         LayoutMismatchError: the layouts describe different parameters (names the first one).
     """
-    old.check_same_model(new)
+    old.check_same_model(new, settings=same_settings)
     with _no_gc():
         transfers = tuple(_merge(_intersections(old, new)))
     return Plan(old, new, tuple(old_members), tuple(new_members), transfers)

@@ -162,6 +162,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._cache_bytes = cache_bytes
         self._writer = None
         self._seq = 0
+        self._instance: Optional[int] = None
         self._current: Optional[_Snapshot] = None
         self._last: Optional[_Snapshot] = None
         self._queue: "queue.Queue" = queue.Queue()
@@ -269,7 +270,12 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo):
         self.wait()  # the previous snapshot's outcome, on every rank, before a new one starts
         self._ensure_worker()
-        key = f"{STORE_PREFIX}/g{self.generation}/s{self._seq}"
+        if self._instance is None:
+            # the n-th engine this rank made in this generation (several engines in one process,
+            # e.g. a job that builds a second one): every rank builds them in the same order, so
+            # the n-th engines of all ranks share keys, and no engine reads another's stale token
+            self._instance = self.store.add(f"{STORE_PREFIX}/g{self.generation}/instances/r{self.rank}", 1)
+        key = f"{STORE_PREFIX}/g{self.generation}/i{self._instance}/s{self._seq}"
         self._seq += 1
         if self.rank == 0:
             self.store.set(f"{key}/token", uuid.uuid4().hex[:12])
@@ -328,6 +334,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             for key, (view, meta) in raw.items():
                 if meta.kind == "object":
                     items[key] = bytes(view)
+                elif meta.nbytes == 0:  # torch.frombuffer refuses an empty buffer
+                    t = torch.empty(tuple(meta.shape), dtype=getattr(torch, meta.dtype))
                 else:
                     t = torch.frombuffer(view, dtype=torch.uint8).view(getattr(torch, meta.dtype))
                     t = t.reshape(tuple(meta.shape))

@@ -1,0 +1,101 @@
+"""Test worker: checkpoints saved at one world size, loaded at another.
+
+``save``: for each ZeRO stage, train TinyLM a few steps, save a snapshot (this project's engine)
+and a DeepSpeed checkpoint (DeepSpeed's default ``torch.save`` engine) of the same state, gather
+the state (DeepSpeed's ``safe_get_full_*``), then train on (the uninterrupted run, its losses in
+``<out>/metrics_z<stage>.jsonl``).
+
+``load``: for each stage and format, build a fresh engine at this world size, ``load_checkpoint``,
+gather the state (rank 0 writes it), train on (losses in ``<out>/metrics_z<stage>_<format>.jsonl``).
+
+Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (no launcher).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ds_dynatrain  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, base_config, gather_state  # noqa: E402
+
+SAVE_STEPS = 3
+MORE_STEPS = 2
+
+
+def config(stage: int, metrics: str) -> dict:
+    cfg = base_config(stage, metrics)
+    if stage == 3:
+        cfg["zero_optimization"]["sub_group_size"] = 40
+    cfg["dynatrain"].pop("max_world_size", None)
+    return cfg
+
+
+def train(engine, loader, until: int) -> None:
+    while engine.global_steps < until:
+        for batch in loader:
+            engine.backward(engine(batch))
+            engine.step()
+            if engine.global_steps >= until:
+                break
+
+
+def build(stage: int, metrics: str):
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
+                                                           training_data=Tokens(), config=config(stage, metrics))
+    return engine, loader
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "load"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--load-from", default=None, help="directory the save job wrote (load mode)")
+    p.add_argument("--formats", default="ours,torch")
+    a = p.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    rank = int(os.environ["RANK"])
+    for stage in map(int, a.stages.split(",")):
+        if a.mode == "save":
+            engine, loader = build(stage, os.path.join(a.out, f"metrics_z{stage}.jsonl"))
+            train(engine, loader, SAVE_STEPS)
+            engine.save_checkpoint(os.path.join(a.out, f"ours_z{stage}"), tag="ckpt")
+            engine.checkpoint_engine.wait()
+            from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+            ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
+            engine.save_checkpoint(os.path.join(a.out, f"torch_z{stage}"), tag="ckpt",
+                                   client_state={"universal_checkpoint_info": {}})
+            engine.checkpoint_engine = ours
+            state = gather_state(engine)
+            if rank == 0:
+                torch.save(state, os.path.join(a.out, f"state_z{stage}.pt"))
+            train(engine, loader, SAVE_STEPS + MORE_STEPS)
+            engine.checkpoint_engine.close()
+            engine.destroy()
+            continue
+        for fmt in a.formats.split(","):
+            engine, loader = build(stage, os.path.join(a.out, f"metrics_z{stage}_{fmt}.jsonl"))
+            path, client = engine.load_checkpoint(os.path.join(a.load_from, f"{fmt}_z{stage}"), tag="ckpt")
+            state = gather_state(engine)
+            if rank == 0:
+                torch.save(state, os.path.join(a.out, f"state_z{stage}_{fmt}.pt"))
+                with open(os.path.join(a.out, f"client_z{stage}_{fmt}.json"), "w") as f:
+                    json.dump({"path": path, "keys": sorted(client or {})}, f)
+            train(engine, loader, SAVE_STEPS + MORE_STEPS)
+            engine.checkpoint_engine.close()
+            engine.destroy()
+    import torch.distributed as tdist
+    tdist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
