@@ -341,6 +341,26 @@ class SavedCheckpoint:
             return "float16"
         return "float32"
 
+    def layout_from_metadata(self) -> ZeroLayout:
+        """The saved layout from the checkpoint alone (no model): the groups of ``param_shapes``
+        as DeepSpeed wrote them, which are the flat order of each partition (stages 1/2: one
+        per parameter group, round robin already applied; stage 3: one per sub-group, so each
+        is its own group here). Checked against every partition's size like :meth:`layout_for`.
+
+        Raises:
+            LayoutMismatchError: the partitions do not fit the metadata.
+        """
+        dtype = self.working_dtype()
+        groups = tuple(tuple(ParamMeta(str(n), tuple(int(d) for d in shape), dtype) for n, shape in g.items())
+                       for g in (self.model_state.get("param_shapes") or []) if len(g))
+        z = self.ds_config.get("zero_optimization") or {}
+        if self.stage == 3:
+            layout = ZeroLayout(self.world_size, groups, stage=3, sub_group_size=2 ** 62)
+        else:
+            layout = ZeroLayout(self.world_size, groups, False, bool(z.get("parameter_alignment", False)), self.stage)
+        self._check_sizes(layout)
+        return layout
+
     def layout_for(self, live: ZeroLayout) -> ZeroLayout:
         """The layout the checkpoint was saved in, for the live model's parameter groups.
 
