@@ -53,6 +53,40 @@ def build(stage: int, metrics: str):
     return engine, loader
 
 
+def load_one(a, rank: int, saved: int, loaded: int, fmt: str) -> None:
+    """Fresh engine of ZeRO stage ``loaded``; load the stage-``saved`` checkpoint; gather; train on."""
+    tag = f"z{saved}_{fmt}" if saved == loaded else f"z{saved}_into{loaded}_{fmt}"
+    engine, loader = build(loaded, os.path.join(a.out, f"metrics_{tag}.jsonl"))
+    path, client = engine.load_checkpoint(os.path.join(a.load_from, f"{fmt}_z{saved}"), tag="ckpt")
+    state = gather_state(engine)
+    if rank == 0:
+        torch.save(state, os.path.join(a.out, f"state_{tag}.pt"))
+        with open(os.path.join(a.out, f"client_{tag}.json"), "w") as f:
+            json.dump({"path": path, "keys": sorted(client or {})}, f)
+    train(engine, loader, SAVE_STEPS + MORE_STEPS)
+    engine.checkpoint_engine.close()
+    engine.destroy()
+
+
+def refuse(a, rank: int, name: str, path: str) -> None:
+    """``load_checkpoint`` of a broken directory must raise on every rank and change nothing."""
+    engine, loader = build(2, os.path.join(a.out, f"metrics_broken_{name}.jsonl"))
+    train(engine, loader, 1)
+    before = gather_state(engine)
+    try:
+        engine.load_checkpoint(path, tag="ckpt")
+        error = None
+    except Exception as err:  # noqa: BLE001 - the test checks the type and message
+        error = f"{type(err).__name__}: {err}"
+    after = gather_state(engine)
+    same = all(torch.equal(before[k][kind], after[k][kind]) for k in before if not k.startswith("__")
+               for kind in before[k]) and before["__global_steps__"] == after["__global_steps__"]
+    with open(os.path.join(a.out, f"broken_{name}_rank{rank}.json"), "w") as f:
+        json.dump({"error": error, "state_unchanged": same}, f)
+    engine.checkpoint_engine.close()
+    engine.destroy()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["save", "load"])
@@ -60,6 +94,9 @@ def main():
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--load-from", default=None, help="directory the save job wrote (load mode)")
     p.add_argument("--formats", default="ours,torch")
+    p.add_argument("--cross", default="", help="SAVED:LOADED,... also load the checkpoint of ZeRO stage SAVED "
+                                               "into an engine of stage LOADED")
+    p.add_argument("--broken", default="", help="NAME=DIR,... directories that must be refused (stage 2)")
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     rank = int(os.environ["RANK"])
@@ -82,16 +119,15 @@ def main():
             engine.destroy()
             continue
         for fmt in a.formats.split(","):
-            engine, loader = build(stage, os.path.join(a.out, f"metrics_z{stage}_{fmt}.jsonl"))
-            path, client = engine.load_checkpoint(os.path.join(a.load_from, f"{fmt}_z{stage}"), tag="ckpt")
-            state = gather_state(engine)
-            if rank == 0:
-                torch.save(state, os.path.join(a.out, f"state_z{stage}_{fmt}.pt"))
-                with open(os.path.join(a.out, f"client_z{stage}_{fmt}.json"), "w") as f:
-                    json.dump({"path": path, "keys": sorted(client or {})}, f)
-            train(engine, loader, SAVE_STEPS + MORE_STEPS)
-            engine.checkpoint_engine.close()
-            engine.destroy()
+            load_one(a, rank, stage, stage, fmt)
+    if a.mode == "load":
+        for pair in filter(None, a.cross.split(",")):
+            saved, loaded = map(int, pair.split(":"))
+            for fmt in a.formats.split(","):
+                load_one(a, rank, saved, loaded, fmt)
+        for item in filter(None, a.broken.split(",")):
+            name, path = item.split("=", 1)
+            refuse(a, rank, name, path)
     import torch.distributed as tdist
     tdist.barrier()
     return 0
