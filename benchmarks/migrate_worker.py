@@ -102,6 +102,7 @@ def run_ours(a) -> None:
     load_s = time.perf_counter() - t0
     peak = max(0, status_bytes("VmHWM") - base)
     ranks = gather({"bytes_read": stats.bytes_read, "read_s": stats.read_s, "plan_s": stats.plan_s,
+                    "install_s": stats.install_s, "gather_s": stats.gather_s,
                     "seconds": stats.seconds, "peak_extra_bytes": peak})
     if engine.global_rank == 0:
         write_json(a.out, {"mode": "ours", "load_s": load_s, "global_steps": engine.global_steps, "ranks": ranks})

@@ -442,12 +442,15 @@ class SavedCheckpoint:
 @dataclass
 class LoadStats:
     """What one rank's load did: ``bytes_read`` (partition bytes), ``seconds``, ``plan_s``,
-    ``read_s`` (wall seconds), the saved and new world sizes and ZeRO stages."""
+    ``read_s``, ``install_s`` (wall seconds; install includes ``gather_s``, rebuilding the working
+    parameters from the master), the saved and new world sizes and ZeRO stages."""
 
     bytes_read: int
     seconds: float
     plan_s: float
     read_s: float
+    install_s: float
+    gather_s: float
     saved_world_size: int
     saved_stage: int
     world_size: int
@@ -516,23 +519,28 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
         if bad:
             raise CheckpointIncompleteError("nothing was loaded: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
         read_s = time.perf_counter() - t
+        t = time.perf_counter()
         order = sorted(dests)
         install_master(engine, [dests[b]["fp32"] for b in order])
         if load_optimizer_states:
             install_optimizer_state(engine, [{k: dests[b][k] for k in MOMENTS} for b in order],
                                     scalars_for(plan, scalars0))
         zopt = zero_optimizer_of(engine)
+        tg = time.perf_counter()
         with torch.no_grad():
             if is_zero3(zopt):
                 for flat, fp32 in zip(zopt.fp16_partitioned_groups_flat, fp32_partitions(zopt)):
                     flat.copy_(fp32)
             else:
                 zopt.update_lp_params()  # working copy from the master, all-gathered
+        gather_s = time.perf_counter() - tg
         _load_frozen(engine, saved)
         client = _load_non_tensor_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
+        install_s = time.perf_counter() - t
     finally:
         saved.close()
-    stats = LoadStats(nbytes, time.perf_counter() - t0, plan_s, read_s, saved.world_size, saved.stage, ws, live.stage)
+    stats = LoadStats(nbytes, time.perf_counter() - t0, plan_s, read_s, install_s, gather_s, saved.world_size,
+                      saved.stage, ws, live.stage)
     return saved.dir, client, stats
 
 
