@@ -5,14 +5,18 @@
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
+    dynatrain inspect CKPT_DIR [--tag T] [--json]
+    dynatrain verify CKPT_DIR [--tag T]
+    dynatrain export CKPT_DIR --out model.safetensors [--dtype fp32|bf16] [--tag T]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, DynatrainError
 
 
 def _cmd_launch(a) -> int:
@@ -50,6 +54,52 @@ def _cmd_plan(a) -> int:
     return 0
 
 
+def _cmd_inspect(a) -> int:
+    from .inspect_cli import inspect_report, print_inspect
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain inspect: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        rep = inspect_report(a.dir, a.tag)
+    except DynatrainError as err:  # CheckpointIncompleteError: missing or damaged files
+        print(f"dynatrain inspect: {err}", file=sys.stderr)
+        return 1
+    print_inspect(rep, a.json)
+    return 0
+
+
+def _cmd_verify(a) -> int:
+    from .inspect_cli import print_verify, verify_checkpoint
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain verify: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    rep = verify_checkpoint(a.dir, a.tag)
+    print_verify(rep)
+    return 0 if rep.ok else 1
+
+
+def _cmd_export(a) -> int:
+    from .consolidate import EXPORT_DTYPES, export_safetensors
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain export: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    parent = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(parent):
+        print(f"dynatrain export: --out {a.out}: directory {parent} does not exist", file=sys.stderr)
+        return 2
+    try:
+        st = export_safetensors(a.dir, a.out, EXPORT_DTYPES[a.dtype], a.tag)
+    except (DynatrainError, ValueError) as err:  # damaged checkpoint; a dtype safetensors cannot name
+        print(f"dynatrain export: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"dynatrain export: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
+          f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
                                 "and resilience snapshots.")
@@ -81,6 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--out", required=True, help="PNG to write")
     pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job")
     pp.set_defaults(func=_cmd_plot)
+
+    tag_help = "checkpoint tag, a directory under DIR (default: the one DIR/latest names)"
+    ip = sub.add_parser("inspect", help="what a checkpoint holds: world size, ZeRO stage, step, parameters, bytes")
+    ip.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    ip.add_argument("--tag", default=None, help=tag_help)
+    ip.add_argument("--json", action="store_true", help="one JSON object")
+    ip.set_defaults(func=_cmd_inspect)
+
+    vp = sub.add_parser("verify", help="check a checkpoint complete and intact: every file, checksum and fragment "
+                        "(exit status 0: intact, 1: not)")
+    vp.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    vp.add_argument("--tag", default=None, help=tag_help)
+    vp.set_defaults(func=_cmd_verify)
+
+    ep = sub.add_parser("export", help="write the consolidated full weights as one safetensors file")
+    ep.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    ep.add_argument("--out", required=True, help="safetensors file to write (e.g. model.safetensors)")
+    ep.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="dtype of the floating-point tensors (integer buffers keep theirs)")
+    ep.add_argument("--tag", default=None, help=tag_help)
+    ep.set_defaults(func=_cmd_export)
     return p
 
 
