@@ -7,8 +7,8 @@ hidden 768, 12 layers for about 97 M parameters; ``--params`` picks the number o
 fp32, AdamW, trained one step on ``--save-ranks`` ranks, which save the same state twice: a
 snapshot (this project's engine) and a DeepSpeed checkpoint (DeepSpeed's default engine). Then:
 
-* ``convert_s``: ``python -m deepspeed.checkpoint.ds_to_universal`` of the DeepSpeed checkpoint
-  (once; its peak resident memory ``convert_peak_rss_bytes``);
+* ``convert_s``: DeepSpeed's ``ds_to_universal`` of the DeepSpeed checkpoint, one process start
+  to its end (once; its peak resident memory, workers included, ``convert_peak_rss_bytes``);
 * the device bound: this project's reader (io_uring, O_DIRECT, 8 MiB reads, 32 in flight) reading
   every optimizer-state file of the snapshot whole, one process: ``bound_gbps``;
 * per target world size M: ``ours_s``, M fresh ranks' ``load_checkpoint`` of the snapshot
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -104,15 +103,11 @@ def main(argv=None) -> int:
         run_ranks(n, ["--mode", "save", *model, "--dir", ckpt, "--tag", TAG, "--out",
                       os.path.join(work, "save.json")], work, "save", a.timeout)
         save = read_json(os.path.join(work, "save.json"), os.path.join(work, "save_rank0.log"))
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        convert_s = run_job([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                             "--input_folder", os.path.join(ckpt, "deepspeed", TAG),
-                             "--output_folder", os.path.join(ckpt, "deepspeed", f"{TAG}_universal"),
-                             "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                            os.path.join(work, "convert.log"), a.timeout, "ds_to_universal")
-        convert_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        if convert_peak <= before * 1024:
-            convert_peak = 0  # an earlier child was larger: not measurable this way
+        convert_out = os.path.join(work, "convert.json")
+        convert_wall = run_job([sys.executable, WORKER, "--mode", "convert", "--dir", ckpt, "--tag", TAG, "--out",
+                                convert_out], os.path.join(work, "convert.log"), a.timeout, "ds_to_universal")
+        convert = read_json(convert_out, os.path.join(work, "convert.log"))
+        convert_s, convert_peak = convert_wall, convert["peak_rss_bytes"]
         bound = device_bound(os.path.join(ckpt, "ours", TAG))
         for m in (int(x) for x in a.to.split(",")):
             evict(ckpt)

@@ -12,6 +12,8 @@ writes ``--out`` (JSON; times in seconds, sizes in bytes), with every rank's fig
   ``bytes_read``, ``read_s`` and peak extra resident memory during the load.
 * ``deepspeed``: ``deepspeed.initialize`` with ``checkpoint.load_universal`` at this world size,
   then ``load_checkpoint`` of the universal checkpoint: ``load_s``, peak extra memory per rank.
+* ``convert``: ``ds_to_universal`` run in this process (one process, no ranks): its wall time and
+  peak resident set.
 """
 from __future__ import annotations
 
@@ -134,9 +136,25 @@ def run_deepspeed(a) -> None:
     tdist.destroy_process_group()
 
 
+def run_convert(a) -> None:
+    """``ds_to_universal`` in this process (no distributed set-up): ``--dir``/deepspeed/``--tag`` to
+    ``<tag>_universal``; writes its wall time and peak resident set (this process and its worker
+    processes, bytes)."""
+    import resource
+    import runpy
+    src = os.path.join(a.dir, "deepspeed", a.tag)
+    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", src + "_universal",
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    t0 = time.perf_counter()
+    runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
+    seconds = time.perf_counter() - t0
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    write_json(a.out, {"mode": "convert", "seconds": seconds, "peak_rss_bytes": peak * 1024})
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["save", "ours", "deepspeed"], required=True)
+    p.add_argument("--mode", choices=["save", "ours", "deepspeed", "convert"], required=True)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=64)
@@ -146,7 +164,7 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    {"save": run_save, "ours": run_ours, "deepspeed": run_deepspeed}[a.mode](a)
+    {"save": run_save, "ours": run_ours, "deepspeed": run_deepspeed, "convert": run_convert}[a.mode](a)
 
 
 if __name__ == "__main__":
