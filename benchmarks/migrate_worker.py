@@ -62,15 +62,20 @@ def gather(obj) -> list:
     return out
 
 
-def run_save(a) -> None:
+def elastic_engine(a):
+    """``ds_dynatrain.initialize`` of the benchmark's model at this world size: ``(engine, model)``."""
     import ds_dynatrain
-    import torch.distributed as tdist
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    ws = int(os.environ["WORLD_SIZE"])
     model = build_model(a.hidden, a.layers, a.seq_len)
-    cfg = dict(config(a, ws), dynatrain={"log_interval_steps": 10**6})
+    cfg = dict(config(a, int(os.environ["WORLD_SIZE"])), dynatrain={"log_interval_steps": 10**6})
     cfg.pop("gradient_accumulation_steps")
     engine, *_ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine, model
+
+
+def run_save(a) -> None:
+    import torch.distributed as tdist
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    engine, model = elastic_engine(a)
     gen = torch.Generator().manual_seed(1000 + engine.global_rank)
     for _ in range(a.steps):
         train_iteration(engine, a.seq_len, gen)
@@ -88,14 +93,9 @@ def run_save(a) -> None:
 
 
 def run_ours(a) -> None:
-    import ds_dynatrain
     import torch.distributed as tdist
     from ds_dynatrain.migrate import load_resharded
-    ws = int(os.environ["WORLD_SIZE"])
-    model = build_model(a.hidden, a.layers, a.seq_len)
-    cfg = dict(config(a, ws), dynatrain={"log_interval_steps": 10**6})
-    cfg.pop("gradient_accumulation_steps")
-    engine, *_ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _model = elastic_engine(a)
     tdist.barrier()
     base = peak_reset()
     t0 = time.perf_counter()

@@ -154,8 +154,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_plain(nproc: int, args: Sequence[str], work: str, name: str, timeout: float) -> float:
-    """Start ``nproc`` plain torch.distributed ranks of the worker (env:// rendezvous) and wait for
+def run_plain(nproc: int, args: Sequence[str], work: str, name: str, timeout: float, worker: str = WORKER) -> float:
+    """Start ``nproc`` plain torch.distributed ranks of ``worker`` (env:// rendezvous) and wait for
     them. Returns the wall-clock time (``time.time()``) just before the first was started."""
     port = free_port()
     procs, logs = [], []
@@ -165,7 +165,7 @@ def run_plain(nproc: int, args: Sequence[str], work: str, name: str, timeout: fl
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         logs.append(os.path.join(work, f"{name}_rank{r}.log"))
-        procs.append(start([sys.executable, WORKER, *args], logs[-1], env))
+        procs.append(start([sys.executable, worker, *args], logs[-1], env))
     wait_all(procs, logs, timeout, name)
     return t_start
 
