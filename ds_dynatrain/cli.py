@@ -3,6 +3,7 @@
 ::
 
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
+    dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
     dynatrain inspect CKPT_DIR [--tag T] [--json]
@@ -26,6 +27,25 @@ def _cmd_launch(a) -> int:
     except ConfigError as err:
         print(f"dynatrain launch: {err}", file=sys.stderr)
         return 2
+
+
+def _cmd_resize(a) -> int:
+    from .membership import request_resize
+    from .errors import ResizeRefusedError, TransitionAbortedError
+    host, _, port = a.store.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"dynatrain resize: --store {a.store!r}: expected HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        answer = request_resize(host, int(port), a.world_size, a.timeout)
+    except ResizeRefusedError as err:
+        print(f"dynatrain resize: refused: {err}", file=sys.stderr)
+        return 2
+    except TransitionAbortedError as err:
+        print(f"dynatrain resize: {err}", file=sys.stderr)
+        return 1
+    print(answer["message"])
+    return 0
 
 
 def _cmd_plot(a) -> int:
@@ -112,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("script", help="training script; it receives its arguments plus --deepspeed_config CONFIG")
     lp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     lp.set_defaults(func=_cmd_launch)
+
+    rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
+    rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
+    rp.add_argument("--world-size", type=int, required=True, help="the new data-parallel world size")
+    rp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job's answer")
+    rp.set_defaults(func=_cmd_resize)
 
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
     qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")

@@ -84,8 +84,10 @@ class ElasticState:
     rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (see ElasticEngine._broadcast_model)
     failed: Optional[str] = None  # why the last resize's transfer failed (the engine then refuses to train)
     param_attrs: Dict[str, frozenset] = field(default_factory=dict)  # the client's own attributes (ZeRO-3)
-    assigned: Dict[Tuple[int, int], Tuple[str, ...]] = field(default_factory=dict)  # (generation, size) -> members
+    assigned: Dict[tuple, Tuple[str, ...]] = field(default_factory=dict)  # (generation, size, must leave) -> members
     hp_linked: bool = False  # DeepSpeed's fragment links repaired after the engine's first step
+    requests_seen: int = 0  # resize requests of the store served so far (rank 0 reads them)
+    preempted: bool = False  # SIGTERM received: leave at the next step boundary
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -298,7 +300,7 @@ class ElasticEngine(DeepSpeedEngine):
             relink_optimizer_state(self)
         return out
 
-    def resize(self, world_size: int) -> Optional[dict]:
+    def resize(self, world_size: int, must_leave: Tuple[str, ...] = ()) -> Optional[dict]:
         """Change the data-parallel world size now, in memory.
 
         Collective: every member of the current generation calls it at the same step boundary
@@ -306,6 +308,7 @@ class ElasticEngine(DeepSpeedEngine):
 
         Args:
             world_size: the new data-parallel world size.
+            must_leave: member ids that leave whatever the rank assignment prefers (preemption).
 
         Returns:
             The resize record (``from``, ``to``, ``bytes_moved``, ``seconds``, ...) on members of
@@ -323,10 +326,10 @@ class ElasticEngine(DeepSpeedEngine):
         if dt.membership is None:
             raise ResizeRefusedError("online resizing needs the job to be started by `dynatrain launch` "
                                      "(it hosts the membership store and starts joiners)")
-        if world_size == self.dp_world_size:
+        if world_size == self.dp_world_size and not must_leave:
             return None
         zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
-        return self._resize(world_size, split)
+        return self._resize(world_size, split, tuple(must_leave))
 
     # ------------------------------------------------------------------ step boundary
     def _require_member(self):
@@ -347,11 +350,19 @@ class ElasticEngine(DeepSpeedEngine):
             # for every parameter outside group 0. Link once more now that all groups have state.
             relink_optimizer_state(self)
             dt.hp_linked = True
+        # one all-reduce carries the loss, rank 0's pending resize request (world size, or 0) and
+        # which ranks were preempted (bit r for rank r): every rank decides the same at this step
+        request = None
+        if dt.membership is not None and self.global_rank == 0 and step not in dt.schedule:
+            request = dt.membership.pending_request(dt.requests_seen)
+        preempt_bit = float(2 ** self.global_rank) if dt.preempted else 0.0
         # on the accelerator: NCCL reduces device tensors only
-        totals = torch.tensor([dt.loss_sum, float(dt.loss_count)], dtype=torch.float64,
+        totals = torch.tensor([dt.loss_sum, float(dt.loss_count), float(request[1]["world_size"]) if request else 0.0,
+                               float(request[0] + 1) if request else 0.0, preempt_bit], dtype=torch.float64,
                               device=get_accelerator().current_device_name())
         tdist.all_reduce(totals)
         totals = totals.cpu()
+        requested, request_index, preempted_mask = int(totals[2]), int(totals[3]) - 1, int(totals[4])
         dt.loss_sum, dt.loss_count = 0.0, 0
         loss = float(totals[0] / max(totals[1], 1.0))
         lr = float(self.get_lr()[0]) if self.get_lr() else float("nan")
@@ -367,9 +378,56 @@ class ElasticEngine(DeepSpeedEngine):
                 dt.metrics.write({"event": "snapshot", "step": step, "save_s": time.perf_counter() - t0,
                                   "dir": snap.dir})
         target = dt.schedule.get(step)
-        if target is not None:
+        if preempted_mask:
+            self._leave_preempted(preempted_mask)
+        elif target is not None:
             self.resize(target)
-        self._spawn_ahead()
+        elif requested:
+            self._serve_request(request_index, requested)
+        if self.is_member:
+            self._spawn_ahead()
+
+    def _serve_request(self, index: int, world_size: int) -> None:
+        """``dynatrain resize`` request ``index``, at this step boundary on every rank (each
+        learned it from the step's all-reduce); rank 0 of the world that results answers it."""
+        dt = self._dt
+        dt.requests_seen = index + 1  # before the resize: its header hands the count to joiners
+        try:
+            rec = self.resize(world_size)
+        except ResizeRefusedError as err:
+            if self.global_rank == 0:
+                dt.membership.answer(index, False, str(err))
+                logger.info(f"resize request {index}: {err}")
+            return
+        if self.is_member and self.global_rank == 0:
+            msg = (f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
+                   if rec else f"the job already runs on {world_size} ranks")
+            dt.membership.answer(index, True, msg, rec)
+
+    def _leave_preempted(self, mask: int) -> None:
+        """Members that received SIGTERM leave now, after handing over their partitions: the job
+        shrinks to the largest world size the others can serve (the rest of the global batch
+        rule decides; surplus processes leave too)."""
+        dt = self._dt
+        ws = self.dp_world_size
+        leavers = tuple(dt.members[r] for r in range(ws) if mask >> r & 1)
+        size = 0
+        for n in range(ws - len(leavers), 0, -1):
+            try:
+                dt.split(n)
+                size = n
+                break
+            except ResizeRefusedError:
+                continue
+        if self.global_rank == 0:
+            logger.info(f"preemption of {list(leavers)} after step {self.global_steps}: "
+                        + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends"))
+        if size == 0:
+            dt.retired = True
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+            return
+        self.resize(size, must_leave=leavers)
 
     def _spawn_ahead(self):
         """Ask the agent to start the joiners of the next scheduled grow a few steps early, so
@@ -387,7 +445,7 @@ class ElasticEngine(DeepSpeedEngine):
             return
         self._request_joiners(world_size)
 
-    def _request_joiners(self, world_size: int) -> Tuple[str, ...]:
+    def _request_joiners(self, world_size: int, must_leave: Tuple[str, ...] = ()) -> Tuple[str, ...]:
         """Publish the next generation for ``world_size`` and have its joiners started (once).
 
         Ranks are assigned by the planner (:func:`~ds_dynatrain.planner.assign_members_best`):
@@ -398,13 +456,14 @@ class ElasticEngine(DeepSpeedEngine):
         """
         dt = self._dt
         g = dt.generation + 1
-        new_members = dt.assigned.get((g, world_size))
+        new_members = dt.assigned.get((g, world_size, must_leave))
         if new_members is None:
             old = layout_of(self)
-            placeholders = tuple(f"joiner-{i}" for i in range(max(0, world_size - self.dp_world_size)))
-            drafted = assign_members_best(old, old.with_world_size(world_size), dt.members, placeholders)
+            staying = min(self.dp_world_size - len(set(must_leave) & set(dt.members)), world_size)
+            placeholders = tuple(f"joiner-{i}" for i in range(world_size - staying))
+            drafted = assign_members_best(old, old.with_world_size(world_size), dt.members, placeholders, must_leave)
             new_members = tuple(member_id(g, r) if m in placeholders else m for r, m in enumerate(drafted))
-            dt.assigned[(g, world_size)] = new_members
+            dt.assigned[(g, world_size, must_leave)] = new_members
         old = set(dt.members)
         joiners = tuple(m for m in new_members if m not in old)
         if dt.published.get(g) == new_members:
@@ -506,14 +565,14 @@ class ElasticEngine(DeepSpeedEngine):
             tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
         return None
 
-    def _resize(self, world_size: int, split: BatchSplit) -> Optional[dict]:
+    def _resize(self, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...] = ()) -> Optional[dict]:
         dt = self._dt
         clock = time.perf_counter
         t0 = clock()
         rss_base = _start_peak_rss()
         old_ws = self.dp_world_size
         grow = world_size > old_ws
-        new_members = self._request_joiners(world_size)
+        new_members = self._request_joiners(world_size, must_leave)
         old_layout = layout_of(self)
         plan = plan_transition(old_layout, old_layout.with_world_size(world_size), dt.members, new_members)
         state = extract_partitions(self)
@@ -628,7 +687,7 @@ class ElasticEngine(DeepSpeedEngine):
             "dtype": str(state.tensors[0]["fp32"].dtype).replace("torch.", ""),
             "scalars": state.scalars,
             "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                         "skipped_steps": self.skipped_steps},
+                         "skipped_steps": self.skipped_steps, "requests_seen": self._dt.requests_seen},
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in self.optimizer.optimizer.param_groups],
@@ -859,6 +918,7 @@ def install_state(engine: ElasticEngine, header: dict, dests, joiner: bool) -> N
     engine.global_steps = c["global_steps"]
     engine.global_samples = c["global_samples"]
     engine.skipped_steps = c["skipped_steps"]
+    engine._dt.requests_seen = c.get("requests_seen", engine._dt.requests_seen)
     engine.micro_steps = c["global_steps"] * engine.gradient_accumulation_steps()
     if joiner:
         if engine.lr_scheduler is not None and header["lr_scheduler"] is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Any, Optional, Tuple
 
 import torch
@@ -191,7 +192,10 @@ def initialize(args: Any = None,
                   ds_config_for(dt, dt.split(world_size), client_objects=False))
         if ctx is not None and rank == 0:
             membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
+            membership.publish_job(global_batch, micro, dt_cfg.max_world_size, world_size)
     dt.returned_optimizer = engine.optimizer
+    if ctx is not None:
+        _take_preemption_notices(dt)
     _at_thread_shutdown(_close_snapshots, engine)
     loader = None
     if training_data is not None:
@@ -199,6 +203,25 @@ def initialize(args: Any = None,
         loader = ElasticDataLoader(training_data, engine, global_batch, seed=seed, shuffle=shuffle,
                                    collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _take_preemption_notices(dt: ElasticState) -> None:
+    """SIGTERM to a worker of a ``dynatrain launch`` job is a preemption notice: the process
+    hands over its partitions and leaves at the next step boundary (the others shrink the job)
+    instead of dying. A second SIGTERM ends the process at once."""
+    import signal
+
+    def on_sigterm(signum, _frame):
+        if dt.preempted:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        dt.preempted = True
+        logger.info(f"member {dt.member}: preemption notice (SIGTERM); leaving at the next step boundary")
+
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _skip_cpu_shm_op(accelerator) -> None:

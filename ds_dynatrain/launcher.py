@@ -141,7 +141,9 @@ class Agent:
                             continue
                         why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
                         logger.info(f"agent: worker {member} failed ({why}); stopping the job")
-                        self._stop_all()
+                        # not SIGTERM: a worker takes that as a preemption notice and would wait for
+                        # a step boundary its failed peer never reaches
+                        self._stop_all(signal.SIGKILL)
                         return rc if rc > 0 else 128 - rc
                 if len(self.exit_codes) == len(self.workers):
                     self._poll_cancels()

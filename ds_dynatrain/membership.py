@@ -31,6 +31,10 @@ from .errors import TransitionAbortedError
 from .launch_env import LaunchContext
 
 GEN_KEY = "dynatrain/gen/{}"
+JOB_KEY = "dynatrain/job"                          # what a requester needs to check a world size
+REQUEST_COUNT = "dynatrain/request/count"
+REQUEST_KEY = "dynatrain/request/{}"               # {"world_size": N}
+ANSWER_KEY = "dynatrain/request/{}/answer"         # {"ok": bool, "message": str, "record": {...}}
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
 GO_KEY = "dynatrain/gen/{}/go"
@@ -95,6 +99,21 @@ class Membership:
         return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]),
                                 int(d.get("header_rank", 0)))
 
+    def publish_job(self, global_batch: int, micro_batch: int, max_world_size, world_size: int) -> None:
+        """What a resize requester checks a world size against (rank 0, at start)."""
+        self.store.set(JOB_KEY, json.dumps({"global_batch": global_batch, "micro_batch": micro_batch,
+                                            "max_world_size": max_world_size, "world_size": world_size}))
+
+    def pending_request(self, seen: int):
+        """The next resize request after the first ``seen``, as ``(index, request dict)``, or None."""
+        if int(self.store.add(REQUEST_COUNT, 0)) <= seen:
+            return None
+        return seen, json.loads(self.store.get(REQUEST_KEY.format(seen)))
+
+    def answer(self, index: int, ok: bool, message: str, record=None) -> None:
+        """Rank 0's answer to request ``index`` (the requester waits for it)."""
+        self.store.set(ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record}))
+
     def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str]) -> None:
         """Ask the launcher agent to start processes for ``ranks`` of ``generation``."""
         i = self.store.add(SPAWN_COUNT, 1) - 1
@@ -145,3 +164,37 @@ class Membership:
                                          f"process group within {timeout_s:.0f} s: {err}") from err
         import deepspeed.comm as dcomm
         dcomm.init_distributed(dist_backend=backend, dist_init_required=False)
+
+
+def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> dict:
+    """Ask the job whose store listens at ``host:port`` to change its world size to ``world_size``
+    (``dynatrain resize``). Requests are queued in the store and served one per step boundary, in
+    order. The size is checked against the job's global batch and ``max_world_size`` first.
+
+    Returns:
+        The job's answer: ``{"ok": True, "message": ..., "record": <resize record>}``.
+
+    Raises:
+        ResizeRefusedError: the size cannot serve the job (nothing was queued), or the job refused it.
+        TransitionAbortedError: no job at the store, or no answer within ``timeout_s``.
+    """
+    from .batch import split_global_batch
+    from .errors import ResizeRefusedError
+    try:
+        store = connect_store(host, port, timeout_s)
+        store.wait([JOB_KEY], timedelta(seconds=timeout_s))
+        job = json.loads(store.get(JOB_KEY))
+    except RuntimeError as err:
+        raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None
+    split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), world_size, job["max_world_size"])
+    i = int(store.add(REQUEST_COUNT, 1)) - 1
+    store.set(REQUEST_KEY.format(i), json.dumps({"world_size": world_size}))
+    try:
+        store.wait([ANSWER_KEY.format(i)], timedelta(seconds=timeout_s))
+    except RuntimeError:
+        raise TransitionAbortedError(f"request {i} (world size {world_size}) got no answer within {timeout_s:.0f} s; "
+                                     "it stays queued") from None
+    answer = json.loads(store.get(ANSWER_KEY.format(i)))
+    if not answer["ok"]:
+        raise ResizeRefusedError(answer["message"])
+    return answer

@@ -1,0 +1,154 @@
+"""Membership changes nobody scheduled: ``dynatrain resize --store`` requests from outside the job,
+and SIGTERM as a preemption notice.
+
+Real jobs under ``dynatrain launch --store`` (a known port), TinyLM, ZeRO-2. Oracles: the
+requester's exit status and message; the resize records and per-step world sizes in the metrics;
+the final state of the resized job equals, within reduction noise, a job run at a static world
+size with the same global batch; the launcher's exit status.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, WORKERS, free_port, launch, read_jsonl
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = os.path.join(WORKERS, "elastic_worker.py")
+
+
+def _config(metrics: str) -> dict:
+    from workers.common import base_config
+    return base_config(2, metrics)
+
+
+def _steps(path):
+    try:
+        return [r for r in read_jsonl(path) if r["event"] == "step"]
+    except (OSError, ValueError):
+        return []
+
+
+def _wait_for_step(path, step: int, job: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in _steps(path)):
+            return
+        assert job.poll() is None, "the job ended early"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached within {timeout} s")
+
+
+def _start(tmp_path, nproc: int, steps: int, name: str):
+    port = free_port()
+    cfg_path = tmp_path / f"{name}.json"
+    cfg_path.write_text(json.dumps(_config(str(tmp_path / f"{name}.jsonl"))))
+    log = open(tmp_path / f"{name}.log", "w")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config",
+                            str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
+                            "--steps", str(steps), "--step-sleep", "0.3"],
+                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    return job, port, log
+
+
+def _request(port: int, world_size: int):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
+                           "--world-size", str(world_size), "--timeout", "120"],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
+
+
+def _finish(job, log, timeout=180):
+    try:
+        rc = job.wait(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        log.close()
+    return rc
+
+
+def _static_final(tmp_path, nproc, steps):
+    d = tmp_path / "static"
+    d.mkdir()
+    job = launch(d, SCRIPT, nproc, _config(str(d / "static.jsonl")), ["--out", str(d), "--steps", str(steps)],
+                 timeout=180, name="static")
+    assert job.returncode == 0, job.output[-3000:]
+    return torch.load(d / "final.pt"), {r["step"]: r for r in _steps(d / "static.jsonl")}
+
+
+def _close(a, b, what):
+    for name in (k for k in a if not k.startswith("__")):
+        torch.testing.assert_close(a[name]["fp32"], b[name]["fp32"], rtol=1e-4, atol=1e-5, msg=f"{what}: {name}")
+
+
+def _request_async(port: int, world_size: int) -> subprocess.Popen:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
+                             "--world-size", str(world_size), "--timeout", "150"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+@pytest.mark.timeout(500)
+def test_resize_requests_from_outside_the_job(tmp_path):
+    job, port, log = _start(tmp_path, 2, 24, "req")
+    try:
+        _wait_for_step(tmp_path / "req.jsonl", 2, job)
+        grow = _request(port, 3)
+        assert grow.returncode == 0, grow.stderr
+        assert "resized 2 -> 3" in grow.stdout
+        bad = _request(port, 5)  # 12 samples do not split over 5 ranks: refused before it is queued
+        assert bad.returncode == 2 and "refused" in bad.stderr and "not divisible" in bad.stderr, bad.stderr
+        too_big = _request(port, 7)  # above max_world_size=6
+        assert too_big.returncode == 2 and "max_world_size=6" in too_big.stderr, too_big.stderr
+        # two requests at once (a join while another resize is pending): both served, in order
+        pending = [_request_async(port, 4), _request_async(port, 2)]
+        answers = [p.communicate(timeout=200) for p in pending]
+        assert [p.returncode for p in pending] == [0, 0], answers
+    finally:
+        rc = _finish(job, log)
+    assert rc == 0, (tmp_path / "req.log").read_text()[-4000:]
+    steps = _steps(tmp_path / "req.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    resizes = [(r["from"], r["to"]) for r in read_jsonl(tmp_path / "req.jsonl") if r["event"] == "resize"]
+    assert len(resizes) == 3 and resizes[0] == (2, 3), resizes
+    assert resizes[1][0] == 3 and resizes[1][1] == resizes[2][0] and {resizes[1][1], resizes[2][1]} == {2, 4}
+    assert steps[-1]["world_size"] == resizes[2][1] and steps[0]["world_size"] == 2
+    for out, _err in answers:
+        assert "resized" in out
+    final, _ = _static_final(tmp_path, 2, 24)
+    _close(torch.load(tmp_path / "final.pt"), final, "requested resizes vs static")
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_on_two_members_at_once_shrinks_the_job(tmp_path):
+    job, _port, log = _start(tmp_path, 4, 12, "pre")
+    try:
+        _wait_for_step(tmp_path / "pre.jsonl", 3, job)
+        pids = {m: int((tmp_path / f"pid_{m}").read_text()) for m in ("g0r1", "g0r3")}
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        rc = _finish(job, log)
+    out = (tmp_path / "pre.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert "member g0r1: preemption notice" in out and "member g0r3: preemption notice" in out
+    assert "member g0r1 left the job" in out and "member g0r3 left the job" in out
+    steps = _steps(tmp_path / "pre.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    sizes = [r["world_size"] for r in steps]
+    assert sizes[0] == 4 and sizes[-1] == 2 and sorted(set(sizes)) == [2, 4]
+    resizes = [(r["from"], r["to"]) for r in read_jsonl(tmp_path / "pre.jsonl") if r["event"] == "resize"]
+    assert resizes == [(4, 2)]
+    final, _ = _static_final(tmp_path, 2, 12)
+    _close(torch.load(tmp_path / "final.pt"), final, "preempted job vs static")

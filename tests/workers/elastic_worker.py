@@ -1,0 +1,50 @@
+"""Test worker: trains TinyLM under ``dynatrain launch`` until ``--steps`` optimizer steps, a
+little slowly (``--step-sleep``), so that resize requests and preemption notices arrive during
+training. Writes its pid to ``--out/pid_<member>`` and, at the end, rank 0 writes the gathered
+state to ``--out/final.pt``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ds_dynatrain  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--deepspeed_config", required=True)
+    a = p.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    with open(os.path.join(a.out, f"pid_{os.environ['DYNATRAIN_MEMBER']}"), "w") as f:
+        f.write(str(os.getpid()))
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
+                                                           training_data=Tokens(), config=a.deepspeed_config)
+    while engine.is_member and engine.global_steps < a.steps:
+        for batch in loader:
+            engine.backward(engine(batch))
+            engine.step()
+            time.sleep(a.step_sleep)
+            if engine.global_steps >= a.steps:
+                break
+    if engine.is_member:
+        state = gather_state(engine)
+        if engine.global_rank == 0:
+            torch.save(state, os.path.join(a.out, "final.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
