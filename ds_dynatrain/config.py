@@ -45,6 +45,9 @@ class SnapshotConfig(_Strict):
     asynchronous: bool = Field(True, description="capture beside forward/backward and flush in the background; "
                                "False writes inside save_checkpoint")
     host_cache_mib: int = Field(256, ge=8, description="bounded host cache the snapshot is copied through, MiB")
+    restore_on_failure: bool = Field(True, description="when a worker dies (a process killed without notice), "
+                                     "the launcher restarts the job on the largest world size the live workers "
+                                     "can serve, from the latest complete snapshot")
 
     @model_validator(mode="after")
     def _dir_needed(self):

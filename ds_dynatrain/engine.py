@@ -368,6 +368,8 @@ class ElasticEngine(DeepSpeedEngine):
         lr = float(self.get_lr()[0]) if self.get_lr() else float("nan")
         if self.global_rank == 0:
             dt.metrics.write({"event": "step", "step": step, "world_size": self.dp_world_size, "loss": loss, "lr": lr})
+            if dt.membership is not None:
+                dt.membership.set_last_step(step)  # a restore from a snapshot counts the steps it loses
             if step % dt.config.log_interval_steps == 0:
                 logger.info(format_step(step, self.dp_world_size, loss, lr))
         snap = dt.config.snapshot

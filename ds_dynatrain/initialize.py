@@ -196,6 +196,10 @@ def initialize(args: Any = None,
     dt.returned_optimizer = engine.optimizer
     if ctx is not None:
         _take_preemption_notices(dt)
+        dt.requests_seen = membership.served()
+        restore = os.environ.get(RESTORE_ENV)
+        if restore and not ctx.joiner:
+            _restore(engine, dt, restore)
     _at_thread_shutdown(_close_snapshots, engine)
     loader = None
     if training_data is not None:
@@ -203,6 +207,24 @@ def initialize(args: Any = None,
         loader = ElasticDataLoader(training_data, engine, global_batch, seed=seed, shuffle=shuffle,
                                    collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+RESTORE_ENV = "DYNATRAIN_RESTORE"  # set by the launcher when it restarts a job from its snapshots
+
+
+def _restore(engine: ElasticEngine, dt: ElasticState, snapshot_dir: str) -> None:
+    """Load the latest complete snapshot of ``snapshot_dir`` (any saving world size) into a job the
+    launcher restarted after a worker died; log and record how many steps were lost."""
+    last = dt.membership.last_step()
+    path, _client = engine.load_checkpoint(snapshot_dir)
+    if path is None:
+        raise NotAMemberError(f"no snapshot to restore from in {snapshot_dir}")
+    lost = max(0, last - engine.global_steps)
+    if engine.global_rank == 0:
+        dt.metrics.write({"event": "restore", "step": engine.global_steps, "world_size": engine.dp_world_size,
+                          "lost_steps": lost, "last_step": last, "dir": path})
+        logger.info(f"restored {path} on {engine.dp_world_size} ranks: the job goes on after step "
+                    f"{engine.global_steps}; {lost} step(s) since that snapshot were lost")
 
 
 def _take_preemption_notices(dt: ElasticState) -> None:

@@ -6,8 +6,11 @@ own convention, see ``deepspeed.add_config_arguments``). The agent, not a worker
 store, so that any worker may leave. While the job runs it starts the joiners that workers ask
 for at a resize (store keys of :mod:`ds_dynatrain.membership`).
 
-A worker that exits with status 0 has finished or left the job at a resize. A worker that fails
-ends the job: the agent stops the others (SIGTERM, then SIGKILL after a grace period) and exits
+A worker that exits with status 0 has finished or left the job at a resize. When a worker fails
+(killed without notice, or an error) and the job takes snapshots with ``restore_on_failure``, the
+agent kills the others and restarts the job in a new generation on the largest world size the live
+workers can serve, from the latest complete snapshot (``DYNATRAIN_RESTORE``; the workers load it
+at that world size). Otherwise a failure ends the job: the others are killed and the agent exits
 with the failing worker's status.
 """
 from __future__ import annotations
@@ -42,7 +45,8 @@ class Agent:
     """
 
     def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
-                 store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable):
+                 store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable,
+                 restore_dir: Optional[str] = None, fits=None, max_restores: int = 3):
         self.script = script
         self.script_args = list(script_args)
         self.nproc = nproc
@@ -57,6 +61,10 @@ class Agent:
         self._cancels_seen = 0
         self._stopping = False
         self._stop_signal: Optional[int] = None
+        self.restore_dir = restore_dir  # snapshots to restart from when a worker dies (None: do not)
+        self.fits = fits or (lambda n: True)  # whether a world size keeps the global batch
+        self.restores_left = max_restores
+        self._restore_env = False
 
     @property
     def store_port(self) -> int:
@@ -66,6 +74,8 @@ class Agent:
         env = dict(os.environ)
         env.update(ctx.worker_environ())
         env["MASTER_PORT"] = str(self.store_port)
+        if self._restore_env:
+            env["DYNATRAIN_RESTORE"] = self.restore_dir
         cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
         self.workers[ctx.member] = subprocess.Popen(cmd, env=env)
 
@@ -117,6 +127,34 @@ class Agent:
                 p.kill()
                 p.wait()
 
+    def _restart(self, dead: str, why: str) -> bool:
+        """Restart the job from its latest snapshot on the live workers' number (or the largest
+        size below it that keeps the global batch), in a new generation. False when it cannot."""
+        from io_engine import read_latest
+        from .membership import next_generation
+        if self.restore_dir is None or self.restores_left <= 0 or read_latest(self.restore_dir) is None:
+            return False
+        alive = [m for m, p in self.workers.items() if m not in self.exit_codes and p.poll() is None]
+        size = next((n for n in range(len(alive), 0, -1) if self.fits(n)), 0)
+        if size == 0:
+            return False
+        self.restores_left -= 1
+        tag = read_latest(self.restore_dir)
+        logger.info(f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
+                    f"{tag} in {self.restore_dir}")
+        for p in self.workers.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.workers.values():
+            p.wait()
+        self.workers.clear()
+        self.exit_codes.clear()
+        g = next_generation(self.store)
+        self._restore_env = True
+        for r in range(size):
+            self._start(LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False))
+        return True
+
     def run(self) -> int:
         """Start the job and wait for it. Returns 0 when every worker exited with 0, else the
         first failing worker's status."""
@@ -140,6 +178,8 @@ class Agent:
                         if member not in self.workers:
                             continue
                         why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+                        if self._restart(member, why):
+                            break  # a new set of workers: look at them afresh
                         logger.info(f"agent: worker {member} failed ({why}); stopping the job")
                         # not SIGTERM: a worker takes that as a preemption notice and would wait for
                         # a step boundary its failed peer never reaches
@@ -163,13 +203,24 @@ def launch(script: str, script_args: Sequence[str], nproc: int, config: str, sto
     from .config import ConfigError, load_ds_config
     from .initialize import check_elastic_config
     ds_config, dt_cfg = load_ds_config(config)  # refuse a bad config before any process starts
-    check_elastic_config(ds_config, dt_cfg, nproc, elastic=True)
+    global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc, elastic=True)
     host, port = "127.0.0.1", 0
     if store:
         host, _, p = store.rpartition(":")
         if not host or not p.isdigit() or not 0 <= int(p) < 65536:
             raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
         port = int(p)
-    agent = Agent(script, script_args, nproc, config, host, port)
+    restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
+    from .batch import split_global_batch
+    from .errors import ResizeRefusedError
+
+    def fits(n: int) -> bool:
+        try:
+            split_global_batch(global_batch, micro, n, dt_cfg.max_world_size)
+            return True
+        except ResizeRefusedError:
+            return False
+
+    agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, fits=fits)
     logger.info(f"agent: store at {host}:{agent.store_port}, starting {nproc} workers")
     return agent.run()

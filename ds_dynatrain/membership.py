@@ -35,6 +35,8 @@ JOB_KEY = "dynatrain/job"                          # what a requester needs to c
 REQUEST_COUNT = "dynatrain/request/count"
 REQUEST_KEY = "dynatrain/request/{}"               # {"world_size": N}
 ANSWER_KEY = "dynatrain/request/{}/answer"         # {"ok": bool, "message": str, "record": {...}}
+SERVED_KEY = "dynatrain/request/served"            # requests answered so far (a restored job goes on from it)
+LAST_STEP_KEY = "dynatrain/last_step"              # the last optimizer step the job completed
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
 GO_KEY = "dynatrain/gen/{}/go"
@@ -113,6 +115,17 @@ class Membership:
     def answer(self, index: int, ok: bool, message: str, record=None) -> None:
         """Rank 0's answer to request ``index`` (the requester waits for it)."""
         self.store.set(ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record}))
+        self.store.set(SERVED_KEY, str(index + 1))
+
+    def served(self) -> int:
+        """Requests answered so far in this job (0 if none)."""
+        return int(self.store.get(SERVED_KEY)) if self.store.check([SERVED_KEY]) else 0
+
+    def set_last_step(self, step: int) -> None:
+        self.store.set(LAST_STEP_KEY, str(step))
+
+    def last_step(self) -> int:
+        return int(self.store.get(LAST_STEP_KEY)) if self.store.check([LAST_STEP_KEY]) else 0
 
     def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str]) -> None:
         """Ask the launcher agent to start processes for ``ranks`` of ``generation``."""
@@ -164,6 +177,14 @@ class Membership:
                                          f"process group within {timeout_s:.0f} s: {err}") from err
         import deepspeed.comm as dcomm
         dcomm.init_distributed(dist_backend=backend, dist_init_required=False)
+
+
+def next_generation(store) -> int:
+    """One past the highest generation published in ``store`` (0 for a new job)."""
+    g = 0
+    while store.check([GEN_KEY.format(g)]):
+        g += 1
+    return g
 
 
 def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> dict:

@@ -152,3 +152,51 @@ def test_sigterm_on_two_members_at_once_shrinks_the_job(tmp_path):
     assert resizes == [(4, 2)]
     final, _ = _static_final(tmp_path, 2, 12)
     _close(torch.load(tmp_path / "final.pt"), final, "preempted job vs static")
+
+
+@pytest.mark.timeout(500)
+def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
+    """A member killed without notice: the launcher restarts the job on the live members' number
+    (3 -> 2) from the latest complete snapshot; the steps since it are lost and counted. Oracle: a
+    static 2-rank job that loads the same snapshot trains to the same losses and state (the first
+    steps bitwise; later ones within 1e-6, the restored job also taking snapshots)."""
+    port = free_port()
+    cfg = _config(str(tmp_path / "kill.jsonl"))
+    snaps = tmp_path / "snaps"
+    cfg["dynatrain"]["snapshot"] = {"interval_steps": 2, "dir": str(snaps), "keep_last": 10}
+    cfg_path = tmp_path / "kill.json"
+    cfg_path.write_text(json.dumps(cfg))
+    log = open(tmp_path / "kill.log", "w")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "3", "--config",
+                            str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
+                            "--steps", "12", "--step-sleep", "0.3"],
+                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        _wait_for_step(tmp_path / "kill.jsonl", 5, job)
+        os.kill(int((tmp_path / "pid_g0r2").read_text()), signal.SIGKILL)
+    finally:
+        rc = _finish(job, log, timeout=300)
+    out = (tmp_path / "kill.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert "agent: worker g0r2 failed (signal SIGKILL); restarting the job on 2 ranks from snapshot" in out
+    recs = read_jsonl(tmp_path / "kill.jsonl")
+    restores = [r for r in recs if r["event"] == "restore"]
+    assert len(restores) == 1
+    restored, lost = restores[0]["step"], restores[0]["lost_steps"]
+    assert restored >= 4 and restored % 2 == 0 and lost == restores[0]["last_step"] - restored and lost >= 0
+    assert f"{lost} step(s) since that snapshot were lost" in out
+    after = [r for r in recs[recs.index(restores[0]):] if r["event"] == "step"]
+    assert [r["step"] for r in after] == list(range(restored + 1, 13)) and {r["world_size"] for r in after} == {2}
+    # the oracle: the same snapshot loaded by a static 2-rank job
+    d = tmp_path / "oracle"
+    d.mkdir()
+    oracle = launch(d, SCRIPT, 2, _config(str(d / "oracle.jsonl")),
+                    ["--out", str(d), "--steps", "12", "--load", f"{snaps}:global_step{restored}"], timeout=200,
+                    name="oracle")
+    assert oracle.returncode == 0, oracle.output[-3000:]
+    ref = {r["step"]: r for r in _steps(d / "oracle.jsonl")}
+    assert after[0]["loss"] == ref[after[0]["step"]]["loss"]
+    for r in after:
+        assert abs(r["loss"] - ref[r["step"]]["loss"]) <= 1e-6 * abs(ref[r["step"]]["loss"]), (r, ref[r["step"]])
+    _close(torch.load(tmp_path / "final.pt"), torch.load(d / "final.pt"), "restored job vs oracle")

@@ -23,6 +23,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--load", default=None, help="DIR:TAG of a snapshot to load right after initialize")
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -32,6 +33,9 @@ def main():
     model = TinyLM()
     engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
                                                            training_data=Tokens(), config=a.deepspeed_config)
+    if a.load:
+        d, tag = a.load.rsplit(":", 1)
+        engine.load_checkpoint(d, tag=tag)
     while engine.is_member and engine.global_steps < a.steps:
         for batch in loader:
             engine.backward(engine(batch))
