@@ -55,7 +55,7 @@ def _start(tmp_path, nproc: int, steps: int, name: str):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config",
                             str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
-                            "--steps", str(steps), "--step-sleep", "0.3"],
+                            "--steps", str(steps), "--step-sleep", "0.2"],
                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     return job, port, log
 
@@ -170,7 +170,7 @@ def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "3", "--config",
                             str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
-                            "--steps", "12", "--step-sleep", "0.3"],
+                            "--steps", "12", "--step-sleep", "0.2"],
                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     try:
         _wait_for_step(tmp_path / "kill.jsonl", 5, job)

@@ -90,8 +90,10 @@ def _run(tmp, name, stage, precision, nproc, steps, resizes, schedule):
     return out
 
 
-@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
-                ids=["zero1-bf16", "zero2-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"])
+# every stage and both low precisions (ZeRO-2 bf16 is the geometry of ZeRO-1 bf16 with ZeRO-2's
+# gradient partitioning, which the fp16 run covers; dropped to keep the suite short)
+@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
+                ids=["zero1-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"])
 def runs(request, tmp_path_factory):
     stage, precision = request.param
     tmp = tmp_path_factory.mktemp(f"zero{stage}_{precision}")
