@@ -141,11 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
     qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
-    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3)")
+    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3; default 2)")
     qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
     qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
     qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", *DTYPE_NAMES],
-                    help="working dtype of the parameters")
+                    help="working dtype of the parameters (default bfloat16; fp32 training moves no master)")
     qp.add_argument("--assignment", default="best", choices=["best", "keep"],
                     help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r")
     qp.add_argument("--json", action="store_true", help="one JSON object")

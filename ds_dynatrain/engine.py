@@ -50,7 +50,7 @@ from .config import DynatrainConfig
 from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from .launch_env import member_id
 from .layout import ZeroLayout
-from .membership import GenerationRecord, Membership
+from .membership import ENDED_KEY, GenerationRecord, Membership
 from .metrics import MetricsWriter, format_resize, format_step, logger
 from .planner import Plan, assign_members_best, plan_transition
 from .snapshot import SnapshotCheckpointEngine
@@ -293,9 +293,21 @@ class ElasticEngine(DeepSpeedEngine):
                             f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
                             f"on rank 0 in {stats.seconds:.2f} s")
             return path, client
-        out = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer_states,
-                                      load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
+        problem = None
+        try:
+            out = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below, then raised
+            problem = f"{type(err).__name__}: {err}"
+        # one rank's damaged file fails every rank (else the others train on and hang on it)
+        problems: List[Optional[str]] = [None] * tdist.get_world_size()
+        tdist.all_gather_object(problems, problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            from .migrate import CheckpointIncompleteError
+            raise CheckpointIncompleteError(f"loading {load_dir} failed: "
+                                            + "; ".join(f"rank {r}: {p}" for r, p in bad))
         if out[0] is not None:
             relink_optimizer_state(self)
         return out
@@ -425,6 +437,8 @@ class ElasticEngine(DeepSpeedEngine):
             logger.info(f"preemption of {list(leavers)} after step {self.global_steps}: "
                         + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends"))
         if size == 0:
+            if self.global_rank == 0:
+                dt.membership.store.set(ENDED_KEY, str(self.global_steps))  # the launcher exits non-zero
             dt.retired = True
             if tdist.is_initialized():
                 tdist.destroy_process_group()

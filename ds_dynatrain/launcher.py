@@ -27,7 +27,7 @@ from typing import Dict, Optional, Sequence
 import torch.distributed as tdist
 
 from .launch_env import LaunchContext, member_id
-from .membership import CANCEL_COUNT, CANCEL_KEY, SPAWN_COUNT, SPAWN_KEY
+from .membership import CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, SPAWN_COUNT, SPAWN_KEY
 from .metrics import logger
 
 POLL_S = 0.05
@@ -191,6 +191,10 @@ class Agent:
                     if len(self.exit_codes) == len(self.workers):
                         if self._stopping:
                             return 128 + (self._stop_signal or signal.SIGTERM)
+                        if self.store.check([ENDED_KEY]):
+                            logger.info(f"agent: every member was preempted after step "
+                                        f"{self.store.get(ENDED_KEY).decode()}; the job did not finish")
+                            return 128 + signal.SIGTERM
                         return 0
                 time.sleep(POLL_S)
         finally:

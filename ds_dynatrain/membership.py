@@ -37,6 +37,8 @@ REQUEST_KEY = "dynatrain/request/{}"               # {"world_size": N}
 ANSWER_KEY = "dynatrain/request/{}/answer"         # {"ok": bool, "message": str, "record": {...}}
 SERVED_KEY = "dynatrain/request/served"            # requests answered so far (a restored job goes on from it)
 LAST_STEP_KEY = "dynatrain/last_step"              # the last optimizer step the job completed
+ENDED_KEY = "dynatrain/ended_by_preemption"        # every member was preempted: the job stopped early
+CONNECT_TIMEOUT_S = 10.0                           # how long a requester tries to reach a job's store
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
 GO_KEY = "dynatrain/gen/{}/go"
@@ -202,8 +204,9 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     from .batch import split_global_batch
     from .errors import ResizeRefusedError
     try:
-        store = connect_store(host, port, timeout_s)
-        store.wait([JOB_KEY], timedelta(seconds=timeout_s))
+        # a job's store answers at once or not at all: do not wait the whole answer timeout for it
+        store = connect_store(host, port, min(timeout_s, CONNECT_TIMEOUT_S))
+        store.wait([JOB_KEY], timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S)))
         job = json.loads(store.get(JOB_KEY))
     except RuntimeError as err:
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None

@@ -64,6 +64,15 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
         raise CheckpointIncompleteError(f"{load_dir}: no tag given and no readable 'latest' file ({err})") from None
 
 
+def _reason(err: BaseException, path: str) -> str:
+    """An exception as one readable clause: its type when its text is empty (a truncated
+    pickle raises a bare ``EOFError``), without repeating ``path``."""
+    text = str(err).strip()
+    if text.startswith(path):
+        text = text[len(path):].lstrip(": ")
+    return f"{type(err).__name__}: {text}" if text else f"{type(err).__name__} (the file ends early or is corrupt)"
+
+
 def is_snapshot_file(path: str) -> bool:
     """Whether ``path`` is in this project's snapshot format (by its magic bytes)."""
     from io_engine.format import MAGIC
@@ -121,7 +130,7 @@ class SavedFile:
                 eager = [k for k, m in metas.items() if m.kind == "object" or m.nbytes <= EAGER_BYTES]
                 views = self._reader.read_items(eager, verify=True)
             except IOEngineError as err:
-                raise CheckpointIncompleteError(f"damaged file {path}: {err}") from None
+                raise CheckpointIncompleteError(f"damaged file {path}: {_reason(err, path)}") from None
 
             def tensor_of(i: int):
                 m = metas[f"t/{i}"]
@@ -141,7 +150,7 @@ class SavedFile:
                 with torch.serialization.safe_globals(_safe_globals()):
                     self.tree = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
             except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as err:
-                raise CheckpointIncompleteError(f"damaged file {path}: {err}") from None
+                raise CheckpointIncompleteError(f"damaged file {path}: {_reason(err, path)}") from None
             except Exception as err:  # noqa: BLE001 - the unpickler raises anything on a damaged file
                 raise CheckpointIncompleteError(f"damaged file {path}: {type(err).__name__}: {err}") from None
 
@@ -541,28 +550,37 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
         saved.close()
     stats = LoadStats(nbytes, time.perf_counter() - t0, plan_s, read_s, install_s, gather_s, saved.world_size,
                       saved.stage, ws, live.stage)
-    return saved.dir, client, stats
+    # as DeepSpeed's load_checkpoint: the path of the model-state file it loaded
+    return saved.model_file.path, client, stats
 
 
 def _load_frozen(engine, saved: SavedCheckpoint) -> None:
-    """Frozen parameters are not in the optimizer's partitions; ZeRO-1/2 model-state files hold
-    them whole (``module``). At ZeRO-3 they keep the values the model was built with.
+    """Frozen parameters and persistent buffers are not in the optimizer's partitions; ZeRO-1/2
+    model-state files hold them whole (``module``). At ZeRO-3 frozen parameters keep the values
+    the model was built with; buffers are loaded where the file has them.
 
     Raises:
         LayoutMismatchError: a frozen parameter of the model is not in the checkpoint.
     """
-    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
-    if not frozen or saved.stage == 3 or engine.zero_optimization_stage() == 3:
-        return
     module_sd = saved.model_state.get("module") or {}
-    for name, p in frozen:
+    targets = []
+    if saved.stage != 3 and engine.zero_optimization_stage() != 3:
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                src = module_sd.get(name)
+                if src is None or _numel_of(src) != p.numel():
+                    raise LayoutMismatchError(f"frozen parameter {name} {list(p.shape)} is not in the checkpoint's "
+                                              f"module state")
+                targets.append((src, p))
+    for name, b in engine.module.named_buffers():
         src = module_sd.get(name)
-        if src is None or _numel_of(src) != p.numel():
-            raise LayoutMismatchError(f"frozen parameter {name} {list(p.shape)} is not in the checkpoint's module state")
-        dest = torch.empty(p.numel(), dtype=src.dtype)
+        if src is not None and _numel_of(src) == b.numel() and b.numel() > 0:
+            targets.append((src, b))
+    for src, t in targets:
+        dest = torch.empty(t.numel(), dtype=src.dtype)
         saved.model_file.read_into([(src, 0, dest)])
         with torch.no_grad():
-            p.data.view(-1).copy_(dest)
+            t.data.view(-1).copy_(dest)
 
 
 def _load_non_tensor_state(engine, saved: SavedCheckpoint, optimizer: bool, scheduler: bool) -> dict:

@@ -3,6 +3,7 @@ metadata alone (the model is built on the meta device; no process starts, no mem
 from __future__ import annotations
 
 import json
+import os
 import time
 
 
@@ -10,8 +11,10 @@ from .errors import ConfigError
 from .layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .planner import assign_members, assign_members_best, plan_transition
 
-# fp32 master + Adam exp_avg + exp_avg_sq, bytes per element moved by a resize
-STATE_BYTES_PER_ELEMENT = 12
+# bytes per element a resize moves: fp32 master + Adam exp_avg + exp_avg_sq in bf16/fp16 training;
+# in fp32 training the master is not moved (the rebuild copies it from the working parameters)
+STATE_BYTES_PER_ELEMENT = {"bfloat16": 12, "float16": 12, "float32": 8}
+MAX_INFLIGHT_BYTES = 256 << 20  # the default bound of bytes in flight (dynatrain.max_inflight_bytes)
 
 
 def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
@@ -28,6 +31,8 @@ def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as err:  # pragma: no cover - the examples extra
         raise ConfigError(f"dynatrain plan needs transformers (pip install 'ds_dynatrain[examples]'): {err}")
+    if not os.path.isfile(model_config):
+        raise ConfigError(f"--model-config {model_config!r}: no such file (a Hugging Face config.json)")
     try:
         cfg = AutoConfig.from_pretrained(model_config)
     except (OSError, ValueError) as err:
@@ -40,10 +45,13 @@ def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
 
 def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16",
                 assignment: str = "best") -> dict:
-    """Per-rank and total bytes of the transition (state: fp32 master and two Adam moments).
+    """Per-rank and total bytes of the transition: the fp32 master and two Adam moments in
+    bf16/fp16 training, the two moments in fp32 training (the master is not moved), bytes.
 
-    ``peak_extra_bytes`` of a rank: its new partitions plus what it receives; at ZeRO stage 3
-    also the working parameters gathered whole, which the rebuild partitions afresh.
+    ``peak_extra_bytes`` of a rank: its new partitions of the moved state (allocated beside the
+    old ones), plus the staging of at most the default ``max_inflight_bytes`` (received bytes
+    land in place), plus, at ZeRO stage 3, the working parameters gathered whole for the
+    rebuild; 0 when the world size does not change (nothing happens).
     """
     if old_ws < 1 or new_ws < 1:
         raise ConfigError("--from and --to must be >= 1")
@@ -58,7 +66,7 @@ def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: 
         new_members = assign_members(members, new_ws, joiners)
     plan = plan_transition(old, new, members, new_members)
     seconds = time.perf_counter() - t0
-    b = STATE_BYTES_PER_ELEMENT
+    b = STATE_BYTES_PER_ELEMENT[dtype]
     whole = sum(p.numel * p.element_size for g in old.groups for p in g) if stage == 3 else 0
     ranks = []
     for r, m in enumerate(new_members):
@@ -66,13 +74,15 @@ def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: 
         sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
         kept = sum(t.numel for t in plan.keeps_of(m)) * b
         part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
+        peak = 0 if old_ws == new_ws else part + min(recv + sent, MAX_INFLIGHT_BYTES) + whole
         ranks.append({"rank": r, "member": m, "bytes_kept": kept, "bytes_sent": sent, "bytes_received": recv,
-                      "peak_extra_bytes": part + recv + whole})
+                      "peak_extra_bytes": peak})
     for m in plan.leavers:
         sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
         ranks.append({"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0,
                       "peak_extra_bytes": 0})
     return {"model_config": model_config, "zero_stage": stage, "from": old_ws, "to": new_ws, "assignment": assignment,
+            "dtype": dtype, "bytes_per_element": b,
             "parameters": sum(p.numel for p in old.groups[0]), "bytes_moved": plan.numel_moved * b,
             "bytes_kept": plan.numel_kept * b, "plan_seconds": seconds, "transfers": len(plan.transfers),
             "ranks": ranks}

@@ -106,3 +106,15 @@ def test_plan_cli_reports_a_complete_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
                           "4", "--to", "3", "--zero-stage", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--zero-stage 0" in bad.stderr
+    fp32 = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
+                           "4", "--to", "3", "--dtype", "fp32", "--json"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    rep32 = json.loads(fp32.stdout.strip().splitlines()[-1])
+    assert rep32["bytes_moved"] + rep32["bytes_kept"] == 8 * n  # fp32 training moves the moments only
+    same = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
+                           "3", "--to", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert all(r["peak_extra_bytes"] == 0 for r in json.loads(same.stdout.strip().splitlines()[-1])["ranks"])
+    missing = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config",
+                              str(tmp_path / "nope.json"), "--from", "2", "--to", "1"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+    assert missing.returncode == 2 and "no such file" in missing.stderr

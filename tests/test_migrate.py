@@ -58,6 +58,16 @@ def migrated(tmp_path_factory):
     victim = truncated / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
+    # a flipped byte in a tensor of a 2-rank snapshot, loaded at the saving world size (DeepSpeed's own
+    # load path): every rank must fail, not only the one that reads the damaged file
+    flipped = broken / "flipped"
+    shutil.copytree(tmp / "save2" / "ours_z2", flipped)
+    victim = flipped / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    from io_engine.format import read_footer
+    item = max(read_footer(str(victim)).items, key=lambda m: m.nbytes)
+    data = bytearray(victim.read_bytes())
+    data[item.offset + 5] ^= 0xFF
+    victim.write_bytes(bytes(data))
     for ws, (src, stages, cross) in LOADS.items():
         out = tmp / f"load{ws}"
         out.mkdir()
@@ -65,6 +75,8 @@ def migrated(tmp_path_factory):
                 "--cross", cross]
         if ws == 3:
             args += ["--broken", f"missing={missing},truncated={truncated}"]
+        if ws == 2:
+            args += ["--broken-same", f"flipped={flipped}"]
         _ok(run_plain(tmp, SCRIPT, ws, args, timeout=300, name=f"load{ws}"))
     return tmp
 
@@ -100,7 +112,8 @@ def test_loaded_state_is_bitwise_the_saved_state(migrated, ws, src, saved, loade
     assert set(before["__step__"]) == set(after["__step__"]) == {3.0}
     assert before["__lr__"] == after["__lr__"] and before["__global_steps__"] == after["__global_steps__"] == 3
     client = json.loads((migrated / f"load{ws}" / f"client_{_tag(saved, loaded, fmt)}.json").read_text())
-    assert client["path"].endswith(os.path.join(f"{fmt}_z{saved}", "ckpt"))
+    assert os.path.dirname(client["path"]).endswith(os.path.join(f"{fmt}_z{saved}", "ckpt"))
+    assert client["path"].endswith("model_states.pt")  # as DeepSpeed's load_checkpoint returns it
     if fmt == "torch":
         assert "universal_checkpoint_info" in client["keys"]  # the client state comes back
 
@@ -129,6 +142,15 @@ def test_broken_checkpoint_refused_on_every_rank_and_nothing_changes(migrated, n
         assert r["error"] and r["error"].startswith("CheckpointIncompleteError"), r
         assert needle in r["error"], r
         assert r["state_unchanged"] is True
+
+
+def test_damaged_file_at_the_saving_world_size_fails_every_rank(migrated):
+    """At the saving world size the load is DeepSpeed's own; a damaged file read by one rank still
+    fails every rank with the file's problem (rather than the others training on into a hang)."""
+    for rank in range(2):
+        r = json.loads((migrated / "load2" / f"broken_flipped_rank{rank}.json").read_text())
+        assert r["error"] and r["error"].startswith("CheckpointIncompleteError"), r
+        assert "rank 1: ChecksumMismatchError" in r["error"] and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["error"]
 
 
 def test_checkpoint_of_another_model_refused_before_loading(migrated):
