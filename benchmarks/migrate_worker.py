@@ -18,7 +18,6 @@ writes ``--out`` (JSON; times in seconds, sizes in bytes), with every rank's fig
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys

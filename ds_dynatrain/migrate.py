@@ -24,7 +24,6 @@ Before anything is read, every file of the saving world is checked to be present
 from __future__ import annotations
 
 import os
-import re
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
