@@ -31,6 +31,19 @@ class BatchSplit:
         return self.micro_batch * self.gradient_accumulation_steps * self.world_size
 
 
+def largest_world_size(train_batch_size: int, micro_batch: int, at_most: int,
+                       max_world_size: int | None = None) -> int:
+    """The largest world size ``<= at_most`` that :func:`split_global_batch` accepts; 0 if none
+    (e.g. the processes left after a failure or a preemption, at_most = how many are alive)."""
+    for n in range(at_most, 0, -1):
+        try:
+            split_global_batch(train_batch_size, micro_batch, n, max_world_size)
+            return n
+        except ResizeRefusedError:
+            continue
+    return 0
+
+
 def split_global_batch(train_batch_size: int, micro_batch: int, world_size: int,
                        max_world_size: int | None = None) -> BatchSplit:
     """Split a fixed global batch over ``world_size`` data-parallel ranks.

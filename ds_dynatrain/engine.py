@@ -41,7 +41,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from .batch import BatchSplit, split_global_batch
+from .batch import BatchSplit, largest_world_size, split_global_batch
 from .bridge import (MASTER, PartitionState, client_attrs, detach_engine, extract_partitions, fp32_partitions, gather_whole_params,
                      install_master, install_optimizer_state, is_zero3, layout_of, light_rebuild,
                      relink_optimizer_state, release_zero3_params, working_partitions,
@@ -278,11 +278,10 @@ class ElasticEngine(DeepSpeedEngine):
         if self.zero_optimization_stage() in (1, 2, 3) and (tag is not None or os.path.isfile(
                 os.path.join(load_dir, "latest"))):
             saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
-            saved.close()
         if saved is not None and (saved.world_size, saved.stage) != (self.dp_world_size,
                                                                     self.zero_optimization_stage()):
             path, client, stats = load_resharded(self, load_dir, saved.tag, load_optimizer_states,
-                                                 load_lr_scheduler_states)
+                                                 load_lr_scheduler_states, saved=saved)
             if self.global_rank == 0:
                 rec = {"event": "load", "step": self.global_steps, "from": stats.saved_world_size,
                        "to": stats.world_size, "saved_stage": stats.saved_stage, "stage": stats.stage,
@@ -293,6 +292,8 @@ class ElasticEngine(DeepSpeedEngine):
                             f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
                             f"on rank 0 in {stats.seconds:.2f} s")
             return path, client
+        if saved is not None:
+            saved.close()  # the same layout: DeepSpeed's own load reads the files
         problem = None
         try:
             out = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
@@ -425,14 +426,7 @@ class ElasticEngine(DeepSpeedEngine):
         dt = self._dt
         ws = self.dp_world_size
         leavers = tuple(dt.members[r] for r in range(ws) if mask >> r & 1)
-        size = 0
-        for n in range(ws - len(leavers), 0, -1):
-            try:
-                dt.split(n)
-                size = n
-                break
-            except ResizeRefusedError:
-                continue
+        size = largest_world_size(dt.global_batch, dt.micro_batch, ws - len(leavers), dt.config.max_world_size)
         if self.global_rank == 0:
             logger.info(f"preemption of {list(leavers)} after step {self.global_steps}: "
                         + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends"))

@@ -46,7 +46,7 @@ class Agent:
 
     def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
                  store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable,
-                 restore_dir: Optional[str] = None, fits=None, max_restores: int = 3):
+                 restore_dir: Optional[str] = None, largest=None, max_restores: int = 3):
         self.script = script
         self.script_args = list(script_args)
         self.nproc = nproc
@@ -62,7 +62,7 @@ class Agent:
         self._stopping = False
         self._stop_signal: Optional[int] = None
         self.restore_dir = restore_dir  # snapshots to restart from when a worker dies (None: do not)
-        self.fits = fits or (lambda n: True)  # whether a world size keeps the global batch
+        self.largest = largest or (lambda alive: alive)  # the largest world size <= alive that keeps the batch
         self.restores_left = max_restores
         self._restore_env = False
 
@@ -135,7 +135,7 @@ class Agent:
         if self.restore_dir is None or self.restores_left <= 0 or read_latest(self.restore_dir) is None:
             return False
         alive = [m for m, p in self.workers.items() if m not in self.exit_codes and p.poll() is None]
-        size = next((n for n in range(len(alive), 0, -1) if self.fits(n)), 0)
+        size = self.largest(len(alive))
         if size == 0:
             return False
         self.restores_left -= 1
@@ -215,16 +215,11 @@ def launch(script: str, script_args: Sequence[str], nproc: int, config: str, sto
             raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
         port = int(p)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
-    from .batch import split_global_batch
-    from .errors import ResizeRefusedError
+    from .batch import largest_world_size
 
-    def fits(n: int) -> bool:
-        try:
-            split_global_batch(global_batch, micro, n, dt_cfg.max_world_size)
-            return True
-        except ResizeRefusedError:
-            return False
+    def largest(alive: int) -> int:
+        return largest_world_size(global_batch, micro, alive, dt_cfg.max_world_size)
 
-    agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, fits=fits)
+    agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, largest=largest)
     logger.info(f"agent: store at {host}:{agent.store_port}, starting {nproc} workers")
     return agent.run()

@@ -466,14 +466,17 @@ class LoadStats:
 
 
 def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                   load_lr_scheduler_states: bool = True) -> Tuple[str, dict, LoadStats]:
+                   load_lr_scheduler_states: bool = True,
+                   saved: Optional["SavedCheckpoint"] = None) -> Tuple[str, dict, LoadStats]:
     """Load a ZeRO checkpoint saved at any world size and ZeRO stage into ``engine``.
 
     Collective (the final parameter all-gather at ZeRO-1/2): every rank of the engine calls it,
     right after the engine is built. Each rank reads only its new partitions' fragments.
 
+    ``saved``: the checkpoint already opened (and checked) by the caller; it is closed here.
+
     Returns:
-        ``(path of the tag directory, client state of the model-state file, LoadStats)``.
+        ``(path of the model-state file, client state of the model-state file, LoadStats)``.
 
     Raises:
         CheckpointIncompleteError: missing or damaged files (before anything is loaded).
@@ -488,7 +491,8 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
     from .engine import allocate_partitions, scalars_for
     from .planner import plan_transition
     t0 = time.perf_counter()
-    saved = SavedCheckpoint(load_dir, tag)
+    if saved is None:
+        saved = SavedCheckpoint(load_dir, tag)
     try:
         live = layout_of(engine)
         old = saved.layout_for(live)

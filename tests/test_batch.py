@@ -67,3 +67,13 @@ def test_split_refusals(args, match):
     with pytest.raises(ResizeRefusedError, match=match) as info:
         split_global_batch(*args)
     assert isinstance(info.value, DynatrainError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("batch, micro, at_most, max_ws, expected", [
+    (12, 2, 3, None, 3), (12, 2, 5, None, 4), (12, 2, 4, 3, 3), (8, 2, 3, None, 2), (7, 1, 6, None, 1),
+    (12, 2, 0, None, 0),
+])
+def test_largest_world_size(batch, micro, at_most, max_ws, expected):
+    """After a failure or a preemption: the largest size the live processes can serve."""
+    from ds_dynatrain.batch import largest_world_size
+    assert largest_world_size(batch, micro, at_most, max_ws) == expected
