@@ -3,6 +3,8 @@
 ::
 
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
+    dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
+    dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
     dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
@@ -23,9 +25,10 @@ from .errors import ConfigError, DynatrainError
 def _cmd_launch(a) -> int:
     from .launcher import launch
     try:
-        return launch(a.script, a.script_args, a.nproc, a.config, a.store)
+        return launch(a.script, a.script_args, a.nproc, a.config, a.store, nnodes=getattr(a, "nnodes", 1),
+                      node_rank=getattr(a, "node_rank", 0), join=a.command == "join")
     except ConfigError as err:
-        print(f"dynatrain launch: {err}", file=sys.stderr)
+        print(f"dynatrain {a.command}: {err}", file=sys.stderr)
         return 2
 
 
@@ -126,12 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
-    lp.add_argument("--nproc", type=int, required=True, help="workers at launch (the initial world size)")
+    lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
+    lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
+    lp.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store")
     lp.add_argument("--config", required=True, help="DeepSpeed JSON config, with an optional \"dynatrain\" section")
-    lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port)")
+    lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
+                    "on several hosts an address of node 0 and a fixed port)")
     lp.add_argument("script", help="training script; it receives its arguments plus --deepspeed_config CONFIG")
     lp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     lp.set_defaults(func=_cmd_launch)
+
+    jp = sub.add_parser("join", help="add this host's workers to a running job (a grow, served at a step boundary)")
+    jp.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    jp.add_argument("--nproc", type=int, required=True, help="workers this host adds")
+    jp.add_argument("--config", required=True, help="the job's DeepSpeed JSON config")
+    jp.add_argument("script", help="the job's training script")
+    jp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    jp.set_defaults(func=_cmd_launch)
 
     rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")

@@ -79,6 +79,15 @@ class DynatrainConfig(_Strict):
                              "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors")
     spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
                                        "early, so their start-up overlaps training")
+    standby: bool = Field(False, description="processes that leave at a shrink (not a preemption) stay as "
+                          "standby members instead of exiting: a later grow takes them back before it starts "
+                          "new processes, and reuses the process groups they were part of (4 -> 2 -> 4 forms "
+                          "no new group). They exit when the job ends. Off by default: a shrink usually hands "
+                          "the device to another job")
+    background_groups: bool = Field(True, description="a `dynatrain resize` request builds the next "
+                                    "generation's process groups (and starts its joiners) in the background while "
+                                    "training goes on, and switches at the first step boundary where they are "
+                                    "ready; false: the resize blocks training at the step it is served")
 
     @model_validator(mode="after")
     def _schedule_ordered(self):

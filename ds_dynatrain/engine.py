@@ -50,7 +50,8 @@ from .config import DynatrainConfig
 from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from .launch_env import member_id
 from .layout import ZeroLayout
-from .membership import ENDED_KEY, GenerationRecord, Membership
+from .groups import BackgroundGroup
+from .membership import ENDED_KEY, GenerationRecord, Membership, group_prefix
 from .metrics import MetricsWriter, format_resize, format_step, logger
 from .planner import Plan, assign_members_best, plan_transition
 from .snapshot import SnapshotCheckpointEngine
@@ -88,6 +89,11 @@ class ElasticState:
     hp_linked: bool = False  # DeepSpeed's fragment links repaired after the engine's first step
     requests_seen: int = 0  # resize requests of the store served so far (rank 0 reads them)
     preempted: bool = False  # SIGTERM received: leave at the next step boundary
+    preparing: Optional["Preparation"] = None  # a resize request whose next world is being built
+    published_step: Dict[int, int] = field(default_factory=dict)  # generation -> step it was published at
+    join_node: Optional[Tuple[int, int]] = None  # (request index, node) of the last `dynatrain join` (rank 0)
+    standby: Tuple[str, ...] = ()  # processes standing by (left at a shrink, may be taken back), in order
+    history: List[Tuple[str, ...]] = field(default_factory=list)  # members of recent generations (group reuse)
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -363,19 +369,33 @@ class ElasticEngine(DeepSpeedEngine):
             # for every parameter outside group 0. Link once more now that all groups have state.
             relink_optimizer_state(self)
             dt.hp_linked = True
-        # one all-reduce carries the loss, rank 0's pending resize request (world size, or 0) and
-        # which ranks were preempted (bit r for rank r): every rank decides the same at this step
-        request = None
-        if dt.membership is not None and self.global_rank == 0 and step not in dt.schedule:
+        # one all-reduce carries the loss, rank 0's pending resize request (world size, or 0),
+        # which ranks were preempted (bit r for rank r), which standby processes are gone (bit i
+        # for standby i), and how many ranks have the groups of a request being prepared built
+        # (or failed to build them): every rank decides the same at this step
+        request = gone = None
+        prep = dt.preparing
+        if dt.membership is not None and self.global_rank == 0 and step not in dt.schedule and prep is None:
             request = dt.membership.pending_request(dt.requests_seen)
+            if request is not None and "join" in request[1]:  # `dynatrain join`: grow by its slots there
+                dt.join_node = (request[0], int(request[1]["join"]))
+                request = (request[0], {"world_size": self.dp_world_size + int(request[1]["slots"])})
+        if dt.membership is not None and self.global_rank == 0 and dt.standby:
+            gone = dt.membership.gone_standby(dt.standby)
         preempt_bit = float(2 ** self.global_rank) if dt.preempted else 0.0
+        ready, error = prep.state(dt) if prep is not None else (False, None)
         # on the accelerator: NCCL reduces device tensors only
         totals = torch.tensor([dt.loss_sum, float(dt.loss_count), float(request[1]["world_size"]) if request else 0.0,
-                               float(request[0] + 1) if request else 0.0, preempt_bit], dtype=torch.float64,
+                               float(request[0] + 1) if request else 0.0, preempt_bit,
+                               float(sum(2 ** i for i, m in enumerate(dt.standby) if gone and m in gone)),
+                               float(ready), float(error is not None)], dtype=torch.float64,
                               device=get_accelerator().current_device_name())
         tdist.all_reduce(totals)
         totals = totals.cpu()
         requested, request_index, preempted_mask = int(totals[2]), int(totals[3]) - 1, int(totals[4])
+        gone_mask, n_ready, n_failed = int(totals[5]), int(totals[6]), int(totals[7])
+        if gone_mask:
+            dt.standby = tuple(m for i, m in enumerate(dt.standby) if not gone_mask >> i & 1)
         dt.loss_sum, dt.loss_count = 0.0, 0
         loss = float(totals[0] / max(totals[1], 1.0))
         lr = float(self.get_lr()[0]) if self.get_lr() else float("nan")
@@ -393,10 +413,18 @@ class ElasticEngine(DeepSpeedEngine):
                 dt.metrics.write({"event": "snapshot", "step": step, "save_s": time.perf_counter() - t0,
                                   "dir": snap.dir})
         target = dt.schedule.get(step)
+        if prep is not None and (preempted_mask or target is not None or n_failed):
+            why = (f"{n_failed} rank(s) could not build the groups: {error}" if n_failed and not preempted_mask
+                   and target is None else "a preemption or a scheduled resize came first")
+            self._abandon(prep, why)
+            prep = None
         if preempted_mask:
             self._leave_preempted(preempted_mask)
         elif target is not None:
             self.resize(target)
+        elif prep is not None:
+            if n_ready == self.dp_world_size:
+                self._finish_request(prep)
         elif requested:
             self._serve_request(request_index, requested)
         if self.is_member:
@@ -404,20 +432,77 @@ class ElasticEngine(DeepSpeedEngine):
 
     def _serve_request(self, index: int, world_size: int) -> None:
         """``dynatrain resize`` request ``index``, at this step boundary on every rank (each
-        learned it from the step's all-reduce); rank 0 of the world that results answers it."""
+        learned it from the step's all-reduce); rank 0 of the world that results answers it.
+
+        With ``background_groups`` (the default) a grow or shrink is only *prepared* here
+        (:meth:`_prepare`): training goes on while the next world is built, and the switch
+        happens at the first step boundary where every rank has it ready."""
         dt = self._dt
         dt.requests_seen = index + 1  # before the resize: its header hands the count to joiners
         try:
+            if dt.config.background_groups and world_size != self.dp_world_size:
+                dt.split(world_size)
+                zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
+                self._prepare(index, world_size)
+                return
             rec = self.resize(world_size)
         except ResizeRefusedError as err:
             if self.global_rank == 0:
                 dt.membership.answer(index, False, str(err))
                 logger.info(f"resize request {index}: {err}")
             return
+        if rec is not None and rec["event"] != "resize":
+            return  # this process stood by and was taken back by a later resize
         if self.is_member and self.global_rank == 0:
             msg = (f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
                    if rec else f"the job already runs on {world_size} ranks")
             dt.membership.answer(index, True, msg, rec)
+
+    def _prepare(self, index: int, world_size: int) -> None:
+        """Publish the next generation, start its joiners (or take back standby processes) and
+        build its default group and transition group in background threads; return at once."""
+        dt = self._dt
+        members = self._request_joiners(world_size)
+        g = dt.generation + 1
+        step = dt.published_step[g]
+        if self.global_rank == 0:
+            dt.membership.go(g)  # joiners and standby processes form it as soon as they are up
+        timeout = dt.config.join_timeout_s
+        dt.membership.prepare(g, members, step, timeout)
+        ranks = tuple(dt.members) + tuple(m for m in members if m not in dt.members)
+        connect, me = dt.membership.new_client, dt.member
+        xfer = BackgroundGroup(lambda: transition_group(connect(), xfer_prefix(ranks, g, step), ranks, me, timeout),
+                               name=f"dynatrain-xfer-{g}")
+        dt.preparing = Preparation(index, world_size, g, members, step, xfer, time.perf_counter())
+        if self.global_rank == 0:
+            logger.info(f"resize request {index}: preparing generation {g} ({self.dp_world_size} -> {world_size} "
+                        f"ranks) while training goes on")
+
+    def _finish_request(self, prep: Preparation) -> None:
+        """Every rank has the prepared groups: switch to the new world now."""
+        dt = self._dt
+        dt.preparing = None
+        rec = self._resize(prep.world_size, dt.split(prep.world_size), prepared=prep)
+        if rec is None or rec["event"] != "resize":
+            return  # this process left (or stood by and was taken back later: a join record)
+        if self.is_member and self.global_rank == 0:
+            dt.membership.answer(prep.index, True, f"resized {rec['from']} -> {rec['to']} after step {rec['step']} "
+                                 f"in {rec['seconds']:.2f} s ({rec['prepare_s']:.2f} s prepared in the background)",
+                                 rec)
+
+    def _abandon(self, prep: Preparation, why: str) -> None:
+        """Give up a prepared request: its joiners are stopped, the requester told why."""
+        dt = self._dt
+        dt.preparing = None
+        if self.global_rank == 0:
+            dt.membership.abandon(prep.generation)
+            stale = dt.spawned_for.pop(prep.generation, ())
+            if stale:
+                dt.membership.cancel_spawn(prep.generation, stale)
+            dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}")
+            logger.info(f"resize request {prep.index} abandoned: {why}")
+        dt.published.pop(prep.generation, None)
+        dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
 
     def _leave_preempted(self, mask: int) -> None:
         """Members that received SIGTERM leave now, after handing over their partitions: the job
@@ -458,9 +543,12 @@ class ElasticEngine(DeepSpeedEngine):
     def _request_joiners(self, world_size: int, must_leave: Tuple[str, ...] = ()) -> Tuple[str, ...]:
         """Publish the next generation for ``world_size`` and have its joiners started (once).
 
-        Ranks are assigned by the planner (:func:`~ds_dynatrain.planner.assign_members_best`):
-        the staying processes take the new ranks that keep the most optimizer state in place,
-        joiners the others (a joiner is named after the rank it takes). If joiners were already
+        The members of a recent generation are taken again, in their rank order, when they fit
+        (every staying process is among them, the others stand by): its process groups are cached
+        (4 -> 2 -> 4 reuses the groups of the first 4). Otherwise ranks are assigned by the
+        planner (:func:`~ds_dynatrain.planner.assign_members_best`): the staying processes take the
+        new ranks that keep the most optimizer state in place, standby processes and then new
+        joiners the others (a new joiner is named after the rank it takes). If joiners were already
         started for the next generation with another membership (a scheduled grow, then a manual
         resize to another size), they are cancelled first.
         """
@@ -468,14 +556,17 @@ class ElasticEngine(DeepSpeedEngine):
         g = dt.generation + 1
         new_members = dt.assigned.get((g, world_size, must_leave))
         if new_members is None:
+            new_members = self._recent_members(world_size, must_leave)
+        if new_members is None:
             old = layout_of(self)
             staying = min(self.dp_world_size - len(set(must_leave) & set(dt.members)), world_size)
-            placeholders = tuple(f"joiner-{i}" for i in range(world_size - staying))
+            recalled = tuple(dt.standby[:world_size - staying])
+            placeholders = recalled + tuple(f"joiner-{i}" for i in range(world_size - staying - len(recalled)))
             drafted = assign_members_best(old, old.with_world_size(world_size), dt.members, placeholders, must_leave)
-            new_members = tuple(member_id(g, r) if m in placeholders else m for r, m in enumerate(drafted))
-            dt.assigned[(g, world_size, must_leave)] = new_members
+            new_members = tuple(member_id(g, r) if m.startswith("joiner-") else m for r, m in enumerate(drafted))
+        dt.assigned[(g, world_size, must_leave)] = new_members
         old = set(dt.members)
-        joiners = tuple(m for m in new_members if m not in old)
+        joiners = tuple(m for m in new_members if m not in old and m not in dt.standby)
         if dt.published.get(g) == new_members:
             return new_members
         if self.global_rank == 0:
@@ -483,18 +574,42 @@ class ElasticEngine(DeepSpeedEngine):
             if stale:
                 dt.membership.cancel_spawn(g, stale)
             header_rank = new_members.index(dt.members[0]) if dt.members[0] in new_members else 0
-            dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps, header_rank))
+            dt.membership.publish(GenerationRecord(g, world_size, new_members, self.global_steps, header_rank,
+                                                   tuple(dt.members)))
             if joiners:
-                dt.membership.request_spawn(g, world_size, [new_members.index(j) for j in joiners], joiners)
+                from .launcher import place_joiners
+                join = dt.join_node
+                nodes = ({j: join[1] for j in joiners} if join is not None and join[0] == dt.requests_seen - 1
+                         else place_joiners(dt.membership.store, new_members, joiners))
+                dt.membership.request_spawn(g, world_size, [new_members.index(j) for j in joiners], joiners, nodes)
         dt.spawned_for[g] = joiners
         dt.published[g] = new_members
+        dt.published_step[g] = self.global_steps
         return new_members
+
+    def _recent_members(self, world_size: int, must_leave: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
+        """The members of the latest earlier generation that can form the next one: of size
+        ``world_size``, holding every process that stays (all of them at a grow), the rest standing
+        by, none that must leave. None when there is none."""
+        dt = self._dt
+        pool = [m for m in dt.members if m not in must_leave]
+        for members in reversed(dt.history):
+            if len(members) != world_size or members == dt.members or set(members) & set(must_leave):
+                continue
+            if world_size > len(pool):
+                if set(pool) <= set(members) and set(members) - set(pool) <= set(dt.standby):
+                    return tuple(members)
+            elif set(members) <= set(pool):
+                return tuple(members)
+        return None
 
     def cancel_pending_joiners(self) -> None:
         """Stop joiners started for a generation that will not be formed (the job is ending)."""
         dt = self._dt
         if dt.membership is None or self.global_rank != 0:
             return
+        if dt.preparing is not None:
+            self._abandon(dt.preparing, "the job ended first")
         for g, joiners in sorted(dt.spawned_for.items()):
             if g > dt.generation and joiners:
                 dt.membership.cancel_spawn(g, joiners)
@@ -537,6 +652,8 @@ class ElasticEngine(DeepSpeedEngine):
             dt.pending = None
             raise
         dt.pending = None
+        if pending.group is not None:
+            pending.group.shutdown()  # its sockets and threads go now, not when collected
         waited = time.perf_counter() - t
         if pending.dests is not None:
             install_optimizer_state(self, [pending.dests[g] for g in sorted(pending.dests)], pending.scalars)
@@ -575,7 +692,8 @@ class ElasticEngine(DeepSpeedEngine):
             tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
         return None
 
-    def _resize(self, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...] = ()) -> Optional[dict]:
+    def _resize(self, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...] = (),
+                prepared: Optional[Preparation] = None) -> Optional[dict]:
         dt = self._dt
         clock = time.perf_counter
         t0 = clock()
@@ -591,19 +709,21 @@ class ElasticEngine(DeepSpeedEngine):
         # them whole on the old group (before a grow re-forms it), and the rebuild partitions them
         # for the new world
         whole = gather_whole_params(self.module) if zero3 else None
-        header = self._header(plan, state) if self.global_rank == 0 else None
+        header = self._header(plan, state, must_leave) if self.global_rank == 0 else None
         stays = dt.member in plan.new_members
-        new_rank = plan.new_members.index(dt.member) if stays else None
         plan_s = clock() - t0
 
         group_s = 0.0
+        g_new = dt.generation + 1
+        reused = False
         if grow:
             # the new generation's group carries the header; the old engine stays as it is (its
-            # groups dead) until the plan is agreed
+            # groups detached) until the plan is agreed
             t = clock()
             if self.global_rank == 0:
-                dt.membership.go(dt.generation + 1)
-            dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.collective_timeout_s)
+                dt.membership.go(g_new)
+            reused = dt.membership.form(g_new, plan.new_members, dt.member, dt.backend, self._group_timeout(),
+                                        step=dt.published_step[g_new])
             group_s += clock() - t
         t = clock()
         # a grow agrees on the new group, where old rank 0 (a survivor) may hold another rank
@@ -611,8 +731,10 @@ class ElasticEngine(DeepSpeedEngine):
         header = agree_on_header(header, lambda h: "plan digest differs" if h["digest"] != plan.digest() else None,
                                  src=src)
         plan_s += clock() - t
-        dests, stats, transfer, overlap = begin_transition(plan, dt, dt.generation + 1, header,
-                                                           state.tensors, stays)
+        t = clock()
+        xfer = prepared.xfer.get(self._group_timeout()) if prepared is not None else None
+        xfer_wait = clock() - t
+        dests, stats, transfer, overlap, xfer = begin_transition(plan, dt, g_new, header, state.tensors, stays, xfer)
 
         elsize = state.tensors[0]["fp32"].element_size()
         moved_kinds = len(header["kinds"]) if header["master_moves"] else len(moment_kinds(header["kinds"]))
@@ -620,8 +742,8 @@ class ElasticEngine(DeepSpeedEngine):
             "event": "resize", "step": self.global_steps, "from": old_ws, "to": world_size,
             "bytes_moved": plan.numel_moved * elsize * moved_kinds, "bytes_kept": plan.numel_kept * elsize * moved_kinds,
             "plan_s": plan_s, "group_s": group_s, "transfer_s": stats.seconds - stats.keep_seconds,
-            "keep_s": stats.keep_seconds, "rebuild_s": 0.0,
-            "transfer_overlap": overlap,
+            "keep_s": stats.keep_seconds, "rebuild_s": 0.0, "xfer_group_s": xfer_wait,
+            "transfer_overlap": overlap, "generation": g_new,
             "peak_staging_bytes": stats.peak_staging_bytes, "messages": stats.messages,
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
         }
@@ -636,21 +758,28 @@ class ElasticEngine(DeepSpeedEngine):
         t = clock()
         teardown(self)
         if not stays:
+            standby = dt.config.standby and dt.member not in must_leave and not dt.preempted
             dt.retired = True
-            dt.pending = PendingResize(transfer, None, [], record, rss_base)
+            dt.pending = PendingResize(transfer, None, [], record, rss_base, xfer)
             self._complete_pending()  # a leaver hands everything over before it goes
-            if tdist.is_initialized():
-                tdist.destroy_process_group()
             logger.info(f"member {dt.member} left the job after step {self.global_steps} "
-                        f"({record['bytes_sent'] / 2**20:.2f} MiB handed over)")
-            return None
+                        f"({record['bytes_sent'] / 2**20:.2f} MiB handed over)"
+                        + ("; it stands by" if standby else ""))
+            if not standby:
+                if tdist.is_initialized():
+                    tdist.destroy_process_group()
+                return None
+            if whole is not None:
+                release_zero3_params(model, whole, dt.param_attrs)
+            return self._stand_by(g_new, model, basic, scheduler)
         if whole is not None:
             release_zero3_params(model, whole, dt.param_attrs)
             whole = None
         rebuild_s = clock() - t
         if not grow:
             t = clock()
-            dt.membership.form(dt.generation + 1, new_rank, world_size, dt.backend, dt.config.collective_timeout_s)
+            reused = dt.membership.form(g_new, plan.new_members, dt.member, dt.backend, self._group_timeout(),
+                                        step=dt.published_step[g_new])
             group_s += clock() - t
         t = clock()
         dt.members = plan.new_members
@@ -666,8 +795,15 @@ class ElasticEngine(DeepSpeedEngine):
             self.optimizer = returned
         install_state(self, header, dests, joiner=False)
         rebuild_s += clock() - t
-        dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, rss_base)
-        record.update(group_s=group_s, rebuild_s=rebuild_s)
+        dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, rss_base, xfer)
+        record.update(group_s=group_s, rebuild_s=rebuild_s, group_reused=reused)
+        if prepared is not None:
+            # the new world's construction (joiners' start-up, group rendezvous) ran behind training
+            # from the request to ``ready_at``; what is left at the switch is group_s + xfer_group_s
+            built = (prepared.ready_at or t0) - prepared.started
+            record.update(request=prepared.index, prepare_s=t0 - prepared.started, background_build_s=built,
+                          hidden_fraction=built / max(built + group_s + xfer_wait, 1e-9))
+        self._evict_groups()
         state = None  # the old partitions go as soon as the transfer is done with them
         if overlap != "step" or transfer.done():
             self._complete_pending()
@@ -676,7 +812,87 @@ class ElasticEngine(DeepSpeedEngine):
             self._publish(record)  # else wait_transition publishes it
         return record
 
-    def _header(self, plan: Plan, state: PartitionState) -> dict:
+    def _group_timeout(self) -> float:
+        """Limit of a group rendezvous that may wait for joiners to start, seconds."""
+        return self._dt.config.join_timeout_s
+
+    def _evict_groups(self) -> None:
+        """Shut down cached groups with a member that is neither in the job nor standing by."""
+        dt = self._dt
+        alive = set(dt.members) | set(dt.standby)
+        dt.membership.groups.evict(lambda members: set(members) <= alive)
+
+    def _stand_by(self, formed: int, model, basic, scheduler) -> Optional[dict]:
+        """This process left at a shrink and stands by: it keeps its process groups (detached)
+        and waits until a later generation takes it back (then it joins as a joiner would,
+        reusing its model and optimizer objects, and this returns the join record) or the job
+        ends (then it returns None and :attr:`is_member` stays False)."""
+        dt = self._dt
+        dt.membership.groups.detach()
+        membership = dt.membership
+        membership.stop_waiting = lambda: dt.preempted
+        while True:
+            rec = membership.wait_recall(formed, dt.member)
+            if rec is None:
+                if dt.preempted:
+                    membership.leave_standby(dt.member)
+                logger.info(f"member {dt.member} stops standing by: "
+                            + ("preemption notice" if dt.preempted else "the job ended"))
+                membership.groups.close()
+                return None
+            try:
+                return self._rejoin(rec, model, basic, scheduler)
+            except TransitionAbortedError:
+                if membership.is_abandoned(rec.generation, rec.step):
+                    formed = rec.generation - 1
+                    continue
+                if membership.job_over():
+                    membership.groups.close()
+                    return None
+                raise
+
+    def _rejoin(self, rec: GenerationRecord, model, basic, scheduler) -> dict:
+        """A standby process joins generation ``rec`` (its membership names this process)."""
+        dt = self._dt
+        t0 = time.perf_counter()
+        logger.info(f"member {dt.member} taken back as rank {rec.members.index(dt.member)} of {rec.world_size} "
+                    f"(generation {rec.generation})")
+        dt.published_step[rec.generation] = rec.step
+        membership = dt.membership
+        # built in the background, so that a request given up (or the job's end) does not leave
+        # this process stuck in a rendezvous its peers never reach
+        membership.prepare(rec.generation, rec.members, rec.step, self._group_timeout())
+        while not membership.groups.ready(rec.members):
+            if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
+                raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
+            time.sleep(0.02)
+        reused = membership.form(rec.generation, rec.members, dt.member, dt.backend, self._group_timeout(),
+                                 step=rec.step)
+        xfer = build_joiner_xfer(dt, rec, self._group_timeout())
+        own = own_layout(dt, model, [list(g["params"]) for g in basic.param_groups], rec.world_size)
+        header, plan = join_header(dt, rec, own)
+        dests, _, transfer, overlap, xfer = begin_transition(plan, dt, rec.generation, header, None, receives=True,
+                                                             group=xfer.get(self._group_timeout()))
+        dt.members = plan.new_members
+        dt.generation = rec.generation
+        dt.retired = False
+        dt.rebuild_broadcast = plan.survivor_ranks
+        construct(self, dt, model, basic, None, scheduler,
+                  ds_config_for(dt, dt.split(rec.world_size), client_objects=True), light=True)
+        returned = dt.returned_optimizer
+        if returned is not None and returned is not self.optimizer:
+            returned.__dict__ = self.optimizer.__dict__
+            self.optimizer = returned
+        install_state(self, header, dests, joiner=True)
+        record = {"event": "join", "step": self.global_steps, "generation": rec.generation, "transfer_s": 0.0,
+                  "group_reused": reused, "seconds": time.perf_counter() - t0}
+        dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, None, xfer)
+        if overlap != "step":
+            self.wait_transition()
+        self._evict_groups()
+        return record
+
+    def _header(self, plan: Plan, state: PartitionState, must_leave: Tuple[str, ...] = ()) -> dict:
         """Rank 0's account of the transition and of the non-tensor training state.
 
         ``loss_scaler``: the attributes of the ZeRO optimizer's loss scaler (DeepSpeed's
@@ -703,6 +919,11 @@ class ElasticEngine(DeepSpeedEngine):
                              for g in self.optimizer.optimizer.param_groups],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "loss_scaler": None if scaler is None else {"class": type(scaler).__name__, "state": dict(vars(scaler))},
+            # who stands by after this transition, and the recent memberships (group reuse)
+            "standby": [m for m in self._dt.standby if m not in plan.new_members] + (
+                [m for m in plan.old_members if m not in plan.new_members and m not in must_leave]
+                if self._dt.config.standby else []),
+            "history": [list(m) for m in (self._dt.history + [tuple(plan.new_members)])[-8:]],
         }
 
 
@@ -758,19 +979,29 @@ def allocate_partitions(plan: Plan, member: str, kinds, dtype) -> Dict[int, Dict
     return out
 
 
-def data_plane(plan: Plan, dt: ElasticState, generation: int):
+def xfer_prefix(plan_or_ranks, generation: int, step: int) -> str:
+    """Store prefix of the transition group into ``generation`` published at ``step``."""
+    ranks = plan_or_ranks if isinstance(plan_or_ranks, tuple) else transition_ranks(plan_or_ranks)
+    return group_prefix(generation, ranks, step, kind="xfer")
+
+
+def data_plane(plan: Plan, dt: ElasticState, generation: int, group=None):
     """``(ranks, group, overlap)`` of the transition into ``generation``: the member of each rank,
-    the private gloo group the bytes go through (:func:`transition_group`), and the
-    ``transfer_overlap`` mode that applies. State on an accelerator is staged through host
-    buffers and completes before the rebuild (overlap ``"none"``): a background thread would
-    copy device memory on another stream than training's."""
+    the private gloo group the bytes go through (:func:`transition_group`, or ``group`` when it
+    was built ahead), and the ``transfer_overlap`` mode that applies. State on an accelerator is
+    staged through host buffers and completes before the rebuild (overlap ``"none"``): a
+    background thread would copy device memory on another stream than training's."""
     ranks = transition_ranks(plan)
-    group = transition_group(dt.membership.store, generation, ranks, dt.member, dt.config.collective_timeout_s)
+    if group is None:
+        group = transition_group(dt.membership.new_client(),
+                                 xfer_prefix(ranks, generation, dt.published_step.get(generation, 0)),
+                                 ranks, dt.member, dt.config.collective_timeout_s)
     on_host = get_accelerator().device_name() == "cpu"
     return ranks, group, dt.config.transfer_overlap if on_host else "none"
 
 
-def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: dict, sources, receives: bool):
+def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: dict, sources, receives: bool,
+                     group=None):
     """Start moving this process's share of ``plan`` into ``generation`` (survivors, leavers and
     joiners alike, after the header is agreed).
 
@@ -781,15 +1012,17 @@ def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: dict
     Args:
         sources: this process's old partitions (``PartitionState.tensors``), None for a joiner.
         receives: whether this process is in the new world (its new partitions are allocated).
+        group: the transition group when it was built ahead (None: built here).
 
     Returns:
-        ``(dests, stats of the master phase, PendingTransition of the moments, overlap mode)``.
+        ``(dests, stats of the master phase, PendingTransition of the moments, overlap mode,
+        the transition group)``; shut the group down once the moments have arrived.
     """
     kinds, master_moves = tuple(header["kinds"]), bool(header["master_moves"])
     moments = moment_kinds(kinds)
     dests = allocate_partitions(plan, dt.member, kinds if master_moves else moments,
                                 getattr(torch, header["dtype"])) if receives else None
-    ranks, group, overlap = data_plane(plan, dt, generation)
+    ranks, group, overlap = data_plane(plan, dt, generation, group)
     run = dict(dests=dests, timeout_s=dt.config.collective_timeout_s,
                max_inflight_bytes=header["max_inflight_bytes"], ranks=ranks)
     stats = execute_plan(plan, dt.member, group, (MASTER,) if master_moves else (),
@@ -798,7 +1031,7 @@ def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: dict
     transfer = start_plan(plan, dt.member, group, moments, sources=_only(sources, moments), **run)
     if overlap == "none":
         transfer.wait()  # every wait inside is bounded by collective_timeout_s
-    return dests, stats, transfer, overlap
+    return dests, stats, transfer, overlap, group
 
 
 def _only(parts: Optional[List[Dict[str, torch.Tensor]]], kinds) -> Optional[List[Dict[str, torch.Tensor]]]:
@@ -829,6 +1062,41 @@ class PendingResize:
     scalars: List[Dict[str, Any]]
     record: dict
     rss_base: Optional[int]
+    group: Any = None  # the transition group, shut down once the transfer is over
+
+
+@dataclass
+class Preparation:
+    """A ``dynatrain resize`` request being prepared in the background: the next generation is
+    published, its joiners started, and its process groups built while the current one trains.
+
+    Attributes:
+        index: the request's index in the store.  world_size: the requested size.
+        generation, members, step: the generation being formed (members in rank order), published
+            at optimizer step ``step``.
+        xfer: the transition group being built (:class:`~ds_dynatrain.groups.BackgroundGroup`).
+        started: ``time.perf_counter()`` when it was decided.  ready_at: when this process saw its
+            groups built (None before).
+    """
+
+    index: int
+    world_size: int
+    generation: int
+    members: Tuple[str, ...]
+    step: int
+    xfer: Any
+    started: float
+    ready_at: Optional[float] = None
+
+    def state(self, dt: "ElasticState") -> Tuple[bool, Optional[str]]:
+        """``(ready, error)`` of this process's builds, without waiting."""
+        groups = dt.membership.groups
+        mine = dt.member in self.members
+        err = self.xfer.error or (groups.error(self.members) if mine else None)
+        ready = self.xfer.ready() and (not mine or groups.ready(self.members))
+        if ready and self.ready_at is None:
+            self.ready_at = time.perf_counter()
+        return ready, err
 
 
 def _proc_status_bytes(field: str) -> Optional[int]:
@@ -860,6 +1128,49 @@ def _peak_extra_bytes(base: Optional[int]) -> int:
     if base is None or hwm is None or rss is None:
         return 0
     return max(0, hwm - max(base, rss))
+
+
+def own_layout(dt: ElasticState, model, groups, world_size: int) -> ZeroLayout:
+    """The layout this process's model (parameter ``groups`` as the optimizer holds them) has at
+    ``world_size`` (what a joiner checks rank 0's layout against)."""
+    from .bridge import layout_for_model
+    ds = dt.ds_config
+    dtype = (torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16
+             if ds.get("fp16", {}).get("enabled") else next(model.parameters()).dtype)
+    return layout_for_model(list(model.named_parameters()), groups, world_size, ds, dtype)
+
+
+def build_joiner_xfer(dt: ElasticState, rec: GenerationRecord, timeout_s: float) -> BackgroundGroup:
+    """A joiner starts building the transition group of ``rec`` before it waits for the header:
+    the old members may have built theirs ahead (a prepared request) and wait for it."""
+    ranks, connect, me = rec.transition_members, dt.membership.new_client, dt.member
+    return BackgroundGroup(lambda: transition_group(connect(), xfer_prefix(ranks, rec.generation, rec.step), ranks, me,
+                                                    timeout_s), name=f"dynatrain-xfer-{rec.generation}")
+
+
+def join_header(dt: ElasticState, rec: GenerationRecord, own: ZeroLayout) -> Tuple[dict, Plan]:
+    """A joiner's side of :func:`agree_on_header` for generation ``rec``: receive the header from
+    ``rec.header_rank``, check the layout against ``own`` and the plan's digest. Returns
+    ``(header, plan)``.
+
+    Raises:
+        LayoutMismatchError, TransitionAbortedError: as :func:`agree_on_header`.
+    """
+    box = {}
+
+    def check(header):
+        old = ZeroLayout.from_dict(header["old_layout"])
+        old.check_same_model(own.with_world_size(old.world_size))
+        plan = plan_transition(old, old.with_world_size(rec.world_size), header["old_members"], header["new_members"])
+        box["plan"] = plan
+        if plan.digest() != header["digest"]:
+            return "plan digest differs"
+        if transition_ranks(plan) != rec.transition_members:
+            return f"transition members {list(transition_ranks(plan))} differ from the published generation's"
+        return None
+
+    header = agree_on_header(None, check, src=rec.header_rank)
+    return header, box["plan"]
 
 
 def agree_on_header(header: Optional[dict], check, src: int = 0) -> dict:
@@ -929,6 +1240,8 @@ def install_state(engine: ElasticEngine, header: dict, dests, joiner: bool) -> N
     engine.global_samples = c["global_samples"]
     engine.skipped_steps = c["skipped_steps"]
     engine._dt.requests_seen = c.get("requests_seen", engine._dt.requests_seen)
+    engine._dt.standby = tuple(header.get("standby", ()))
+    engine._dt.history = [tuple(m) for m in header.get("history", ())]
     engine.micro_steps = c["global_steps"] * engine.gradient_accumulation_steps()
     if joiner:
         if engine.lr_scheduler is not None and header["lr_scheduler"] is not None:

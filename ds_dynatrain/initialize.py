@@ -8,16 +8,14 @@ from typing import Any, Optional, Tuple
 import torch
 
 from .batch import split_global_batch
-from .bridge import layout_for_model
 from .config import ConfigError, load_ds_config
-from .engine import (ElasticEngine, ElasticState, PendingResize, agree_on_header, begin_transition, construct,
-                     ds_config_for, install_state, scalars_for)
+from .engine import (ElasticEngine, ElasticState, PendingResize, begin_transition, construct, ds_config_for,
+                     build_joiner_xfer, install_state, join_header, own_layout,
+                     scalars_for)
 from .errors import NotAMemberError, ResizeRefusedError
 from .launch_env import LaunchContext, member_id
-from .layout import ZeroLayout
 from .membership import GenerationRecord, Membership
 from .metrics import MetricsWriter, logger
-from .planner import plan_transition
 
 
 def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
@@ -99,14 +97,6 @@ def _client_groups(model: torch.nn.Module, optimizer, model_parameters):
     return [params]
 
 
-def _working_dtype(ds_config: dict, model: torch.nn.Module) -> torch.dtype:
-    if ds_config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if ds_config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return next(model.parameters()).dtype
-
-
 def initialize(args: Any = None,
                model: Optional[torch.nn.Module] = None,
                optimizer=None,
@@ -185,9 +175,10 @@ def initialize(args: Any = None,
     if ctx is not None and ctx.joiner:
         _join(engine, dt, ctx, model, optimizer, model_parameters, lr_scheduler)
     else:
-        if ctx is not None:
-            membership.form(generation, rank, world_size, backend, dt_cfg.collective_timeout_s)
         dt.members = tuple(member_id(generation, r) for r in range(world_size))
+        dt.history = [dt.members]
+        if ctx is not None:
+            membership.form(generation, dt.members, member, backend, dt_cfg.collective_timeout_s)
         construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
                   ds_config_for(dt, dt.split(world_size), client_objects=False))
         if ctx is not None and rank == 0:
@@ -281,8 +272,11 @@ def _close_snapshots(engine) -> None:
     """At exit: stop joiners that will never be needed; let the last snapshot finish and publish
     (bounded by the collective timeout)."""
     from .snapshot import SnapshotCheckpointEngine
-    if getattr(engine, "_dt", None) is not None and engine.is_member:
+    dt = getattr(engine, "_dt", None)
+    if dt is not None and engine.is_member:
         engine.cancel_pending_joiners()
+        if dt.membership is not None and engine.global_rank == 0:
+            dt.membership.done()  # standby processes leave
         try:
             engine.wait_transition()  # peers may still be sending to or receiving from this process
         except Exception as err:  # noqa: BLE001 - exiting anyway; say why
@@ -318,21 +312,13 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
         raise NotAMemberError(f"member {ctx.member} is not in generation {rec.generation} "
                               f"({list(rec.members)}): it was cancelled")
     logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
-    dt.membership.form(rec.generation, ctx.rank, rec.world_size, dt.backend, cfg.join_timeout_s)
-    own = layout_for_model(list(model.named_parameters()), _client_groups(model, optimizer, model_parameters),
-                           rec.world_size, dt.ds_config, _working_dtype(dt.ds_config, model))
-    box = {}
-
-    def check(header):
-        old = ZeroLayout.from_dict(header["old_layout"])
-        old.check_same_model(own.with_world_size(old.world_size))
-        plan = plan_transition(old, old.with_world_size(rec.world_size), header["old_members"], header["new_members"])
-        box["plan"] = plan
-        return "plan digest differs" if plan.digest() != header["digest"] else None
-
-    header = agree_on_header(None, check, src=rec.header_rank)
-    plan = box["plan"]
-    dests, _, transfer, overlap = begin_transition(plan, dt, rec.generation, header, None, receives=True)
+    dt.published_step[rec.generation] = rec.step
+    dt.membership.form(rec.generation, rec.members, ctx.member, dt.backend, cfg.join_timeout_s, step=rec.step)
+    xfer = build_joiner_xfer(dt, rec, cfg.join_timeout_s)
+    own = own_layout(dt, model, _client_groups(model, optimizer, model_parameters), rec.world_size)
+    header, plan = join_header(dt, rec, own)
+    dests, _, transfer, overlap, xfer = begin_transition(plan, dt, rec.generation, header, None, receives=True,
+                                                         group=xfer.get(cfg.join_timeout_s))
     dt.members = plan.new_members
     dt.generation = rec.generation
     dt.rebuild_broadcast = plan.survivor_ranks
@@ -340,6 +326,6 @@ def _join(engine: ElasticEngine, dt: ElasticState, ctx: LaunchContext, model, op
               ds_config_for(dt, dt.split(rec.world_size), client_objects=False), light=True)
     install_state(engine, header, dests, joiner=True)
     record = {"event": "join", "step": engine.global_steps, "generation": rec.generation, "transfer_s": 0.0}
-    dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, None)
+    dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, None, xfer)
     if overlap != "step":
         engine.wait_transition()

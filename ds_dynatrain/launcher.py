@@ -6,12 +6,21 @@ own convention, see ``deepspeed.add_config_arguments``). The agent, not a worker
 store, so that any worker may leave. While the job runs it starts the joiners that workers ask
 for at a resize (store keys of :mod:`ds_dynatrain.membership`).
 
+Several hosts: the same agent runs on each, ``dynatrain launch --nnodes N --node-rank R --nproc K
+--store HOST:PORT``; node 0 hosts the store at HOST:PORT (an address of node 0 the others reach),
+node R starts ranks ``R*K .. R*K+K-1``. ``dynatrain join --store HOST:PORT --nproc K`` starts an
+agent on one more host that asks the job to grow by K ranks there (a request in the same queue as
+``dynatrain resize``). Joiners of a grow start on the host the request names, else on the host with
+the most free slots (each agent offers ``--nproc`` slots). Node 0's agent keeps the store up until
+every agent's workers have exited.
+
 A worker that exits with status 0 has finished or left the job at a resize. When a worker fails
-(killed without notice, or an error) and the job takes snapshots with ``restore_on_failure``, the
-agent kills the others and restarts the job in a new generation on the largest world size the live
-workers can serve, from the latest complete snapshot (``DYNATRAIN_RESTORE``; the workers load it
-at that world size). Otherwise a failure ends the job: the others are killed and the agent exits
-with the failing worker's status.
+(killed without notice, or an error; a whole host lost makes its peers fail within
+``collective_timeout_s``) and the job takes snapshots with ``restore_on_failure``, its agent
+publishes a restart: every agent kills its workers and starts its share of a new generation on the
+largest world size the live workers can serve, from the latest complete snapshot
+(``DYNATRAIN_RESTORE``; the workers load it at that world size). Otherwise a failure ends the job:
+every agent kills its workers and exits with the failing worker's status.
 """
 from __future__ import annotations
 
@@ -22,16 +31,45 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch.distributed as tdist
 
 from .launch_env import LaunchContext, member_id
-from .membership import CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, SPAWN_COUNT, SPAWN_KEY
+from .membership import (ANSWER_KEY, CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, REQUEST_COUNT, REQUEST_KEY,
+                         SPAWN_COUNT, SPAWN_KEY, connect_store)
 from .metrics import logger
 
 POLL_S = 0.05
 GRACE_S = 10.0
+NODE_COUNT = "dynatrain/node/count"        # agents registered (node ids 0 .. count-1)
+NODE_KEY = "dynatrain/node/{}"             # {"slots": K}
+NODE_DONE_KEY = "dynatrain/node/{}/done"   # that agent's workers have all exited
+MEMBER_NODE_KEY = "dynatrain/member/{}/node"
+RESTART_COUNT = "dynatrain/restart/count"
+RESTART_KEY = "dynatrain/restart/{}"       # {"generation", "world_size", "ranks": {node: [ranks]}} or {"stop": rc}
+NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time": heartbeat, unix seconds}
+HEARTBEAT_LOST_S = 30.0
+
+
+def place_joiners(store, members, joiners) -> Dict[str, int]:
+    """The node of each of ``joiners``: the one with the most free slots (slots minus ``members``
+    placed on it), lowest node id first on a tie."""
+    n = int(store.add(NODE_COUNT, 0))
+    slots = {i: json.loads(store.get(NODE_KEY.format(i)))["slots"] for i in range(n)
+             if store.check([NODE_KEY.format(i)])}
+    used = {i: 0 for i in slots}
+    for m in members:
+        key = MEMBER_NODE_KEY.format(m)
+        if store.check([key]):
+            node = int(store.get(key))
+            used[node] = used.get(node, 0) + 1
+    out = {}
+    for j in joiners:
+        node = max(sorted(slots), key=lambda i: slots[i] - used[i]) if slots else 0
+        out[j] = node
+        used[node] = used.get(node, 0) + 1
+    return out
 
 
 class Agent:
@@ -46,15 +84,27 @@ class Agent:
 
     def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
                  store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable,
-                 restore_dir: Optional[str] = None, largest=None, max_restores: int = 3):
+                 restore_dir: Optional[str] = None, largest=None, max_restores: int = 3,
+                 nnodes: int = 1, node_rank: int = 0, join: bool = False, connect_timeout_s: float = 60.0):
         self.script = script
         self.script_args = list(script_args)
         self.nproc = nproc
         self.config = config
         self.python = python
-        self.store = tdist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60))
+        self.nnodes = nnodes
+        self.joining = join
+        self.master = node_rank == 0 and not join
+        if self.master:
+            self.store = tdist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=60))
+            self.store.add(NODE_COUNT, nnodes)
+        else:
+            self.store = connect_store(store_host, store_port, connect_timeout_s)
+        self.node = int(self.store.add(NODE_COUNT, 1)) - 1 if join else node_rank
+        self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": nproc}))
         self.store_host = store_host
+        self._restarts_seen = 0
+        self._join_request: Optional[int] = None
         self.workers: Dict[str, subprocess.Popen] = {}
         self.exit_codes: Dict[str, int] = {}
         self._spawns_seen = 0
@@ -70,6 +120,9 @@ class Agent:
     def store_port(self) -> int:
         return self.store.port
 
+    def _nodes(self) -> int:
+        return int(self.store.add(NODE_COUNT, 0))
+
     def _start(self, ctx: LaunchContext) -> None:
         env = dict(os.environ)
         env.update(ctx.worker_environ())
@@ -77,6 +130,7 @@ class Agent:
         if self._restore_env:
             env["DYNATRAIN_RESTORE"] = self.restore_dir
         cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
+        self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
         self.workers[ctx.member] = subprocess.Popen(cmd, env=env)
 
     def _poll_spawns(self) -> None:
@@ -84,7 +138,10 @@ class Agent:
         while self._spawns_seen < n:
             req = json.loads(self.store.get(SPAWN_KEY.format(self._spawns_seen)))
             self._spawns_seen += 1
+            nodes = req.get("nodes") or {}
             for rank, member in zip(req["ranks"], req["members"]):
+                if int(nodes.get(member, 0)) != self.node:
+                    continue
                 logger.info(f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
                             f"world size {req['world_size']})")
                 self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
@@ -127,45 +184,126 @@ class Agent:
                 p.kill()
                 p.wait()
 
+    def _publish_alive(self) -> None:
+        """This node's running workers and a heartbeat (for the restart size and node 0's wait)."""
+        alive = sum(1 for m, p in self.workers.items() if m not in self.exit_codes and p.poll() is None)
+        now = time.monotonic()
+        if alive != getattr(self, "_alive_sent", None) or now - getattr(self, "_beat_sent", 0.0) > 1.0:
+            self.store.set(NODE_ALIVE_KEY.format(self.node), json.dumps({"alive": alive, "time": time.time()}))
+            self._alive_sent, self._beat_sent = alive, now
+
     def _restart(self, dead: str, why: str) -> bool:
-        """Restart the job from its latest snapshot on the live workers' number (or the largest
-        size below it that keeps the global batch), in a new generation. False when it cannot."""
+        """Publish a restart of the job from its latest snapshot on the live workers of every node
+        (or the largest size below their number that keeps the global batch), in a new
+        generation; every agent applies it (:meth:`_poll_restarts`). False when it cannot."""
         from io_engine import read_latest
         from .membership import next_generation
         if self.restore_dir is None or self.restores_left <= 0 or read_latest(self.restore_dir) is None:
             return False
-        alive = [m for m, p in self.workers.items() if m not in self.exit_codes and p.poll() is None]
-        size = self.largest(len(alive))
+        self._publish_alive()
+        alive = {}
+        for i in range(self._nodes()):
+            key = NODE_ALIVE_KEY.format(i)
+            if self.store.check([key]):
+                alive[i] = int(json.loads(self.store.get(key))["alive"])
+        size = self.largest(sum(alive.values()))
         if size == 0:
             return False
-        self.restores_left -= 1
+        ranks, r = {}, 0
+        for node in sorted(alive):
+            k = min(alive[node], size - r)
+            if k > 0:
+                ranks[str(node)] = list(range(r, r + k))
+                r += k
         tag = read_latest(self.restore_dir)
         logger.info(f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
                     f"{tag} in {self.restore_dir}")
-        for p in self.workers.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.workers.values():
-            p.wait()
-        self.workers.clear()
-        self.exit_codes.clear()
-        g = next_generation(self.store)
-        self._restore_env = True
-        for r in range(size):
-            self._start(LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False))
+        self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
         return True
 
+    def _post_restart(self, rec: dict) -> None:
+        i = int(self.store.add(RESTART_COUNT, 1)) - 1
+        self.store.set(RESTART_KEY.format(i), json.dumps(rec))
+
+    def _poll_restarts(self) -> Optional[int]:
+        """Apply restarts published by any agent: kill this node's workers, start its share of the
+        new generation. Returns an exit status when the job was stopped instead."""
+        n = int(self.store.add(RESTART_COUNT, 0))
+        while self._restarts_seen < n:
+            rec = json.loads(self.store.get(RESTART_KEY.format(self._restarts_seen)))
+            self._restarts_seen += 1
+            for p in self.workers.values():
+                if p.poll() is None:
+                    p.kill()
+            for p in self.workers.values():
+                p.wait()
+            self.workers.clear()
+            self.exit_codes.clear()
+            if "stop" in rec:
+                return int(rec["stop"])
+            self.restores_left -= 1
+            self._restore_env = True
+            g, size = int(rec["generation"]), int(rec["world_size"])
+            for r in rec["ranks"].get(str(self.node), []):
+                self._start(LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False))
+        return None
+
+    def _request_join(self) -> None:
+        """``dynatrain join``: ask the job to grow by this node's slots, joiners placed here."""
+        i = int(self.store.add(REQUEST_COUNT, 1)) - 1
+        self.store.set(REQUEST_KEY.format(i), json.dumps({"join": self.node, "slots": self.nproc}))
+        self._join_request = i
+        logger.info(f"agent: node {self.node} asks the job to grow by {self.nproc} rank(s) (request {i})")
+
+    def _join_refused(self) -> Optional[str]:
+        if self._join_request is None or not self.store.check([ANSWER_KEY.format(self._join_request)]):
+            return None
+        answer = json.loads(self.store.get(ANSWER_KEY.format(self._join_request)))
+        self._join_request = None
+        return None if answer["ok"] else answer["message"]
+
+    def _others_running(self) -> bool:
+        """Whether another node's agent still runs workers (node 0 keeps the store up for them)."""
+        for i in range(self._nodes()):
+            if i == self.node or self.store.check([NODE_DONE_KEY.format(i)]):
+                continue
+            key = NODE_ALIVE_KEY.format(i)
+            if not self.store.check([key]):
+                continue
+            if time.time() - json.loads(self.store.get(key))["time"] < HEARTBEAT_LOST_S:
+                return True
+        return False
+
+    def _end(self, rc: int) -> int:
+        self.store.set(NODE_DONE_KEY.format(self.node), str(rc))
+        if self.master:
+            while self._others_running():  # the store must outlive every node's workers
+                time.sleep(POLL_S * 4)
+        return rc
+
     def run(self) -> int:
-        """Start the job and wait for it. Returns 0 when every worker exited with 0, else the
-        first failing worker's status."""
-        for r in range(self.nproc):
-            self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, self.nproc, r, False))
+        """Start this node's workers and wait for them. Returns 0 when every worker exited with 0,
+        else the first failing worker's status."""
+        if self.joining:
+            self._request_join()
+        else:
+            world = self.nproc * self.nnodes
+            for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
+                self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, world, r, False))
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while True:
                 if not self._stopping:
+                    stopped = self._poll_restarts()
+                    if stopped is not None:
+                        return self._end(stopped)
                     self._poll_cancels()
                     self._poll_spawns()
+                    refused = self._join_refused()
+                    if refused:
+                        logger.info(f"agent: the job refused to grow: {refused}")
+                        return self._end(2)
+                self._publish_alive()
                 for member, p in list(self.workers.items()):
                     if member in self.exit_codes:
                         continue
@@ -177,49 +315,83 @@ class Agent:
                         self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
                         if member not in self.workers:
                             continue
+                        if self._poll_restarts() is not None or not self.workers:
+                            break  # another agent restarted or stopped the job first: look afresh
                         why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
                         if self._restart(member, why):
-                            break  # a new set of workers: look at them afresh
+                            break  # the restart is applied at the top of the loop
                         logger.info(f"agent: worker {member} failed ({why}); stopping the job")
+                        code = rc if rc > 0 else 128 - rc
+                        self._post_restart({"stop": code})
                         # not SIGTERM: a worker takes that as a preemption notice and would wait for
                         # a step boundary its failed peer never reaches
                         self._stop_all(signal.SIGKILL)
-                        return rc if rc > 0 else 128 - rc
-                if len(self.exit_codes) == len(self.workers):
+                        return self._end(code)
+                waiting_for_join = self.joining and self._join_request is not None
+                if len(self.exit_codes) == len(self.workers) and not waiting_for_join:
                     self._poll_cancels()
                     self._poll_spawns()
                     if len(self.exit_codes) == len(self.workers):
+                        self._publish_alive()
                         if self._stopping:
-                            return 128 + (self._stop_signal or signal.SIGTERM)
+                            return self._end(128 + (self._stop_signal or signal.SIGTERM))
                         if self.store.check([ENDED_KEY]):
                             logger.info(f"agent: every member was preempted after step "
                                         f"{self.store.get(ENDED_KEY).decode()}; the job did not finish")
-                            return 128 + signal.SIGTERM
-                        return 0
+                            return self._end(128 + signal.SIGTERM)
+                        return self._end(0)
                 time.sleep(POLL_S)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
 
 
-def launch(script: str, script_args: Sequence[str], nproc: int, config: str, store: Optional[str] = None) -> int:
-    """Validate ``config``, then run the job under an :class:`Agent`. Returns the exit status."""
+def _parse_store(store: Optional[str]) -> Tuple[str, int]:
+    from .config import ConfigError
+    if not store:
+        return "127.0.0.1", 0
+    host, _, p = store.rpartition(":")
+    if not host or not p.isdigit() or not 0 <= int(p) < 65536:
+        raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
+    return host, int(p)
+
+
+def launch(script: str, script_args: Sequence[str], nproc: int, config: str, store: Optional[str] = None,
+           nnodes: int = 1, node_rank: int = 0, join: bool = False) -> int:
+    """Validate ``config``, then run this node's share of the job under an :class:`Agent`.
+    Returns the exit status.
+
+    Args:
+        nproc: workers (slots) of this node.  nnodes, node_rank: the hosts at launch and this one's
+            index (node 0 hosts the store).  join: this host joins a running job (``dynatrain join``).
+
+    Raises:
+        ConfigError: a bad config, store address or node rank; a world size the batch cannot serve.
+    """
     from .config import ConfigError, load_ds_config
     from .initialize import check_elastic_config
     ds_config, dt_cfg = load_ds_config(config)  # refuse a bad config before any process starts
-    global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc, elastic=True)
-    host, port = "127.0.0.1", 0
-    if store:
-        host, _, p = store.rpartition(":")
-        if not host or not p.isdigit() or not 0 <= int(p) < 65536:
-            raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
-        port = int(p)
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank {node_rank} with --nnodes {nnodes}: expected 0 <= node rank < nnodes")
+    host, port = _parse_store(store)
+    if (nnodes > 1 or node_rank or join) and not port:
+        raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
+    if join:
+        from .initialize import resolve_global_batch
+        global_batch, micro = resolve_global_batch(ds_config, 1)
+    else:
+        global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes, elastic=True)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
     from .batch import largest_world_size
 
     def largest(alive: int) -> int:
         return largest_world_size(global_batch, micro, alive, dt_cfg.max_world_size)
 
-    agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, largest=largest)
-    logger.info(f"agent: store at {host}:{agent.store_port}, starting {nproc} workers")
+    try:
+        agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, largest=largest,
+                      nnodes=nnodes, node_rank=node_rank, join=join)
+    except RuntimeError as err:
+        raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None
+    what = "joining the job with" if join else f"node {agent.node} of {nnodes}, starting"
+    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {nproc} workers")
     return agent.run()

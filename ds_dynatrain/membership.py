@@ -3,8 +3,9 @@
 A *generation* is one membership of the job: its world size and, by rank, the member ids of its
 processes. Rank 0 of the old generation publishes generation ``g + 1`` before a resize; joiners
 started by the launcher agent read it. Each generation forms its own default process group on its
-own store prefix (``dynatrain/pg/<g>``), so barrier keys of an old generation never collide with
-a new one.
+own store prefix (:func:`group_prefix`), so barrier keys of an old generation never collide with
+a new one. Groups are built by :class:`~ds_dynatrain.groups.GroupCache`: in the background, and
+reused when a later generation has the same members.
 
 Store keys (JSON values):
 
@@ -12,18 +13,23 @@ Store keys (JSON values):
 * ``dynatrain/gen/<g>/go``: set by rank 0 of the old generation when the members are about to
   form generation ``g``; joiners started ahead of time wait for it before their rendezvous.
 * ``dynatrain/spawn/count`` (a counter) and ``dynatrain/spawn/<i>``:
-  ``{"generation", "world_size", "ranks", "members"}``, processes for the agent to start.
+  ``{"generation", "world_size", "ranks", "members", "nodes"}``, processes for the agents to start
+  (``nodes``: member -> node id).
+* ``dynatrain/request/<i>``: ``{"world_size": N}`` from ``dynatrain resize``, or
+  ``{"join": node, "slots": K}`` from ``dynatrain join`` (grow by K, the joiners on that node).
 * ``dynatrain/cancel/count`` and ``dynatrain/cancel/<i>``: ``{"generation", "members"}``,
   joiners the agent must stop because their generation will not be formed (the job ended first,
   or another resize took the generation number).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch.distributed as tdist
 
@@ -44,6 +50,9 @@ SPAWN_KEY = "dynatrain/spawn/{}"
 GO_KEY = "dynatrain/gen/{}/go"
 CANCEL_COUNT = "dynatrain/cancel/count"
 CANCEL_KEY = "dynatrain/cancel/{}"
+DONE_KEY = "dynatrain/done"                        # the job finished: standby processes leave
+STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"     # a standby process left (preempted)
+ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"    # generation, publishing step: will not be formed
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class GenerationRecord:
         members: member id of each rank.  step: the optimizer step it was published at.
         header_rank: the rank of this generation that broadcasts the transition header into it
             (a survivor; joiners wait for it there).
+        previous: the members of the generation before it, in rank order (with the joiners,
+            the ranks of the transition group; empty for a generation formed from scratch).
     """
 
     generation: int
@@ -62,6 +73,12 @@ class GenerationRecord:
     members: Tuple[str, ...]
     step: int
     header_rank: int = 0
+    previous: Tuple[str, ...] = ()
+
+    @property
+    def transition_members(self) -> Tuple[str, ...]:
+        """The transition group's members: the previous generation's, then the joiners."""
+        return tuple(self.previous) + tuple(m for m in self.members if m not in self.previous)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
@@ -82,11 +99,14 @@ class Membership:
         self.ctx = ctx
         self.timeout_s = timeout_s
         self.store = connect_store(ctx.store_host, ctx.store_port, timeout_s)
+        self._groups = None
+        self._backend: Optional[str] = None
+        self.stop_waiting: Optional[Callable[[], bool]] = None  # a standby's reason to stop waiting
 
     def publish(self, rec: GenerationRecord) -> None:
         self.store.set(GEN_KEY.format(rec.generation), json.dumps(
             {"generation": rec.generation, "world_size": rec.world_size, "members": list(rec.members),
-             "step": rec.step, "header_rank": rec.header_rank}))
+             "step": rec.step, "header_rank": rec.header_rank, "previous": list(rec.previous)}))
 
     def read(self, generation: int, timeout_s: float) -> GenerationRecord:
         """Wait for and read generation ``generation``.
@@ -101,7 +121,7 @@ class Membership:
             raise TransitionAbortedError(f"generation {generation} was not published within {timeout_s:.0f} s") from err
         d = json.loads(self.store.get(key))
         return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]),
-                                int(d.get("header_rank", 0)))
+                                int(d.get("header_rank", 0)), tuple(d.get("previous", ())))
 
     def publish_job(self, global_batch: int, micro_batch: int, max_world_size, world_size: int) -> None:
         """What a resize requester checks a world size against (rank 0, at start)."""
@@ -129,11 +149,14 @@ class Membership:
     def last_step(self) -> int:
         return int(self.store.get(LAST_STEP_KEY)) if self.store.check([LAST_STEP_KEY]) else 0
 
-    def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str]) -> None:
-        """Ask the launcher agent to start processes for ``ranks`` of ``generation``."""
+    def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str],
+                      nodes=None) -> None:
+        """Ask the launcher agents to start processes for ``ranks`` of ``generation``, member
+        ``members[i]`` on the agent of node ``nodes[members[i]]`` (node 0 when not given)."""
         i = self.store.add(SPAWN_COUNT, 1) - 1
         self.store.set(SPAWN_KEY.format(i), json.dumps(
-            {"generation": generation, "world_size": world_size, "ranks": list(ranks), "members": list(members)}))
+            {"generation": generation, "world_size": world_size, "ranks": list(ranks), "members": list(members),
+             "nodes": dict(nodes or {})}))
 
     def cancel_spawn(self, generation: int, members: Sequence[str]) -> None:
         """Ask the agent to stop the joiners ``members`` started for ``generation``."""
@@ -155,30 +178,101 @@ class Membership:
         except RuntimeError as err:
             raise TransitionAbortedError(f"generation {generation} was not formed within {timeout_s:.0f} s") from err
 
-    def form(self, generation: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Destroy the current default process group (if any) and form the one of ``generation``.
+    @property
+    def groups(self):
+        """This process's :class:`~ds_dynatrain.groups.GroupCache` (made on first use)."""
+        if self._groups is None:
+            from .bridge import reset_deepspeed_comm
+            from .groups import GroupCache
+            self._groups = GroupCache(self.new_client, self.ctx.member, self._backend or "gloo",
+                                      on_new_default=reset_deepspeed_comm)
+        return self._groups
+
+    def new_client(self) -> tdist.TCPStore:
+        """Another connection to the job's store, for a thread that may block in a wait."""
+        return connect_store(self.ctx.store_host, self.ctx.store_port, self.timeout_s)
+
+    def prepare(self, generation: int, members: Sequence[str], step: int, timeout_s: float) -> None:
+        """Start building, in a background thread, the process group of ``generation`` over
+        ``members`` (rank order), published at ``step``. A group over the same members built for
+        an earlier generation is reused instead. Collective over ``members``."""
+        if self.ctx.member in members:
+            self.groups.prepare(members, group_prefix(generation, members, step), timeout_s)
+
+    def form(self, generation: int, members: Sequence[str], member: str, backend: str, timeout_s: float,
+             step: int = 0) -> bool:
+        """Make the group of ``generation`` (``members`` in rank order, published at ``step``) this
+        process's default process group: the cached one, the one being built in the background
+        (waited for) or one built now. The current default group is detached, not destroyed.
 
         Keeps ``RANK``/``WORLD_SIZE``/``LOCAL_*`` true for the new generation (DeepSpeed reads
         them), and resets DeepSpeed's cached comm state so the next engine uses the new group.
+        Returns True when a cached group was reused.
 
         Raises:
             TransitionAbortedError: the rendezvous did not complete within ``timeout_s``.
         """
-        from .bridge import reset_deepspeed_comm
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-        reset_deepspeed_comm()
+        self._backend = backend
+        rank, world_size = list(members).index(member), len(members)
+        reused = self.groups.activate(members, group_prefix(generation, members, step), timeout_s)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
-        prefix = tdist.PrefixStore(f"dynatrain/pg/{generation}", self.store)
-        try:
-            tdist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
-                                     timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, ValueError) as err:
-            raise TransitionAbortedError(f"generation {generation}: rank {rank} of {world_size} could not form its "
-                                         f"process group within {timeout_s:.0f} s: {err}") from err
         import deepspeed.comm as dcomm
         dcomm.init_distributed(dist_backend=backend, dist_init_required=False)
+        return reused
+
+    def wait_recall(self, after: int, member: str, poll_s: float = 0.02):
+        """A standby process waits to be taken back: the first generation after ``after`` whose
+        membership is final (:meth:`go`) and names ``member``. Returns its record, or None when
+        the job ended first (:meth:`done`, every member preempted) or this process was told to stop.
+        """
+        g = after + 1
+        while True:
+            if self.store.check([GO_KEY.format(g)]):
+                rec = self.read(g, self.timeout_s)
+                if member in rec.members:
+                    return rec
+                g += 1
+                continue
+            if self.job_over():
+                return None
+            if self.stop_waiting is not None and self.stop_waiting():
+                return None
+            time.sleep(poll_s)
+
+    def job_over(self) -> bool:
+        """The job finished, or every member was preempted."""
+        return self.store.check([DONE_KEY]) or self.store.check([ENDED_KEY])
+
+    def done(self) -> None:
+        """The job finished: standby processes leave."""
+        self.store.set(DONE_KEY, "1")
+
+    def leave_standby(self, member: str) -> None:
+        """A standby process is gone (preempted): the job must not take it back."""
+        self.store.set(STANDBY_GONE_KEY.format(member), "1")
+
+    def gone_standby(self, standby: Sequence[str]) -> Tuple[str, ...]:
+        """Which of the ``standby`` processes are gone."""
+        return tuple(m for m in standby if self.store.check([STANDBY_GONE_KEY.format(m)]))
+
+    def abandon(self, generation: int) -> None:
+        """Generation ``generation`` as published will not be formed (its request was given up):
+        waiting joiners and standby processes stop waiting for it."""
+        rec = self.read(generation, self.timeout_s)
+        self.store.set(ABANDONED_KEY.format(generation, rec.step), "1")
+        self.store.delete_key(GO_KEY.format(generation))
+
+    def is_abandoned(self, generation: int, step: int) -> bool:
+        return self.store.check([ABANDONED_KEY.format(generation, step)])
+
+
+def group_prefix(generation: int, members: Sequence[str], step: int, kind: str = "pg") -> str:
+    """The store prefix of one group formation: its kind (``pg``: a generation's default group,
+    ``xfer``: a transition's group), generation, the step it was published at and a digest of its
+    members, so that an abandoned formation's keys never meet a later one's."""
+    digest = hashlib.sha1(",".join(members).encode()).hexdigest()[:10]
+    return f"dynatrain/{kind}/{generation}/{step}/{digest}"
 
 
 def next_generation(store) -> int:

@@ -84,22 +84,24 @@ def transition_ranks(plan: Plan) -> Tuple[str, ...]:
     return tuple(plan.old_members) + plan.joiners
 
 
-def transition_group(store, generation: int, members: Sequence[str], member: str, timeout_s: float):
-    """A private gloo process group over ``members`` for the transition into ``generation``.
+def transition_group(store, prefix: str, members: Sequence[str], member: str, timeout_s: float):
+    """A private gloo process group over ``members`` for one transition, on store prefix
+    ``prefix`` (:func:`~ds_dynatrain.membership.group_prefix` with ``kind="xfer"``).
 
-    Not registered as a ``torch.distributed`` group, so destroying and re-forming the default
-    group (a shrink) leaves it working. Collective: every process in ``members`` calls it.
+    Not registered as a ``torch.distributed`` group, so switching the default group (a shrink)
+    leaves it working; shut it down when the transfer is over. Collective: every process in
+    ``members`` calls it (it may run in a background thread).
 
     Raises:
         TransitionAbortedError: the rendezvous did not complete within ``timeout_s``.
     """
     rank = list(members).index(member)
-    prefix = tdist.PrefixStore(f"dynatrain/xfer/{generation}", store)
     try:
-        return tdist.ProcessGroupGloo(prefix, rank, len(members), timedelta(seconds=timeout_s))
+        return tdist.ProcessGroupGloo(tdist.PrefixStore(prefix, store), rank, len(members),
+                                      timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        raise TransitionAbortedError(f"transition into generation {generation}: rank {rank} of {len(members)} "
-                                     f"could not form the transition group within {timeout_s:.0f} s: {err}") from err
+        raise TransitionAbortedError(f"transition group {prefix}: rank {rank} of {len(members)} "
+                                     f"could not form it within {timeout_s:.0f} s: {err}") from err
 
 
 class _Stream:

@@ -18,12 +18,24 @@ import ds_dynatrain  # noqa: E402
 from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
 
 
+def _record_resources(out: str, engine) -> None:
+    import json
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    rec = {"step": engine.global_steps, "world_size": engine.dp_world_size, "fds": len(os.listdir("/proc/self/fd")),
+           "threads": int(status["Threads"]), "rss": int(status["VmRSS"].split()[0]) * 1024}
+    with open(os.path.join(out, f"res_{os.environ['DYNATRAIN_MEMBER']}"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--load", default=None, help="DIR:TAG of a snapshot to load right after initialize")
+    p.add_argument("--resources", action="store_true",
+                   help="after every step, append this process's open fds, threads and RSS to --out/res_<member>")
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -40,6 +52,8 @@ def main():
         for batch in loader:
             engine.backward(engine(batch))
             engine.step()
+            if a.resources and engine.is_member:
+                _record_resources(a.out, engine)
             time.sleep(a.step_sleep)
             if engine.global_steps >= a.steps:
                 break

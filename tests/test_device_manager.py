@@ -1,0 +1,199 @@
+"""The elastic device manager: process groups built in the background and reused, standby
+processes, `dynatrain join`, and a job over two hosts (network namespaces).
+
+Real jobs under ``dynatrain launch`` (TinyLM, ZeRO-2, gloo). Oracles: the resize records and
+per-step world sizes in the metrics; the group-reuse flag of every resize against the membership
+history; each process's open file descriptors, OS threads and RSS after the first and the last
+cycle; the final state of a resized job against a static run with the same global batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, WORKERS, free_port, read_jsonl
+from test_elastic_requests import _close, _finish, _static_final, _steps, _wait_for_step
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = os.path.join(WORKERS, "elastic_worker.py")
+
+
+def _config(metrics: str, **dynatrain) -> dict:
+    from workers.common import base_config
+    cfg = base_config(2, metrics)
+    cfg["dynatrain"].update(dynatrain)
+    return cfg
+
+
+def _launch(tmp_path, name, cfg, steps, launch_args=(), worker_args=(), sleep=0.05, prefix=(), env=None):
+    cfg_path = tmp_path / f"{name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    log = open(tmp_path / f"{name}.log", "w")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, **(env or {}))
+    cmd = [*prefix, sys.executable, "-m", "ds_dynatrain.cli", *launch_args, "--config", str(cfg_path), SCRIPT,
+           "--out", str(tmp_path), "--steps", str(steps), "--step-sleep", str(sleep), *worker_args]
+    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    return job, log
+
+
+def _resources(tmp_path):
+    out = {}
+    for f in os.listdir(tmp_path):
+        if f.startswith("res_"):
+            out[f[4:]] = read_jsonl(tmp_path / f)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
+    """Twenty `dynatrain resize` requests, 4 -> 2 -> 4 ten times, with standby processes: no hang,
+    every grow after the first takes the same processes back, every resize after the first two
+    reuses a cached group, and each process's fds, threads and memory stay flat."""
+    from ds_dynatrain.membership import request_resize
+    port = free_port()
+    cfg = _config(str(tmp_path / "cyc.jsonl"), standby=True, log_interval_steps=10)
+    job, log = _launch(tmp_path, "cyc", cfg, 400, ["launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"],
+                       ["--resources"], sleep=0.0)
+    answers = []
+    try:
+        _wait_for_step(tmp_path / "cyc.jsonl", 2, job)
+        for _ in range(10):
+            for ws in (2, 4):
+                answers.append(request_resize("127.0.0.1", port, ws, 120.0))
+    finally:
+        rc = _finish(job, log, timeout=300)
+    out = (tmp_path / "cyc.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert len(answers) == 20 and all(a["ok"] for a in answers)
+    recs = read_jsonl(tmp_path / "cyc.jsonl")
+    resizes = [r for r in recs if r["event"] == "resize"]
+    assert [(r["from"], r["to"]) for r in resizes] == [(4, 2), (2, 4)] * 10
+    # the first shrink forms a new 2-group, its grow takes the standby pair back into the launch
+    # group; from then on every switch reuses one of those two groups
+    assert [r["group_reused"] for r in resizes] == [False] + [True] * 19, [r["group_reused"] for r in resizes]
+    assert all(r["hidden_fraction"] > 0.0 for r in resizes)
+    steps = [r["step"] for r in recs if r["event"] == "step"]
+    assert steps == list(range(1, 401))
+    assert "agent: starting joiner" not in out  # no new process: the standby ones came back
+    res = _resources(tmp_path)
+    assert sorted(res) == ["g0r0", "g0r1", "g0r2", "g0r3"]
+    grow_steps = [r["step"] + 1 for r in resizes if r["to"] == 4]
+    for member, rows in res.items():
+        by_step = {r["step"]: r for r in rows}
+        first, last = by_step[grow_steps[0]], by_step[grow_steps[-1]]
+        assert last["fds"] <= first["fds"], (member, first, last)
+        assert last["threads"] <= first["threads"], (member, first, last)
+        assert last["rss"] - first["rss"] < 64 << 20, (member, first, last)
+
+
+@pytest.mark.timeout(500)
+def test_join_while_a_resize_is_pending(tmp_path):
+    """`dynatrain resize` and `dynatrain join` queued together: served in order, none lost; the
+    join's worker runs under the joining agent; the final state equals a static run's."""
+    port = free_port()
+    cfg = _config(str(tmp_path / "join.jsonl"))
+    job, log = _launch(tmp_path, "join", cfg, 24, ["launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"],
+                       sleep=0.3)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    try:
+        _wait_for_step(tmp_path / "join.jsonl", 2, job)
+        resize = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store",
+                                   f"127.0.0.1:{port}", "--world-size", "3", "--timeout", "150"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        time.sleep(1.0)
+        joiner, jlog = _launch(tmp_path, "joiner", cfg, 24, ["join", "--nproc", "1", "--store", f"127.0.0.1:{port}"],
+                               sleep=0.3)
+        rout, rerr = resize.communicate(timeout=200)
+        jrc = _finish(joiner, jlog, timeout=200)
+    finally:
+        rc = _finish(job, log)
+    assert resize.returncode == 0 and "resized 2 -> 3" in rout, rerr
+    jout = (tmp_path / "joiner.log").read_text()
+    assert jrc == 0, jout[-3000:]
+    assert "asks the job to grow by 1 rank(s)" in jout and "agent: starting joiner" in jout
+    assert rc == 0, (tmp_path / "join.log").read_text()[-3000:]
+    resizes = [(r["from"], r["to"]) for r in read_jsonl(tmp_path / "join.jsonl") if r["event"] == "resize"]
+    assert resizes == [(2, 3), (3, 4)]
+    steps = _steps(tmp_path / "join.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 25)) and steps[-1]["world_size"] == 4
+    final, _ = _static_final(tmp_path, 2, 24)
+    _close(torch.load(tmp_path / "final.pt"), final, "joined job vs static")
+
+
+def _netns(*args):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: 10.77.0.1 (host a) and 10.77.0.2 (host b)."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed")
+    tag = f"dt{os.getpid() % 100000}"
+    a, b = f"{tag}a", f"{tag}b"
+    made = _netns("netns", "add", a)
+    if made.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+    try:
+        _netns("netns", "add", b)
+        for cmd in (["link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y"],
+                    ["link", "set", f"{tag}x", "netns", a], ["link", "set", f"{tag}y", "netns", b],
+                    ["-n", a, "addr", "add", "10.77.0.1/24", "dev", f"{tag}x"],
+                    ["-n", b, "addr", "add", "10.77.0.2/24", "dev", f"{tag}y"],
+                    ["-n", a, "link", "set", f"{tag}x", "up"], ["-n", b, "link", "set", f"{tag}y", "up"],
+                    ["-n", a, "link", "set", "lo", "up"], ["-n", b, "link", "set", "lo", "up"]):
+            r = _netns(*cmd)
+            assert r.returncode == 0, (cmd, r.stderr)
+        yield {"a": (a, f"{tag}x", "10.77.0.1"), "b": (b, f"{tag}y", "10.77.0.2")}
+    finally:
+        _netns("netns", "del", a)
+        _netns("netns", "del", b)
+
+
+@pytest.mark.timeout(500)
+def test_two_hosts_launch_join_and_resize(tmp_path, two_hosts):
+    """`dynatrain launch --nnodes 2` on two hosts (namespaces, traffic only over their veth), then
+    `dynatrain join` from host b and a shrink: the workers run where their agent is, the steps go
+    on, and the final state equals a static run's."""
+    (ns_a, if_a, ip_a), (ns_b, if_b, _ip_b) = two_hosts["a"], two_hosts["b"]
+    port = 29431
+    cfg = _config(str(tmp_path / "mh.jsonl"))
+    store = f"{ip_a}:{port}"
+    node = ["launch", "--nnodes", "2", "--nproc", "1", "--store", store]
+    in_a, in_b = ["ip", "netns", "exec", ns_a], ["ip", "netns", "exec", ns_b]
+    a, alog = _launch(tmp_path, "host_a", cfg, 30, node + ["--node-rank", "0"], sleep=0.3, prefix=in_a,
+                      env={"GLOO_SOCKET_IFNAME": if_a})
+    time.sleep(1.0)
+    b, blog = _launch(tmp_path, "host_b", cfg, 30, node + ["--node-rank", "1"], sleep=0.3, prefix=in_b,
+                      env={"GLOO_SOCKET_IFNAME": if_b})
+    jrc = None
+    try:
+        _wait_for_step(tmp_path / "mh.jsonl", 3, a, timeout=180)
+        j, jlog = _launch(tmp_path, "join_b", cfg, 30, ["join", "--nproc", "1", "--store", store], sleep=0.3,
+                          prefix=in_b, env={"GLOO_SOCKET_IFNAME": if_b})
+        _wait_for_step(tmp_path / "mh.jsonl", 12, a, timeout=180)
+        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+        shrink = subprocess.run([*in_b, sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", store,
+                                 "--world-size", "2", "--timeout", "150"], capture_output=True, text=True,
+                                timeout=200, cwd=ROOT, env=env)
+        jrc = _finish(j, jlog, timeout=200)
+    finally:
+        brc = _finish(b, blog, timeout=200)
+        arc = _finish(a, alog, timeout=200)
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("host_a", "host_b", "join_b")}
+    assert arc == 0 and brc == 0 and jrc == 0, {n: t[-2500:] for n, t in logs.items()}
+    assert shrink.returncode == 0 and "resized 3 -> 2" in shrink.stdout, shrink.stderr
+    recs = read_jsonl(tmp_path / "mh.jsonl")
+    assert [(r["from"], r["to"]) for r in recs if r["event"] == "resize"] == [(2, 3), (3, 2)]
+    assert [r["step"] for r in recs if r["event"] == "step"] == list(range(1, 31))
+    assert "agent: starting joiner g1r" in logs["join_b"]  # the join's worker started on host b
+    final, _ = _static_final(tmp_path, 2, 30)
+    _close(torch.load(tmp_path / "final.pt"), final, "two-host job vs static")

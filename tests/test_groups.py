@@ -1,0 +1,99 @@
+"""Process groups installed, detached and installed again as ``torch.distributed``'s default
+group (``ds_dynatrain.groups``), in real gloo processes: what ``init_process_group`` and
+``destroy_process_group`` would leave, without destroying a cached group.
+
+Oracles: collective results (sums of ranks) on the default group and on ``new_group`` subgroups
+after each switch; the identity of the group object (reused, not rebuilt); torch's own state
+(``is_initialized``, ``get_rank``, ``get_world_size``).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _worker(rank: int, port: int, out):
+    from ds_dynatrain.groups import GroupCache
+
+    def connect():
+        return tdist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+
+    master = tdist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if rank == 0 else None
+    cache = GroupCache(connect, f"m{rank}", "gloo")
+    four, two = ("m0", "m1", "m2", "m3"), ("m0", "m1")
+    res = {}
+    cache.prepare(four, "pg/0", 30)  # background
+    assert cache.activate(four, "pg/0", 30) is False
+    first = tdist.distributed_c10d._get_default_group()
+    t = torch.tensor([float(rank)])
+    tdist.all_reduce(t)
+    res["sum4"] = t.item()
+    sub = tdist.new_group([0, 1])  # a subgroup, as DeepSpeed makes: named "1" on the default store
+    if rank < 2:
+        t = torch.ones(1)
+        tdist.all_reduce(t, group=sub)
+        res["sub"] = t.item()
+        cache.prepare(two, "pg/1", 30)
+        while not cache.ready(two):
+            time.sleep(0.01)
+        assert cache.activate(two, "pg/1", 30) is False
+        t = torch.tensor([float(rank + 1)])
+        tdist.all_reduce(t)
+        res["sum2"] = (t.item(), tdist.get_world_size(), tdist.get_rank())
+    else:
+        cache.detach()
+        res["detached"] = tdist.is_initialized()
+    res["reused"] = cache.activate(four, "pg/2", 30)
+    res["same_object"] = tdist.distributed_c10d._get_default_group() is first
+    t = torch.tensor([float(rank)])
+    tdist.all_reduce(t)
+    res["sum4_again"] = (t.item(), tdist.get_world_size(), tdist.get_rank())
+    sub = tdist.new_group([2, 3])  # a later subgroup must not meet the first one's store keys
+    res["names"] = tdist.distributed_c10d._world.group_count  # 3: the counter went on from "1"
+    if rank >= 2:
+        t = torch.ones(1) * rank
+        tdist.all_reduce(t, group=sub)
+        res["sub_again"] = t.item()
+    cache.close()
+    res["closed"] = tdist.is_initialized()
+    out.put((rank, res))
+    del master
+
+
+@pytest.mark.timeout(120)
+def test_default_group_switches_and_is_reused():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=100) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    for r in range(4):
+        res = got[r]
+        assert res["sum4"] == 6.0 and res["reused"] is True and res["same_object"] is True
+        assert res["sum4_again"] == (6.0, 4, r)
+        assert res["closed"] is False
+        assert res["names"] == 3  # subgroups "1" then "2" on the reused group's store, not "1" twice
+    for r in (0, 1):
+        assert got[r]["sub"] == 2.0 and got[r]["sum2"] == (3.0, 2, r)
+    for r in (2, 3):
+        assert got[r]["detached"] is False and got[r]["sub_again"] == 5.0
+
+
