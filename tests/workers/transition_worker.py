@@ -61,7 +61,7 @@ def one(store, case: int, a: int, b: int, me: str, inflight: int, background: bo
     ranks = transition.transition_ranks(plan)
     if me not in ranks:
         return {"case": case, "skipped": True}
-    group = transition.transition_group(store, 1000 + case, ranks, me, 30)
+    group = transition.transition_group(store, f"test/xfer/{case}", ranks, me, 30)
     sources = partitions(old, old_members.index(me)) if me in old_members else None
     dests = allocate_partitions(plan, me, KINDS, torch.float32) if me in new_members else None
     kw = dict(sources=sources, dests=dests, timeout_s=30, max_inflight_bytes=inflight)
