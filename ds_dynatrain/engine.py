@@ -503,6 +503,10 @@ class ElasticEngine(DeepSpeedEngine):
             logger.info(f"resize request {prep.index} abandoned: {why}")
         dt.published.pop(prep.generation, None)
         dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
+        prep.xfer.close()
+        # a joiner's id is reused when the generation is published again: its group must not be
+        gone = set(prep.members) - set(dt.members) - set(dt.standby)
+        dt.membership.groups.evict(lambda members: not set(members) & gone)
 
     def _leave_preempted(self, mask: int) -> None:
         """Members that received SIGTERM leave now, after handing over their partitions: the job
@@ -528,8 +532,8 @@ class ElasticEngine(DeepSpeedEngine):
         """Ask the agent to start the joiners of the next scheduled grow a few steps early, so
         that their start-up (imports, model construction) overlaps training."""
         dt = self._dt
-        if dt.membership is None or not self.is_member:
-            return
+        if dt.membership is None or not self.is_member or dt.preparing is not None:
+            return  # a request being prepared owns the next generation
         upcoming = [(s, w) for s, w in sorted(dt.schedule.items()) if s >= self.global_steps]
         if not upcoming:
             return
@@ -580,7 +584,7 @@ class ElasticEngine(DeepSpeedEngine):
                 from .launcher import place_joiners
                 join = dt.join_node
                 nodes = ({j: join[1] for j in joiners} if join is not None and join[0] == dt.requests_seen - 1
-                         else place_joiners(dt.membership.store, new_members, joiners))
+                         else place_joiners(dt.membership.store, tuple(new_members) + tuple(dt.standby), joiners))
                 dt.membership.request_spawn(g, world_size, [new_members.index(j) for j in joiners], joiners, nodes)
         dt.spawned_for[g] = joiners
         dt.published[g] = new_members
@@ -716,12 +720,14 @@ class ElasticEngine(DeepSpeedEngine):
         group_s = 0.0
         g_new = dt.generation + 1
         reused = False
+        if self.global_rank == 0:
+            dt.membership.go(g_new)  # every formed generation has it: standby processes follow them
         if grow:
             # the new generation's group carries the header; the old engine stays as it is (its
             # groups detached) until the plan is agreed
             t = clock()
             if self.global_rank == 0:
-                dt.membership.go(g_new)
+                dt.membership.switching(g_new, dt.published_step[g_new])  # joiners may wait for the header now
             reused = dt.membership.form(g_new, plan.new_members, dt.member, dt.backend, self._group_timeout(),
                                         step=dt.published_step[g_new])
             group_s += clock() - t
@@ -870,7 +876,17 @@ class ElasticEngine(DeepSpeedEngine):
                                  step=rec.step)
         xfer = build_joiner_xfer(dt, rec, self._group_timeout())
         own = own_layout(dt, model, [list(g["params"]) for g in basic.param_groups], rec.world_size)
-        header, plan = join_header(dt, rec, own)
+        # the survivors may still give the request up (a preemption at the boundary where all
+        # were ready): wait for them to switch before entering the header's broadcast
+        while not membership.is_switching(rec.generation, rec.step):
+            if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
+                membership.groups.detach()
+                raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
+            time.sleep(0.02)
+        try:
+            header, plan = join_header(dt, rec, own)
+        except RuntimeError as err:
+            raise TransitionAbortedError(f"generation {rec.generation}: the header did not arrive: {err}") from err
         dests, _, transfer, overlap, xfer = begin_transition(plan, dt, rec.generation, header, None, receives=True,
                                                              group=xfer.get(self._group_timeout()))
         dt.members = plan.new_members

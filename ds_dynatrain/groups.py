@@ -156,9 +156,12 @@ class GroupCache:
             t = time.perf_counter()
             try:
                 store = tdist.PrefixStore(prefix, self.connect())
-                b.pg = build_gloo_group(store, b.rank, len(members), timeout_s)
-                b.store = store
-                self.built += 1
+                pg = build_gloo_group(store, b.rank, len(members), timeout_s)
+                if self._builds.get(members) is not b:  # replaced by a later formation meanwhile
+                    pg.shutdown()
+                else:
+                    b.pg, b.store = pg, store
+                    self.built += 1
             except Exception as err:  # noqa: BLE001 - reported to the step that waits for it
                 b.error = f"{type(err).__name__}: {err}"
             b.seconds = time.perf_counter() - t
@@ -259,10 +262,15 @@ class BackgroundGroup:
         self._result = None
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
+        self._closed = False
 
         def run():
             try:
-                self._result = build()
+                result = build()
+                if self._closed:
+                    result.shutdown()
+                else:
+                    self._result = result
             except BaseException as err:  # noqa: BLE001 - handed to get()
                 self._error = err
             self._done.set()
@@ -271,6 +279,14 @@ class BackgroundGroup:
 
     def ready(self) -> bool:
         return self._done.is_set()
+
+    def close(self) -> None:
+        """Shut the group down if it was built (a given-up transition); a build still running
+        shuts its group down when it ends."""
+        self._closed = True
+        if self._done.is_set() and self._result is not None:
+            self._result.shutdown()
+            self._result = None
 
     @property
     def error(self) -> Optional[str]:

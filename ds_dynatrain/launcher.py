@@ -24,6 +24,7 @@ every agent kills its workers and exits with the failing worker's status.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -52,12 +53,24 @@ NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time":
 HEARTBEAT_LOST_S = 30.0
 
 
+def live_nodes(store) -> Dict[int, int]:
+    """``{node: slots}`` of the agents still running (not finished, heartbeat not lost)."""
+    out = {}
+    for i in range(int(store.add(NODE_COUNT, 0))):
+        if not store.check([NODE_KEY.format(i)]) or store.check([NODE_DONE_KEY.format(i)]):
+            continue
+        beat = NODE_ALIVE_KEY.format(i)
+        if store.check([beat]) and time.time() - json.loads(store.get(beat))["time"] > HEARTBEAT_LOST_S:
+            continue
+        out[i] = int(json.loads(store.get(NODE_KEY.format(i)))["slots"])
+    return out
+
+
 def place_joiners(store, members, joiners) -> Dict[str, int]:
-    """The node of each of ``joiners``: the one with the most free slots (slots minus ``members``
-    placed on it), lowest node id first on a tie."""
-    n = int(store.add(NODE_COUNT, 0))
-    slots = {i: json.loads(store.get(NODE_KEY.format(i)))["slots"] for i in range(n)
-             if store.check([NODE_KEY.format(i)])}
+    """The node of each of ``joiners``: the live one (:func:`live_nodes`) with the most free slots
+    (slots minus ``members`` placed on it; it may be oversubscribed when none is free), lowest node
+    id first on a tie."""
+    slots = {i: k for i, k in live_nodes(store).items()}
     used = {i: 0 for i in slots}
     for m in members:
         key = MEMBER_NODE_KEY.format(m)
@@ -104,6 +117,7 @@ class Agent:
         self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": nproc}))
         self.store_host = store_host
         self._restarts_seen = 0
+        self.local_ranks: Dict[str, int] = {}
         self._join_request: Optional[int] = None
         self.workers: Dict[str, subprocess.Popen] = {}
         self.exit_codes: Dict[str, int] = {}
@@ -124,6 +138,11 @@ class Agent:
         return int(self.store.add(NODE_COUNT, 0))
 
     def _start(self, ctx: LaunchContext) -> None:
+        # the local rank is this host's own index of the process (its device), whatever its rank
+        used = {self.local_ranks.get(m) for m, p in self.workers.items() if p.poll() is None}
+        local = next(i for i in range(len(used) + 1) if i not in used)
+        self.local_ranks[ctx.member] = local
+        ctx = dataclasses.replace(ctx, local_rank=local)
         env = dict(os.environ)
         env.update(ctx.worker_environ())
         env["MASTER_PORT"] = str(self.store_port)
@@ -205,7 +224,9 @@ class Agent:
         for i in range(self._nodes()):
             key = NODE_ALIVE_KEY.format(i)
             if self.store.check([key]):
-                alive[i] = int(json.loads(self.store.get(key))["alive"])
+                beat = json.loads(self.store.get(key))
+                if i == self.node or time.time() - beat["time"] <= HEARTBEAT_LOST_S:  # a lost host serves nothing
+                    alive[i] = int(beat["alive"])
         size = self.largest(sum(alive.values()))
         if size == 0:
             return False
@@ -315,8 +336,12 @@ class Agent:
                         self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
                         if member not in self.workers:
                             continue
-                        if self._poll_restarts() is not None or not self.workers:
-                            break  # another agent restarted or stopped the job first: look afresh
+                        seen = self._restarts_seen
+                        stopped = self._poll_restarts()
+                        if stopped is not None:
+                            return self._end(stopped)
+                        if self._restarts_seen != seen or not self.workers:
+                            break  # another agent restarted the job first: look afresh
                         why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
                         if self._restart(member, why):
                             break  # the restart is applied at the top of the loop

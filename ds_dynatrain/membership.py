@@ -53,6 +53,7 @@ CANCEL_KEY = "dynatrain/cancel/{}"
 DONE_KEY = "dynatrain/done"                        # the job finished: standby processes leave
 STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"     # a standby process left (preempted)
 ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"    # generation, publishing step: will not be formed
+SWITCH_KEY = "dynatrain/gen/{}/{}/switching"       # generation, publishing step: the header is on its way
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,8 @@ class Membership:
         self._backend = backend
         rank, world_size = list(members).index(member), len(members)
         reused = self.groups.activate(members, group_prefix(generation, members, step), timeout_s)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        # LOCAL_RANK stays this process's own (the launcher's): a process keeps its device
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(self.ctx.local_rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         import deepspeed.comm as dcomm
         dcomm.init_distributed(dist_backend=backend, dist_init_required=False)
@@ -239,6 +241,14 @@ class Membership:
             if self.stop_waiting is not None and self.stop_waiting():
                 return None
             time.sleep(poll_s)
+
+    def switching(self, generation: int, step: int) -> None:
+        """The members of the old generation are about to send the header into ``generation``
+        (published at ``step``): it will form now (standby processes wait for this)."""
+        self.store.set(SWITCH_KEY.format(generation, step), "1")
+
+    def is_switching(self, generation: int, step: int) -> bool:
+        return self.store.check([SWITCH_KEY.format(generation, step)])
 
     def job_over(self) -> bool:
         """The job finished, or every member was preempted."""

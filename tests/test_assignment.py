@@ -3,6 +3,7 @@ exhaustive search over every assignment on small cases (an independent oracle)."
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -69,8 +70,18 @@ def test_assignment_refuses_an_impossible_membership():
         assign_members_best(old, new, ["a", "b"], [])
 
 
-def test_plan_cli_reports_a_complete_plan(tmp_path):
-    """``dynatrain plan`` on a small Hugging Face config: the per-rank bytes add up to the state."""
+def test_plan_cli_reports_a_complete_plan(tmp_path, capsys):
+    """``dynatrain plan`` on a small Hugging Face config: the per-rank bytes add up to the state.
+    The first call runs the command in its own process; the others call the same entry point
+    (``ds_dynatrain.cli.main``) here, which saves an interpreter start-up each."""
+    from ds_dynatrain.cli import main as cli_main
+
+    def plan(*args):
+        capsys.readouterr()
+        rc = cli_main(["plan", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
     import json
     import subprocess
     import sys
@@ -92,9 +103,8 @@ def test_plan_cli_reports_a_complete_plan(tmp_path):
     assert sum(r["bytes_received"] for r in staying) == rep["bytes_moved"]
     assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
     assert sum(r["bytes_kept"] for r in staying) == rep["bytes_kept"]
-    z3 = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                         "4", "--to", "3", "--zero-stage", "3", "--json"], capture_output=True, text=True, timeout=120,
-                        cwd=ROOT)
+    z3 = plan("--model-config", str(path), "--from",
+                         "4", "--to", "3", "--zero-stage", "3", "--json")
     assert z3.returncode == 0, z3.stderr
     rep3 = json.loads(z3.stdout.strip().splitlines()[-1])
     assert rep3["zero_stage"] == 3 and rep3["parameters"] == n
@@ -103,18 +113,16 @@ def test_plan_cli_reports_a_complete_plan(tmp_path):
     assert sum(r["bytes_received"] for r in staying3) == rep3["bytes_moved"]
     # the rebuild partitions the bf16 working parameters afresh from whole copies
     assert all(r["peak_extra_bytes"] >= 2 * n for r in staying3)
-    bad = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                          "4", "--to", "3", "--zero-stage", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = plan("--model-config", str(path), "--from",
+                          "4", "--to", "3", "--zero-stage", "0")
     assert bad.returncode == 2 and "--zero-stage 0" in bad.stderr
-    fp32 = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                           "4", "--to", "3", "--dtype", "fp32", "--json"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    fp32 = plan("--model-config", str(path), "--from",
+                           "4", "--to", "3", "--dtype", "fp32", "--json")
     rep32 = json.loads(fp32.stdout.strip().splitlines()[-1])
     assert rep32["bytes_moved"] + rep32["bytes_kept"] == 8 * n  # fp32 training moves the moments only
-    same = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                           "3", "--to", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    same = plan("--model-config", str(path), "--from",
+                           "3", "--to", "3", "--json")
     assert all(r["peak_extra_bytes"] == 0 for r in json.loads(same.stdout.strip().splitlines()[-1])["ranks"])
-    missing = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config",
-                              str(tmp_path / "nope.json"), "--from", "2", "--to", "1"], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT)
+    missing = plan("--model-config",
+                              str(tmp_path / "nope.json"), "--from", "2", "--to", "1")
     assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,8 +57,10 @@ def _resources(tmp_path):
 @pytest.mark.timeout(600)
 def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
     """Twenty `dynatrain resize` requests, 4 -> 2 -> 4 ten times, with standby processes: no hang,
-    every grow after the first takes the same processes back, every resize after the first two
-    reuses a cached group, and each process's fds, threads and memory stay flat."""
+    every grow takes the same processes back, every resize after the first reuses a cached group,
+    and each process's fds, threads and memory stay flat. Then a shrink to 2, a preemption of one
+    of the two (a blocking shrink to 1 while two processes stand by) and a grow to 3: the grow
+    takes the standby processes back, still without starting a new one."""
     from ds_dynatrain.membership import request_resize
     port = free_port()
     cfg = _config(str(tmp_path / "cyc.jsonl"), standby=True, log_interval_steps=10)
@@ -69,20 +72,34 @@ def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
         for _ in range(10):
             for ws in (2, 4):
                 answers.append(request_resize("127.0.0.1", port, ws, 120.0))
+        answers.append(request_resize("127.0.0.1", port, 2, 120.0))
+        standing = set(re.findall(r"member (g0r\d) left the job after step \d+ .*; it stands by",
+                                  (tmp_path / "cyc.log").read_text())[-2:])
+        victim = sorted({"g0r0", "g0r1", "g0r2", "g0r3"} - standing)[0]
+        os.kill(int((tmp_path / f"pid_{victim}").read_text()), signal.SIGTERM)
+        _wait_for_step(tmp_path / "cyc.jsonl", 1, job)
+        deadline = time.monotonic() + 120
+        while not any(r["to"] == 1 for r in read_jsonl(tmp_path / "cyc.jsonl") if r["event"] == "resize"):
+            assert time.monotonic() < deadline and job.poll() is None, "the preemption did not shrink the job"
+            time.sleep(0.2)
+        answers.append(request_resize("127.0.0.1", port, 3, 120.0))
         _wait_for_step(tmp_path / "cyc.jsonl", max(r["step"] for r in _steps(tmp_path / "cyc.jsonl")) + 3, job)
         job.send_signal(signal.SIGTERM)  # the job ends at the next step boundary (every member preempted)
     finally:
         rc = _finish(job, log, timeout=300)
     out = (tmp_path / "cyc.log").read_text()
     assert rc == 128 + signal.SIGTERM, out[-4000:]
-    assert len(answers) == 20 and all(a["ok"] for a in answers)
+    assert len(answers) == 22 and all(a["ok"] for a in answers)
     recs = read_jsonl(tmp_path / "cyc.jsonl")
     resizes = [r for r in recs if r["event"] == "resize"]
-    assert [(r["from"], r["to"]) for r in resizes] == [(4, 2), (2, 4)] * 10
+    assert [(r["from"], r["to"]) for r in resizes] == [(4, 2), (2, 4)] * 10 + [(4, 2), (2, 1), (1, 3)]
     # the first shrink forms a new 2-group, its grow takes the standby pair back into the launch
     # group; from then on every switch reuses one of those two groups
-    assert [r["group_reused"] for r in resizes] == [False] + [True] * 19, [r["group_reused"] for r in resizes]
-    assert all(r["hidden_fraction"] > 0.0 for r in resizes)
+    assert [r["group_reused"] for r in resizes[:21]] == [False] + [True] * 20, [r["group_reused"] for r in resizes]
+    # every request was prepared in the background and served in order; the preemption was not a request
+    assert [r.get("request") for r in resizes] == list(range(21)) + [None, 21]
+    assert f"member {victim}: preemption notice" in out
+    resizes = resizes[:20]
     steps = [r["step"] for r in recs if r["event"] == "step"]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > resizes[-1]["step"] + 2
     assert "agent: starting joiner" not in out  # no new process: the standby ones came back
@@ -140,9 +157,9 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     node = ["launch", "--nnodes", "2", "--nproc", "1", "--store", store]
     in_a, in_b = ["ip", "netns", "exec", ns_a], ["ip", "netns", "exec", ns_b]
     env_a, env_b = {"GLOO_SOCKET_IFNAME": if_a}, {"GLOO_SOCKET_IFNAME": if_b}
-    a, alog = _launch(tmp_path, "host_a", cfg, 30, node + ["--node-rank", "0"], sleep=0.3, prefix=in_a, env=env_a)
+    a, alog = _launch(tmp_path, "host_a", cfg, 24, node + ["--node-rank", "0"], sleep=0.2, prefix=in_a, env=env_a)
     time.sleep(1.0)
-    b, blog = _launch(tmp_path, "host_b", cfg, 30, node + ["--node-rank", "1"], sleep=0.3, prefix=in_b, env=env_b)
+    b, blog = _launch(tmp_path, "host_b", cfg, 24, node + ["--node-rank", "1"], sleep=0.2, prefix=in_b, env=env_b)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, **env_a)
     resize = j = None
     jrc = None
@@ -152,10 +169,10 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
                                    "--world-size", "3", "--timeout", "150"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         time.sleep(1.0)  # queued first; the join comes while it is pending (its joiner takes seconds to start)
-        j, jlog = _launch(tmp_path, "join_b", cfg, 30, ["join", "--nproc", "1", "--store", store], sleep=0.3,
+        j, jlog = _launch(tmp_path, "join_b", cfg, 24, ["join", "--nproc", "1", "--store", store], sleep=0.2,
                           prefix=in_b, env=env_b)
         rout, rerr = resize.communicate(timeout=200)
-        _wait_for_step(tmp_path / "mh.jsonl", 16, a, timeout=180)
+        _wait_for_step(tmp_path / "mh.jsonl", 12, a, timeout=180)
         shrink = subprocess.run([*in_b, sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", store,
                                  "--world-size", "2", "--timeout", "150"], capture_output=True, text=True,
                                 timeout=200, cwd=ROOT, env=dict(env, **env_b))
@@ -175,6 +192,6 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     assert "agent: starting joiner g2r" in logs["join_b"]  # the join's worker started on host b
     recs = read_jsonl(tmp_path / "mh.jsonl")
     assert [(r["from"], r["to"]) for r in recs if r["event"] == "resize"] == [(2, 3), (3, 4), (4, 2)]
-    assert [r["step"] for r in recs if r["event"] == "step"] == list(range(1, 31))
-    final, _ = _static_final(tmp_path, 2, 30)
+    assert [r["step"] for r in recs if r["event"] == "step"] == list(range(1, 25))
+    final, _ = _static_final(tmp_path, 2, 24)
     _close(torch.load(tmp_path / "final.pt"), final, "two-host job vs static")

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.multiprocess
 
 SCHEDULE = {2: 1, 4: 2, 6: 3, 9: 2}   # 2->1, 1->2, 2->3, 3->2
 STEPS = 14
-ORACLE_AT = (2, 4, 6, 9)               # every transition checked against DeepSpeed's route
+ORACLE_AT = (2, 4, 6, 9)               # every transition checked against DeepSpeed's route (ZeRO-2)
+# ZeRO-1 shares ZeRO-2's partition layout and transition code: checked on the transition with a
+# joiner (2 -> 3) only, each conversion and load of DeepSpeed's route costing about 10 s
+ORACLE_AT_ZERO1 = (6,)
 
 
 def _tensors(state):
@@ -50,7 +53,8 @@ def runs(request, tmp_path_factory):
     el = launch(tmp, script, 2, base_config(stage, str(out_el / "metrics.jsonl")),
                 ["--out", str(out_el), "--steps", str(STEPS), "--refuse-at", "1",
                  "--resize", ",".join(f"{s}:{w}" for s, w in SCHEDULE.items()),
-                 "--ds-ckpt-at", ",".join(map(str, ORACLE_AT))], timeout=240, name="elastic")
+                 "--ds-ckpt-at", ",".join(map(str, ORACLE_AT if stage == 2 else ORACLE_AT_ZERO1))], timeout=240,
+                name="elastic")
     assert el.returncode == 0, el.output[-5000:]
     st = launch(tmp, script, 2, base_config(stage, str(out_st / "metrics.jsonl")),
                 ["--out", str(out_st), "--steps", str(STEPS)], timeout=240, name="static")
@@ -70,7 +74,7 @@ def test_state_bitwise_equal_across_every_resize(runs):
 
 def test_state_matches_deepspeed_universal_route(runs):
     stage, tmp, out, _ = runs
-    for step in ORACLE_AT:
+    for step in ORACLE_AT if stage == 2 else ORACLE_AT_ZERO1:
         new_ws = SCHEDULE[step]
         ckpt = out / f"ds_ckpt_{step}"
         uni = tmp / f"universal_{step}"
