@@ -504,7 +504,8 @@ class ElasticEngine(DeepSpeedEngine):
         dt.published.pop(prep.generation, None)
         dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
         prep.xfer.close()
-        # a joiner's id is reused when the generation is published again: its group must not be
+        # a joiner's id comes back when the generation is published again: a group built with the
+        # cancelled joiner must not pass for the new one's
         gone = set(prep.members) - set(dt.members) - set(dt.standby)
         dt.membership.groups.evict(lambda members: not set(members) & gone)
 

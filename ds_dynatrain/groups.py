@@ -127,16 +127,6 @@ class GroupCache:
         self.on_new_default = on_new_default
         self._builds: Dict[Tuple[str, ...], _Build] = {}
         self.active: Optional[Tuple[str, ...]] = None
-        self.reused = 0  # activations served by a group built for an earlier generation
-        self.built = 0
-
-    def cached(self, members: Sequence[str]) -> bool:
-        b = self._builds.get(tuple(members))
-        return b is not None and b.pg is not None
-
-    def member_sets(self):
-        """Member tuples of the groups built so far (usable ones)."""
-        return [m for m, b in self._builds.items() if b.pg is not None]
 
     def prepare(self, members: Sequence[str], prefix: str, timeout_s: float, background: bool = True) -> None:
         """Start building the group of ``members`` on store prefix ``prefix`` (once per member
@@ -161,7 +151,6 @@ class GroupCache:
                     pg.shutdown()
                 else:
                     b.pg, b.store = pg, store
-                    self.built += 1
             except Exception as err:  # noqa: BLE001 - reported to the step that waits for it
                 b.error = f"{type(err).__name__}: {err}"
             b.seconds = time.perf_counter() - t
@@ -180,11 +169,6 @@ class GroupCache:
     def error(self, members: Sequence[str]) -> Optional[str]:
         b = self._builds.get(tuple(members))
         return None if b is None else b.error
-
-    def build_seconds(self, members: Sequence[str]) -> float:
-        """Seconds the last build of ``members``' group took (0 for a cached one)."""
-        b = self._builds.get(tuple(members))
-        return 0.0 if b is None else b.seconds
 
     def activate(self, members: Sequence[str], prefix: str, timeout_s: float) -> bool:
         """Make the group of ``members`` the default process group: the cached one, or the one
@@ -215,7 +199,6 @@ class GroupCache:
                                              f"of {list(members)} within {timeout_s:.0f} s: {b.error}")
             install_default(b.pg, b.store, self.backend, b.group_count)
         self.active = members
-        self.reused += int(reused)
         return reused
 
     def detach(self) -> None:
