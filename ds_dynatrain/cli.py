@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
-        print("dynatrain launch: --nproc must be >= 1", file=sys.stderr)
+        print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
         return 2
     return a.func(a)
 

@@ -383,7 +383,7 @@ class ElasticEngine(DeepSpeedEngine):
         if dt.membership is not None and self.global_rank == 0 and dt.standby:
             gone = dt.membership.gone_standby(dt.standby)
         preempt_bit = float(2 ** self.global_rank) if dt.preempted else 0.0
-        ready, error = prep.state(dt) if prep is not None else (False, None)
+        ready, error = prep.state(dt, self.global_rank == 0) if prep is not None else (False, None)
         # on the accelerator: NCCL reduces device tensors only
         totals = torch.tensor([dt.loss_sum, float(dt.loss_count), float(request[1]["world_size"]) if request else 0.0,
                                float(request[0] + 1) if request else 0.0, preempt_bit,
@@ -414,8 +414,9 @@ class ElasticEngine(DeepSpeedEngine):
                                   "dir": snap.dir})
         target = dt.schedule.get(step)
         if prep is not None and (preempted_mask or target is not None or n_failed):
-            why = (f"{n_failed} rank(s) could not build the groups: {error}" if n_failed and not preempted_mask
-                   and target is None else "a preemption or a scheduled resize came first")
+            why = (f"the new world could not be formed: {error or f'{n_failed} rank(s) could not build its groups'}"
+                   if n_failed and not preempted_mask and target is None
+                   else "a preemption or a scheduled resize came first")
             self._abandon(prep, why)
             prep = None
         if preempted_mask:
@@ -499,7 +500,7 @@ class ElasticEngine(DeepSpeedEngine):
             stale = dt.spawned_for.pop(prep.generation, ())
             if stale:
                 dt.membership.cancel_spawn(prep.generation, stale)
-            dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}")
+            dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}", aborted=True)
             logger.info(f"resize request {prep.index} abandoned: {why}")
         dt.published.pop(prep.generation, None)
         dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
@@ -1105,11 +1106,16 @@ class Preparation:
     started: float
     ready_at: Optional[float] = None
 
-    def state(self, dt: "ElasticState") -> Tuple[bool, Optional[str]]:
-        """``(ready, error)`` of this process's builds, without waiting."""
+    def state(self, dt: "ElasticState", check_joiners: bool = False) -> Tuple[bool, Optional[str]]:
+        """``(ready, error)`` of this process's builds, without waiting. ``check_joiners`` (rank 0):
+        also whether a joiner of this generation died before it joined (its agent says so)."""
         groups = dt.membership.groups
         mine = dt.member in self.members
         err = self.xfer.error or (groups.error(self.members) if mine else None)
+        if err is None and check_joiners:
+            dead = dt.membership.failed_joiners([m for m in self.members if m not in dt.members])
+            if dead:
+                err = f"joiner(s) {list(dead)} died before they joined"
         ready = self.xfer.ready() and (not mine or groups.ready(self.members))
         if ready and self.ready_at is None:
             self.ready_at = time.perf_counter()

@@ -213,8 +213,8 @@ def _restore(engine: ElasticEngine, dt: ElasticState, snapshot_dir: str) -> None
     lost = max(0, last - engine.global_steps)
     if engine.global_rank == 0:
         dt.metrics.write({"event": "restore", "step": engine.global_steps, "world_size": engine.dp_world_size,
-                          "lost_steps": lost, "last_step": last, "dir": path})
-        logger.info(f"restored {path} on {engine.dp_world_size} ranks: the job goes on after step "
+                          "lost_steps": lost, "last_step": last, "dir": os.path.dirname(path)})
+        logger.info(f"restored {os.path.dirname(path)} on {engine.dp_world_size} ranks: the job goes on after step "
                     f"{engine.global_steps}; {lost} step(s) since that snapshot were lost")
 
 
@@ -230,7 +230,8 @@ def _take_preemption_notices(dt: ElasticState) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         dt.preempted = True
-        logger.info(f"member {dt.member}: preemption notice (SIGTERM); leaving at the next step boundary")
+        logger.info(f"member {dt.member}: preemption notice (SIGTERM); "
+                    + ("it stops standing by" if dt.retired else "leaving at the next step boundary"))
 
     import threading
     if threading.current_thread() is threading.main_thread():

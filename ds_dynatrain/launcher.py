@@ -36,9 +36,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch.distributed as tdist
 
+from .errors import DynatrainError
 from .launch_env import LaunchContext, member_id
-from .membership import (ANSWER_KEY, CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, REQUEST_COUNT, REQUEST_KEY,
-                         SPAWN_COUNT, SPAWN_KEY, connect_store)
+from .membership import (ANSWER_KEY, CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, GEN_KEY, JOINER_FAILED_KEY,
+                         REQUEST_COUNT, REQUEST_KEY, SPAWN_COUNT, SPAWN_KEY, SWITCH_KEY, connect_store)
 from .metrics import logger
 
 POLL_S = 0.05
@@ -118,6 +119,7 @@ class Agent:
         self.store_host = store_host
         self._restarts_seen = 0
         self.local_ranks: Dict[str, int] = {}
+        self.joiner_of: Dict[str, int] = {}  # joiners this agent started -> their generation
         self._join_request: Optional[int] = None
         self.workers: Dict[str, subprocess.Popen] = {}
         self.exit_codes: Dict[str, int] = {}
@@ -163,6 +165,7 @@ class Agent:
                     continue
                 logger.info(f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
                             f"world size {req['world_size']})")
+                self.joiner_of[member] = int(req["generation"])
                 self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
                                           int(req["world_size"]), int(rank), joiner=True))
 
@@ -202,6 +205,18 @@ class Agent:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+    def _died_before_joining(self, member: str) -> bool:
+        """A joiner that died before its generation started forming held no state: the job gives
+        the request up (rank 0 reads the mark) instead of stopping or restarting."""
+        g = self.joiner_of.get(member)
+        if g is None or not self.store.check([GEN_KEY.format(g)]):
+            return False
+        step = json.loads(self.store.get(GEN_KEY.format(g)))["step"]
+        if self.store.check([SWITCH_KEY.format(g, step)]):
+            return False
+        self.store.set(JOINER_FAILED_KEY.format(member), "1")
+        return True
 
     def _publish_alive(self) -> None:
         """This node's running workers and a heartbeat (for the restart size and node 0's wait)."""
@@ -336,13 +351,17 @@ class Agent:
                         self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
                         if member not in self.workers:
                             continue
+                        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+                        if self._died_before_joining(member):
+                            logger.info(f"agent: joiner {member} died before it joined ({why}); the job gives its "
+                                        "generation up and goes on")
+                            continue
                         seen = self._restarts_seen
                         stopped = self._poll_restarts()
                         if stopped is not None:
                             return self._end(stopped)
                         if self._restarts_seen != seen or not self.workers:
                             break  # another agent restarted the job first: look afresh
-                        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
                         if self._restart(member, why):
                             break  # the restart is applied at the top of the loop
                         logger.info(f"agent: worker {member} failed ({why}); stopping the job")
@@ -401,6 +420,20 @@ def launch(script: str, script_args: Sequence[str], nproc: int, config: str, sto
     host, port = _parse_store(store)
     if (nnodes > 1 or node_rank or join) and not port:
         raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
+    if join:
+        from .membership import probe_store
+        try:
+            probe_store(host, port)  # a job runs there already: fail at once when nothing listens
+        except DynatrainError as err:
+            raise ConfigError(str(err)) from None
+    elif node_rank == 0:
+        import socket
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.bind((host, 0))
+        except OSError as err:
+            raise ConfigError(f"--store {host}:{port}: node 0 hosts the store, but {host} is not an address of "
+                              f"this host ({err})") from None
     if join:
         from .initialize import resolve_global_batch
         global_batch, micro = resolve_global_batch(ds_config, 1)

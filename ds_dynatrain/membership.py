@@ -54,6 +54,7 @@ DONE_KEY = "dynatrain/done"                        # the job finished: standby p
 STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"     # a standby process left (preempted)
 ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"    # generation, publishing step: will not be formed
 SWITCH_KEY = "dynatrain/gen/{}/{}/switching"       # generation, publishing step: the header is on its way
+JOINER_FAILED_KEY = "dynatrain/joiner/{}/failed"   # a joiner died before its generation formed
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,11 @@ class Membership:
             return None
         return seen, json.loads(self.store.get(REQUEST_KEY.format(seen)))
 
-    def answer(self, index: int, ok: bool, message: str, record=None) -> None:
-        """Rank 0's answer to request ``index`` (the requester waits for it)."""
-        self.store.set(ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record}))
+    def answer(self, index: int, ok: bool, message: str, record=None, aborted: bool = False) -> None:
+        """Rank 0's answer to request ``index`` (the requester waits for it). ``aborted``: the
+        request was valid but given up (not a refusal of the size)."""
+        self.store.set(ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record,
+                                                             "aborted": aborted}))
         self.store.set(SERVED_KEY, str(index + 1))
 
     def served(self) -> int:
@@ -250,6 +253,10 @@ class Membership:
     def is_switching(self, generation: int, step: int) -> bool:
         return self.store.check([SWITCH_KEY.format(generation, step)])
 
+    def failed_joiners(self, members: Sequence[str]) -> Tuple[str, ...]:
+        """Which of ``members`` died before they joined (their agent says so)."""
+        return tuple(m for m in members if self.store.check([JOINER_FAILED_KEY.format(m)]))
+
     def job_over(self) -> bool:
         """The job finished, or every member was preempted."""
         return self.store.check([DONE_KEY]) or self.store.check([ENDED_KEY])
@@ -307,6 +314,7 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     """
     from .batch import split_global_batch
     from .errors import ResizeRefusedError
+    probe_store(host, port)
     try:
         # a job's store answers at once or not at all: do not wait the whole answer timeout for it
         store = connect_store(host, port, min(timeout_s, CONNECT_TIMEOUT_S))
@@ -317,12 +325,34 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), world_size, job["max_world_size"])
     i = int(store.add(REQUEST_COUNT, 1)) - 1
     store.set(REQUEST_KEY.format(i), json.dumps({"world_size": world_size}))
+    t0 = time.monotonic()
     try:
         store.wait([ANSWER_KEY.format(i)], timedelta(seconds=timeout_s))
+        answer = json.loads(store.get(ANSWER_KEY.format(i)))
     except RuntimeError:
+        waited = time.monotonic() - t0
+        if waited < 0.9 * timeout_s:  # the wait ended early: the store is gone with its job
+            raise TransitionAbortedError(f"the job's store at {host}:{port} went away after {waited:.0f} s, before "
+                                         f"request {i} (world size {world_size}) was answered: the job ended or "
+                                         "failed") from None
         raise TransitionAbortedError(f"request {i} (world size {world_size}) got no answer within {timeout_s:.0f} s; "
                                      "it stays queued") from None
-    answer = json.loads(store.get(ANSWER_KEY.format(i)))
     if not answer["ok"]:
+        if answer.get("aborted"):
+            raise TransitionAbortedError(answer["message"])
         raise ResizeRefusedError(answer["message"])
     return answer
+
+
+def probe_store(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast when nothing listens at ``host:port`` (a refused or unreachable address), instead
+    of the store client's retries.
+
+    Raises:
+        TransitionAbortedError: naming the address and the reason.
+    """
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None

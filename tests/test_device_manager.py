@@ -195,3 +195,36 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     assert [r["step"] for r in recs if r["event"] == "step"] == list(range(1, 25))
     final, _ = _static_final(tmp_path, 2, 24)
     _close(torch.load(tmp_path / "final.pt"), final, "two-host job vs static")
+
+
+@pytest.mark.timeout(300)
+def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
+    """A joiner killed while the job prepares its grow held no state: the request is given up
+    (the requester is told why, exit 1 of `dynatrain resize`), training goes on at the old size and
+    the job finishes with status 0. Fault injected at a seam: SIGKILL to the joiner's process."""
+    port = free_port()
+    cfg = _config(str(tmp_path / "jd.jsonl"))
+    job, log = _launch(tmp_path, "jd", cfg, 40, ["launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"],
+                       sleep=0.2)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    try:
+        _wait_for_step(tmp_path / "jd.jsonl", 2, job)
+        req = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
+                                "--world-size", "3", "--timeout", "150"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid_g1r1").exists() and not (tmp_path / "pid_g1r2").exists():
+            assert time.monotonic() < deadline and job.poll() is None, "no joiner started"
+            time.sleep(0.05)
+        pid_file = next(p for p in (tmp_path / "pid_g1r1", tmp_path / "pid_g1r2") if p.exists())
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        rout, rerr = req.communicate(timeout=200)
+    finally:
+        rc = _finish(job, log)
+    out = (tmp_path / "jd.log").read_text()
+    assert rc == 0, out[-4000:]
+    assert req.returncode == 1 and "abandoned" in rerr and "died before they joined" in rerr, (rout, rerr)
+    assert "died before it joined" in out
+    steps = _steps(tmp_path / "jd.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 41)) and {r["world_size"] for r in steps} == {2}
+    assert not [r for r in read_jsonl(tmp_path / "jd.jsonl") if r["event"] in ("resize", "restore")]
