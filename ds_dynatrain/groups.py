@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -30,6 +31,16 @@ import torch.distributed as tdist
 from .errors import TransitionAbortedError
 
 DEFAULT_NAME = "0"  # the name init_process_group gives the default group (its group counter starts at 0)
+_CACHES: list = []  # weak references to every GroupCache of this process (closed at exit)
+
+
+def close_all() -> None:
+    """Shut down every cached group of this process (at exit, before the interpreter tears down:
+    a gloo group left to the interpreter's teardown can abort the process)."""
+    for ref in _CACHES:
+        cache = ref()
+        if cache is not None:
+            cache.close()
 
 
 def build_gloo_group(store, rank: int, world_size: int, timeout_s: float) -> tdist.ProcessGroup:
@@ -127,6 +138,7 @@ class GroupCache:
         self.on_new_default = on_new_default
         self._builds: Dict[Tuple[str, ...], _Build] = {}
         self.active: Optional[Tuple[str, ...]] = None
+        _CACHES.append(weakref.ref(self))
 
     def prepare(self, members: Sequence[str], prefix: str, timeout_s: float, background: bool = True) -> None:
         """Start building the group of ``members`` on store prefix ``prefix`` (once per member

@@ -298,6 +298,8 @@ def _shutdown() -> None:
     operating system to reclaim."""
     import gc
     import torch.distributed as tdist
+    from .groups import close_all
+    close_all()  # the cached groups too, not only the default one
     if tdist.is_initialized():
         tdist.destroy_process_group()
     gc.freeze()
