@@ -123,6 +123,14 @@ def _cmd_export(a) -> int:
     return 0
 
 
+def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: str) -> None:
+    """The arguments ``launch`` and ``join`` share: the config, the script and its arguments."""
+    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("script", help=script_help)
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_launch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
                                 "and resilience snapshots.")
@@ -132,20 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
     lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
     lp.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store")
-    lp.add_argument("--config", required=True, help="DeepSpeed JSON config, with an optional \"dynatrain\" section")
     lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
                     "on several hosts an address of node 0 and a fixed port)")
-    lp.add_argument("script", help="training script; it receives its arguments plus --deepspeed_config CONFIG")
-    lp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    lp.set_defaults(func=_cmd_launch)
+    _job_arguments(lp, "DeepSpeed JSON config, with an optional \"dynatrain\" section",
+                   "training script; it receives its arguments plus --deepspeed_config CONFIG")
 
     jp = sub.add_parser("join", help="add this host's workers to a running job (a grow, served at a step boundary)")
     jp.add_argument("--store", required=True, help="HOST:PORT of the job's store")
     jp.add_argument("--nproc", type=int, required=True, help="workers this host adds")
-    jp.add_argument("--config", required=True, help="the job's DeepSpeed JSON config")
-    jp.add_argument("script", help="the job's training script")
-    jp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    jp.set_defaults(func=_cmd_launch)
+    _job_arguments(jp, "the job's DeepSpeed JSON config", "the job's training script")
 
     rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")

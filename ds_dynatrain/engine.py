@@ -51,7 +51,7 @@ from .errors import DynatrainError, LayoutMismatchError, NotAMemberError, Resize
 from .launch_env import member_id
 from .layout import ZeroLayout
 from .groups import BackgroundGroup
-from .membership import ENDED_KEY, GenerationRecord, Membership, group_prefix
+from .membership import ENDED_KEY, GenerationRecord, Membership, group_prefix, transition_members
 from .metrics import MetricsWriter, format_resize, format_step, logger
 from .planner import Plan, assign_members_best, plan_transition
 from .snapshot import SnapshotCheckpointEngine
@@ -470,7 +470,7 @@ class ElasticEngine(DeepSpeedEngine):
             dt.membership.go(g)  # joiners and standby processes form it as soon as they are up
         timeout = dt.config.join_timeout_s
         dt.membership.prepare(g, members, step, timeout)
-        ranks = tuple(dt.members) + tuple(m for m in members if m not in dt.members)
+        ranks = transition_members(dt.members, members)
         connect, me = dt.membership.new_client, dt.member
         xfer = BackgroundGroup(lambda: transition_group(connect(), xfer_prefix(ranks, g, step), ranks, me, timeout),
                                name=f"dynatrain-xfer-{g}")
@@ -796,11 +796,7 @@ class ElasticEngine(DeepSpeedEngine):
         construct(self, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True,
                   reuse_flat=old_flat)
         old_flat = None
-        returned = dt.returned_optimizer
-        if returned is not None and returned is not self.optimizer:
-            # the optimizer object handed out at start shares the rebuilt optimizer's state
-            returned.__dict__ = self.optimizer.__dict__
-            self.optimizer = returned
+        self._keep_returned_optimizer()
         install_state(self, header, dests, joiner=False)
         rebuild_s += clock() - t
         dt.pending = PendingResize(transfer, dests, scalars_for(plan, header["scalars"]), record, rss_base, xfer)
@@ -819,6 +815,13 @@ class ElasticEngine(DeepSpeedEngine):
         if dt.pending is None:
             self._publish(record)  # else wait_transition publishes it
         return record
+
+    def _keep_returned_optimizer(self) -> None:
+        """After a rebuild: the optimizer object handed out at start shares the rebuilt one's state."""
+        returned = self._dt.returned_optimizer
+        if returned is not None and returned is not self.optimizer:
+            returned.__dict__ = self.optimizer.__dict__
+            self.optimizer = returned
 
     def _group_timeout(self) -> float:
         """Limit of a group rendezvous that may wait for joiners to start, seconds."""
@@ -859,6 +862,18 @@ class ElasticEngine(DeepSpeedEngine):
                     return None
                 raise
 
+    def _wait_unless_given_up(self, rec: GenerationRecord, done, poll_s: float = 0.02) -> None:
+        """A standby process being taken back waits for ``done()``.
+
+        Raises:
+            TransitionAbortedError: generation ``rec`` was given up, or the job ended, first.
+        """
+        membership = self._dt.membership
+        while not done():
+            if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
+                raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
+            time.sleep(poll_s)
+
     def _rejoin(self, rec: GenerationRecord, model, basic, scheduler) -> dict:
         """A standby process joins generation ``rec`` (its membership names this process)."""
         dt = self._dt
@@ -870,21 +885,18 @@ class ElasticEngine(DeepSpeedEngine):
         # built in the background, so that a request given up (or the job's end) does not leave
         # this process stuck in a rendezvous its peers never reach
         membership.prepare(rec.generation, rec.members, rec.step, self._group_timeout())
-        while not membership.groups.ready(rec.members):
-            if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
-                raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
-            time.sleep(0.02)
+        self._wait_unless_given_up(rec, lambda: membership.groups.ready(rec.members))
         reused = membership.form(rec.generation, rec.members, dt.member, dt.backend, self._group_timeout(),
                                  step=rec.step)
         xfer = build_joiner_xfer(dt, rec, self._group_timeout())
         own = own_layout(dt, model, [list(g["params"]) for g in basic.param_groups], rec.world_size)
         # the survivors may still give the request up (a preemption at the boundary where all
         # were ready): wait for them to switch before entering the header's broadcast
-        while not membership.is_switching(rec.generation, rec.step):
-            if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
-                membership.groups.detach()
-                raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
-            time.sleep(0.02)
+        try:
+            self._wait_unless_given_up(rec, lambda: membership.is_switching(rec.generation, rec.step))
+        except TransitionAbortedError:
+            membership.groups.detach()
+            raise
         try:
             header, plan = join_header(dt, rec, own)
         except RuntimeError as err:
@@ -897,10 +909,7 @@ class ElasticEngine(DeepSpeedEngine):
         dt.rebuild_broadcast = plan.survivor_ranks
         construct(self, dt, model, basic, None, scheduler,
                   ds_config_for(dt, dt.split(rec.world_size), client_objects=True), light=True)
-        returned = dt.returned_optimizer
-        if returned is not None and returned is not self.optimizer:
-            returned.__dict__ = self.optimizer.__dict__
-            self.optimizer = returned
+        self._keep_returned_optimizer()
         install_state(self, header, dests, joiner=True)
         record = {"event": "join", "step": self.global_steps, "generation": rec.generation, "transfer_s": 0.0,
                   "group_reused": reused, "seconds": time.perf_counter() - t0}

@@ -80,7 +80,13 @@ class GenerationRecord:
     @property
     def transition_members(self) -> Tuple[str, ...]:
         """The transition group's members: the previous generation's, then the joiners."""
-        return tuple(self.previous) + tuple(m for m in self.members if m not in self.previous)
+        return transition_members(self.previous, self.members)
+
+
+def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple[str, ...]:
+    """Members of the transition from ``previous`` to ``members`` in rank order: the previous
+    generation's, then the joiners (as :func:`~ds_dynatrain.transition.transition_ranks`)."""
+    return tuple(previous) + tuple(m for m in members if m not in previous)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
