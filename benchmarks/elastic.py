@@ -7,7 +7,7 @@ Python standard library's sources), ZeRO-2, gloo, global batch 12, under ``dynat
 --nproc 2 --store``. Three phases:
 
 * **request, background** (``background_groups: true``): at step 4, ``dynatrain resize
-  --world-size 4`` (in-process :func:`~ds_dynatrain.membership.request_resize`). The job starts the
+  --world-size 4`` (in-process :func:`~ds_dynatrain.elastic.requests.request_resize`). The job starts the
   two joiners and builds the new world's groups while it trains on 2, and switches at the first
   step boundary where they are ready. ``request_to_step_s``: from the request to the first step
   record on 4 ranks. ``hidden_fraction``: the resize record's share of the new world's
@@ -125,7 +125,7 @@ class Job:
 
 
 def _request_phase(work: str, name: str, background: bool) -> dict:
-    from ds_dynatrain.membership import request_resize
+    from ds_dynatrain.elastic.requests import request_resize
     job = Job(work, name, {"background_groups": background}, 24)
     try:
         job.wait_for(lambda r: r["event"] == "step" and r["step"] >= 4)

@@ -64,6 +64,7 @@ def gather(obj) -> list:
 def elastic_engine(a):
     """``ds_dynatrain.initialize`` of the benchmark's model at this world size: ``(engine, model)``."""
     import ds_dynatrain
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     model = build_model(a.hidden, a.layers, a.seq_len)
     cfg = dict(config(a, int(os.environ["WORLD_SIZE"])), dynatrain={"log_interval_steps": 10**6})
     cfg.pop("gradient_accumulation_steps")
@@ -93,7 +94,7 @@ def run_save(a) -> None:
 
 def run_ours(a) -> None:
     import torch.distributed as tdist
-    from ds_dynatrain.migrate import load_resharded
+    from ds_dynatrain.checkpoint.resharded import load_resharded
     engine, _model = elastic_engine(a)
     tdist.barrier()
     base = peak_reset()

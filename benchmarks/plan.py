@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--to", dest="to_ws", type=int, default=48)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from ds_dynatrain.plan_cli import plan_report
+    from ds_dynatrain.cli.plan import plan_report
     out = []
     for stage in (2, 3):
         for assignment in ("best", "keep"):

@@ -96,6 +96,7 @@ def plain_deepspeed(a, load_universal: bool = False):
 
 def run_ours(a) -> None:
     import ds_dynatrain
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     model = build_model(a.hidden, a.layers, a.seq_len)
     engine, *_ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
                                          config=a.deepspeed_config)

@@ -41,6 +41,7 @@ def main():
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3,

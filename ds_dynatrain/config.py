@@ -1,4 +1,5 @@
-"""The ``"dynatrain"`` section of a DeepSpeed JSON config.
+"""The ``"dynatrain"`` section of a DeepSpeed JSON config, and the checks of the DeepSpeed config
+around it that an elastic job needs (batch keys, world sizes of the schedule, ZeRO stage).
 
 Declared once, as pydantic models (as DeepSpeed declares its own sections); unknown keys and wrong
 types are refused with a :class:`~ds_dynatrain.errors.ConfigError` naming the key, before any
@@ -20,7 +21,8 @@ from typing import Any, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from .batch import split_global_batch
+from .errors import ConfigError, ResizeRefusedError
 
 SECTION = "dynatrain"
 
@@ -146,3 +148,72 @@ def load_ds_config(config: Any) -> Tuple[dict, DynatrainConfig]:
     ds_config = copy.deepcopy(config)
     section = ds_config.pop(SECTION, None)
     return ds_config, parse_section(section)
+
+
+def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
+    """``(global batch, largest micro-batch)`` in samples from DeepSpeed's batch keys at ``world_size``.
+
+    Follows DeepSpeed's rule ``train_batch_size = micro * accumulation * world_size``.
+
+    Raises:
+        ConfigError: no batch key, or keys that contradict each other.
+    """
+    tb = ds_config.get("train_batch_size")
+    mb = ds_config.get("train_micro_batch_size_per_gpu")
+    ga = ds_config.get("gradient_accumulation_steps")
+    for name, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                    ("gradient_accumulation_steps", ga)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"invalid DeepSpeed config: {name} must be a positive integer, got {v!r}")
+    if tb and mb:
+        if ga and tb != mb * ga * world_size:
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} != micro batch {mb} * "
+                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+        return tb, mb
+    if tb and ga:
+        if tb % (ga * world_size):
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by "
+                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+        return tb, tb // (ga * world_size)
+    if mb:
+        return mb * (ga or 1) * world_size, mb
+    if tb:
+        if tb % world_size:
+            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by world size {world_size}")
+        return tb, tb // world_size
+    raise ConfigError("invalid DeepSpeed config: set train_batch_size and train_micro_batch_size_per_gpu")
+
+
+def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool) -> Tuple[int, int]:
+    """Refuse, before any process or engine exists, a config the elastic engine cannot serve.
+
+    Checks: both batch keys for a job started by ``dynatrain launch`` (``elastic``); the launch
+    world size and every scheduled one keep the global batch and respect ``max_world_size``; a
+    schedule only with what a resize can move (ZeRO stage 1, 2 or 3, no offload). Returns
+    ``(global batch, largest micro-batch)``.
+
+    Raises:
+        ConfigError: naming the key and the problem.
+    """
+    if elastic and not (ds_config.get("train_batch_size") and ds_config.get("train_micro_batch_size_per_gpu")):
+        raise ConfigError("invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
+                          "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)")
+    global_batch, micro = resolve_global_batch(ds_config, world_size)
+    for ws, where in [(world_size, "the launch world size")] + [
+            (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule]:
+        try:
+            split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
+        except ResizeRefusedError as err:
+            raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
+    if dt_cfg.resize_schedule:
+        zero = ds_config.get("zero_optimization", {}) or {}
+        stage = zero.get("stage", 0)
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
+                              f"1, 2 or 3 (stage {stage} has no partitions to resize)")
+        for key in ("offload_optimizer", "offload_param"):
+            dev = (zero.get(key) or {}).get("device", "none")
+            if dev not in (None, "none"):
+                raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule with "
+                                  f"zero_optimization.{key}.device={dev!r}: offloaded state is not moved by a resize")
+    return global_batch, micro

@@ -36,3 +36,18 @@ class TransitionAbortedError(DynatrainError):
 
 class NotAMemberError(DynatrainError):
     """This process left the job at a resize; its engine can no longer train."""
+
+
+class CheckpointIncompleteError(DynatrainError, ValueError):
+    """A checkpoint directory lacks files of its saving world, or some are truncated or damaged.
+
+    Raised before anything is loaded; the message lists every problem file."""
+
+
+class SnapshotNotFoundError(CheckpointIncompleteError):
+    """A restore was asked for, but the snapshot directory holds no complete snapshot (no readable
+    ``latest``). Raised before anything is loaded; the message names the directory."""
+
+
+class SnapshotWriteError(DynatrainError):
+    """A snapshot could not be written on some rank; ``latest`` still names the previous one."""

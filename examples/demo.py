@@ -53,7 +53,7 @@ def main() -> int:
     t_elastic = run_job(a.config, a.out, metrics, a.steps, a.nproc)
     t_static = run_job(a.config, a.out, static, a.steps, a.nproc, ["--static"]) if a.compare_static else None
 
-    from ds_dynatrain.plot import plot_losses, read_metrics
+    from ds_dynatrain.cli.plot import plot_losses, read_metrics
     png = os.path.join(a.out, "loss.png")
     plot_losses(metrics, png, static_path=static if a.compare_static else None)
 

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
 
     with open(args.deepspeed_config) as f:
         config = json.load(f)

@@ -10,10 +10,10 @@ import torch
 from deepspeed.checkpoint.affine import contiguous_split_map
 from deepspeed.checkpoint.affine_transfer import plan_transfer
 
-from ds_dynatrain.affine_interop import affine_map_regions, zero_param_affine_map
-from ds_dynatrain.layout import ParamMeta, ZeroLayout
+from ds_dynatrain.vps.affine import affine_map_regions, zero_param_affine_map
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.planner import plan_transition
-from ds_dynatrain.region import Region
+from ds_dynatrain.vps.region import Region
 
 PARAMS = (ParamMeta("a", (5, 7), "float32"), ParamMeta("b", (1,), "float32"), ParamMeta("c", (3, 3, 4), "float32"),
           ParamMeta("d", (11,), "float32"))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds_dynatrain.layout import ParamMeta, ZeroLayout
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.planner import assign_members, assign_members_best, plan_transition
 
 
@@ -126,3 +126,45 @@ def test_plan_cli_reports_a_complete_plan(tmp_path, capsys):
     missing = plan("--model-config",
                               str(tmp_path / "nope.json"), "--from", "2", "--to", "1")
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+# ---------------------------------------------------------------------- the next generation's members
+def test_recent_members_taken_back_at_a_grow_when_the_others_stand_by():
+    from ds_dynatrain.planner import recent_members
+    history = [("a", "b", "c", "d"), ("a", "c")]
+    # 4 -> 2 left b and d standing by; the grow back to 4 takes the first generation again
+    assert recent_members(history, ("a", "c"), ("b", "d"), 4) == ("a", "b", "c", "d")
+    # d is gone (not standing by): no recent generation fits
+    assert recent_members(history, ("a", "c"), ("b",), 4) is None
+    # the current generation is never "recent"
+    assert recent_members(history, ("a", "b", "c", "d"), (), 4) is None
+
+
+def test_recent_members_at_a_shrink_hold_only_processes_that_stay():
+    from ds_dynatrain.planner import recent_members
+    history = [("a", "c"), ("a", "b", "c", "d")]
+    assert recent_members(history, ("a", "b", "c", "d"), (), 2) == ("a", "c")
+    assert recent_members(history, ("a", "b", "c", "d"), (), 2, must_leave=("c",)) is None
+    # the latest fitting generation wins
+    assert recent_members([("b", "d"), ("a", "c"), ("a", "b", "c", "d")], ("a", "b", "c", "d"), (), 2) == ("a", "c")
+
+
+def test_next_members_recalls_standby_before_new_joiners_and_names_joiners_by_rank():
+    from ds_dynatrain.planner import next_members
+    old = layout([10, 7, 3], 2)
+    out = next_members(old, ("a", "b"), ("s",), [("a", "b")], 4, (), joiner_name=lambda r: f"new{r}")
+    assert set(out[:4]) >= {"a", "b", "s"} and len(out) == 4
+    joiner = [m for m in out if m not in ("a", "b", "s")]
+    assert joiner == [f"new{out.index(joiner[0])}"]
+    # the staying processes hold the ranks that keep the most in place (the best assignment)
+    best = assign_members_best(old, old.with_world_size(4), ("a", "b"), ("s", "j"))
+    assert [m if m in ("a", "b") else None for m in out] == [m if m in ("a", "b") else None for m in best]
+
+
+def test_next_members_at_a_preemption_leaves_the_preempted_out():
+    from ds_dynatrain.planner import next_members
+    old = layout([10, 7, 3], 3)
+    out = next_members(old, ("a", "b", "c"), (), [("a", "b", "c")], 2, ("b",), joiner_name=lambda r: f"new{r}")
+    assert sorted(out) == ["a", "c"]
+    # every member preempted at a grow: the new world is all joiners
+    assert next_members(old, ("a",), (), [], 3, ("a",), joiner_name=lambda r: f"new{r}") == ("new0", "new1", "new2")

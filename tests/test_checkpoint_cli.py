@@ -122,8 +122,8 @@ def test_inspect_reports_world_stage_step_and_parameters(tinylm, capsys, fmt, st
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fmt,stage", CKPTS)
 def test_verify_passes_intact_checkpoints(tinylm, capsys, fmt, stage):
-    from ds_dynatrain.consolidate import saved_layout
-    from ds_dynatrain.migrate import SavedCheckpoint
+    from ds_dynatrain.checkpoint.consolidate import saved_layout
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
     rc, out, err = cli(capsys, "verify", tinylm / f"{fmt}_z{stage}")
     assert rc == 0, err
     assert "is complete and intact" in out and "every element held exactly once" in out
@@ -144,7 +144,7 @@ def test_verify_passes_intact_checkpoints(tinylm, capsys, fmt, stage):
 def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
     """One byte flipped in the middle of each item of each file in turn (tensors and the
     serialized skeleton): verify fails, naming the file and the item."""
-    from ds_dynatrain.inspect_cli import verify_checkpoint
+    from ds_dynatrain.checkpoint.inspect import verify_checkpoint
     from io_engine.format import read_footer
     d = copy_ckpt(tinylm / f"ours_z{stage}", tmp_path / "ckpt")
     tried = 0
@@ -247,8 +247,8 @@ def test_verify_fails_on_a_partition_too_short_for_its_fragments(tinylm, tmp_pat
 def test_coverage_check_finds_gaps_and_overlaps():
     """The tiling check itself (pure): a layout whose fragments leave a gap or overlap is refused,
     naming the parameter and the elements."""
-    from ds_dynatrain.consolidate import coverage_problems
-    from ds_dynatrain.layout import Fragment, ParamMeta, ZeroLayout
+    from ds_dynatrain.checkpoint.consolidate import coverage_problems
+    from ds_dynatrain.vps.layout import Fragment, ParamMeta, ZeroLayout
     good = ZeroLayout(2, ((ParamMeta("a", (5, 3), "float32"), ParamMeta("b", (7,), "float32")),), stage=2)
     assert coverage_problems(good) == []
 
@@ -311,8 +311,8 @@ def test_export_by_ranges_and_small_chunks_writes_the_same_file(tinylm, extras, 
     by byte range (here every tensor, as if all were large), in chunks (here 7 elements: every
     fragment cut, ends unaligned): the very same bytes as reading them whole. verify reads
     such files alike."""
-    import ds_dynatrain.consolidate as consolidate
-    import ds_dynatrain.migrate as migrate
+    import ds_dynatrain.checkpoint.consolidate as consolidate
+    import ds_dynatrain.checkpoint.saved as migrate
     root, rest = which.split("/", 1)
     d = (tinylm if root == "tinylm" else extras) / rest
     _export(capsys, d, tmp_path / "whole.safetensors")
@@ -393,8 +393,8 @@ def test_safetensors_writer_any_order_any_dtype(tmp_path):
     """Tensors of several dtypes (an empty one too), written piecewise in reverse order, read back
     equal by the safetensors library; an incomplete tensor is refused and leaves no file."""
     from safetensors.torch import load_file
-    from ds_dynatrain.consolidate import ExportEntry, SafetensorsWriter
-    from ds_dynatrain.migrate import CheckpointIncompleteError
+    from ds_dynatrain.checkpoint.consolidate import ExportEntry, SafetensorsWriter
+    from ds_dynatrain.errors import CheckpointIncompleteError
     g = torch.Generator().manual_seed(3)
     want = {"w": torch.randn(5, 3, generator=g), "h": torch.randn(4, generator=g).bfloat16(),
             "ids": torch.arange(-3, 6, dtype=torch.int64).reshape(3, 3), "mask": torch.tensor([True, False, True]),

@@ -8,7 +8,7 @@ import pytest
 
 from ds_dynatrain.config import DynatrainConfig, ResizeEvent, SnapshotConfig, load_ds_config, parse_section
 from ds_dynatrain.errors import ConfigError, DynatrainError
-from ds_dynatrain.initialize import resolve_global_batch
+from ds_dynatrain.config import resolve_global_batch
 
 FULL_SECTION = {
     "enabled": True,

@@ -61,7 +61,7 @@ def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
     and each process's fds, threads and memory stay flat. Then a shrink to 2, a preemption of one
     of the two (a blocking shrink to 1 while two processes stand by) and a grow to 3: the grow
     takes the standby processes back, still without starting a new one."""
-    from ds_dynatrain.membership import request_resize
+    from ds_dynatrain.elastic.requests import request_resize
     port = free_port()
     cfg = _config(str(tmp_path / "cyc.jsonl"), standby=True, log_interval_steps=10)
     job, log = _launch(tmp_path, "cyc", cfg, 400, ["launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"],

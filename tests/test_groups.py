@@ -1,5 +1,5 @@
 """Process groups installed, detached and installed again as ``torch.distributed``'s default
-group (``ds_dynatrain.groups``), in real gloo processes: what ``init_process_group`` and
+group (``ds_dynatrain.elastic.groups``), in real gloo processes: what ``init_process_group`` and
 ``destroy_process_group`` would leave, without destroying a cached group.
 
 Oracles: collective results (sums of ranks) on the default group and on ``new_group`` subgroups
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _worker(rank: int, port: int, out):
-    from ds_dynatrain.groups import GroupCache
+    from ds_dynatrain.elastic.groups import GroupCache
 
     def connect():
         return tdist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,

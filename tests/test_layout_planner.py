@@ -1,4 +1,4 @@
-"""ZeRO-1/2/3 layouts (``ds_dynatrain.layout``) and the routing planner (``ds_dynatrain.planner``).
+"""ZeRO-1/2/3 layouts (``ds_dynatrain.vps.layout``) and the routing planner (``ds_dynatrain.planner``).
 
 Pure metadata: no process group, no engine. The oracle is an element-level model of DeepSpeed's flat
 partitions written independently of the interval arithmetic under test: every parameter element gets
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_dynatrain.errors import DynatrainError, LayoutMismatchError
-from ds_dynatrain.layout import Fragment, ParamMeta, ZeroLayout, round_robin_order
+from ds_dynatrain.vps.layout import Fragment, ParamMeta, ZeroLayout, round_robin_order
 from ds_dynatrain.planner import PLAN_FORMAT_VERSION, Plan, Transfer, assign_members, plan_transition
-from ds_dynatrain.region import Region
+from ds_dynatrain.vps.region import Region
 
 DTYPE_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
@@ -537,3 +537,26 @@ def test_mismatch_refusals_by_hand():
         plan(((a, b), (c,)), ((a, b, c),))
     with pytest.raises(LayoutMismatchError, match="round_robin_gradients or parameter_alignment"):
         plan(((a, b, c),), ((a, b, c),), round_robin=True)
+
+
+def test_scalars_of_new_partitions_come_from_the_first_old_partition_of_their_group():
+    """Stage 3 cuts sub-groups anew at each world size: new partition j of parameter group g takes
+    the scalars (Adam's step) of the first old partition of g, whatever the cut."""
+    from ds_dynatrain.planner import scalars_for
+    groups = (tuple(ParamMeta(f"a{i}", (6,), "float32") for i in range(4)),
+              tuple(ParamMeta(f"b{i}", (6,), "float32") for i in range(3)))
+    old = ZeroLayout(2, groups, stage=3, sub_group_size=6)
+    new = old.with_world_size(3)
+    plan = plan_transition(old, new, ("m0", "m1"), ("m0", "m1", "j2"))
+    scalars = [{"step": 10 * old.partition_group(b) + b} for b in range(old.num_partitions)]
+    out = scalars_for(plan, scalars)
+    assert len(out) == new.num_partitions
+    first = {g: next(scalars[b] for b in range(old.num_partitions) if old.partition_group(b) == g) for g in (0, 1)}
+    assert out == [first[new.partition_group(b)] for b in range(new.num_partitions)]
+    assert {new.partition_group(b) for b in range(new.num_partitions)} == {0, 1}
+    # stages 1/2: a partition is a parameter group
+    z2 = ZeroLayout(2, groups)
+    assert scalars_for(plan_transition(z2, z2.with_world_size(1), ("m0", "m1"), ("m1",)),
+                       [{"step": 3}, {"step": 4}]) == [{"step": 3}, {"step": 4}]
+    with pytest.raises(ValueError, match="scalar sets"):
+        scalars_for(plan, scalars[:1])

@@ -1,5 +1,5 @@
 """Checkpoints loaded onto another world size and ZeRO stage (``ElasticEngine.load_checkpoint`` ->
-``ds_dynatrain.migrate.load_resharded``), from this project's snapshots and from DeepSpeed's own
+``ds_dynatrain.checkpoint.resharded.load_resharded``), from this project's snapshots and from DeepSpeed's own
 ``torch.save`` checkpoints of the same state.
 
 Multi-process (real DeepSpeed engines, gloo, no launcher): save jobs at 4, 2 and 3 ranks write
@@ -157,8 +157,8 @@ def test_checkpoint_of_another_model_refused_before_loading(migrated):
     """The saved parameters are checked against the model's before any partition is read; the
     first differing parameter is named (in-process: no engine needed for the check)."""
     from ds_dynatrain.errors import LayoutMismatchError
-    from ds_dynatrain.layout import ParamMeta, ZeroLayout
-    from ds_dynatrain.migrate import SavedCheckpoint
+    from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
     from workers.common import TinyLM
     for fmt in ("ours", "torch"):
         saved = SavedCheckpoint(str(migrated / "save4" / f"{fmt}_z2"), "ckpt")
@@ -177,7 +177,8 @@ def test_checkpoint_of_another_model_refused_before_loading(migrated):
 
 
 def test_incomplete_directory_names_every_problem_file(migrated, tmp_path):
-    from ds_dynatrain.migrate import CheckpointIncompleteError, SavedCheckpoint
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
+    from ds_dynatrain.errors import CheckpointIncompleteError
     d = tmp_path / "ck"
     shutil.copytree(migrated / "save4" / "ours_z3", d)
     os.remove(d / "ckpt" / "zero_pp_rank_3_mp_rank_00_model_states.pt")

@@ -1,4 +1,4 @@
-"""Regions (``ds_dynatrain.region``) against plain Python sets of element indices, and boxes against
+"""Regions (``ds_dynatrain.vps.region``) against plain Python sets of element indices, and boxes against
 numpy indexing of ``np.arange(numel).reshape(shape)``."""
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_dynatrain.region import Region
+from ds_dynatrain.vps.region import Region
 
 SPAN = 48  # elements of the small tensors the generated regions live in
 

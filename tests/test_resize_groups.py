@@ -240,7 +240,7 @@ def test_fp16_schedule_accepted_at_every_zero_stage():
     """fp16 resizes carry the loss scaler at stages 1, 2 and 3 (the zero2-fp16 and zero3-fp16 runs
     above); only a stage without partitions is refused."""
     from ds_dynatrain.config import ConfigError, DynatrainConfig
-    from ds_dynatrain.initialize import check_elastic_config
+    from ds_dynatrain.config import check_elastic_config
     dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
     for stage in (1, 2, 3):
         cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
@@ -255,7 +255,7 @@ def test_fp16_schedule_accepted_at_every_zero_stage():
 def test_schedule_with_offload_refused(key):
     """Offloaded optimizer state or parameters are not moved by a resize: refused at start, fp16 or not."""
     from ds_dynatrain.config import ConfigError, DynatrainConfig
-    from ds_dynatrain.initialize import check_elastic_config
+    from ds_dynatrain.config import check_elastic_config
     dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
            "zero_optimization": {"stage": 3, key: {"device": "cpu"}}}

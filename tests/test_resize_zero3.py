@@ -67,7 +67,7 @@ def runs(request, tmp_path_factory):
 
 def test_zero3_sub_groups_change_with_the_world_size():
     """The schedule really moves elements across sub-group boundaries (else (a) would be weaker)."""
-    from ds_dynatrain.layout import ParamMeta, ZeroLayout
+    from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
     from workers.common import TinyLM
     groups = (tuple(ParamMeta(n, tuple(p.shape), "float32") for n, p in TinyLM().named_parameters()),)
     layouts = {ws: ZeroLayout(ws, groups, stage=3, sub_group_size=SUB_GROUP_SIZE) for ws in (1, 2, 3)}

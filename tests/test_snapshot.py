@@ -34,7 +34,7 @@ def test_write_error_keeps_previous_snapshot_loadable(tmp_path):
     # the footers carry the VPS fragments of every ZeRO partition (what another layout reads by)
     import torch
     from io_engine import read_footer
-    from ds_dynatrain.bridge import layout_for_model
+    from ds_dynatrain.zero.geometry import layout_for_model
     from workers.common import TinyLM
     model = TinyLM()
     layout = layout_for_model(list(model.named_parameters()), [list(model.parameters())], 2, base_config(2),
@@ -80,7 +80,7 @@ def test_bad_config_refused_before_any_process_starts(tmp_path, section, zero, f
 
 def test_prune_keeps_user_tags_and_temporary_directories(tmp_path):
     from io_engine import prune_snapshots
-    from ds_dynatrain.snapshot import PRUNABLE_TAG
+    from ds_dynatrain.checkpoint.snapshot import PRUNABLE_TAG
     for d in ["best", "global_step10", "global_step20", "global_step30", ".tmp-global_step40-g0s3"]:
         (tmp_path / d).mkdir()
     deleted = prune_snapshots(str(tmp_path), 2, protect=["global_step30"], pattern=PRUNABLE_TAG)

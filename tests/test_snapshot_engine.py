@@ -15,7 +15,7 @@ import torch.distributed as tdist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from conftest import ROOT
-from ds_dynatrain.snapshot import SnapshotCheckpointEngine
+from ds_dynatrain.checkpoint.snapshot import SnapshotCheckpointEngine
 from io_engine import read_latest
 from state_providers.serialize import equal
 

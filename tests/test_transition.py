@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_dynatrain.layout import ParamMeta, ZeroLayout
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.planner import assign_members, plan_transition
-from ds_dynatrain.transition import _Stream, next_pow2, pair_schedule, peer_at, transition_ranks
+from ds_dynatrain.transition.execute import transition_ranks
+from ds_dynatrain.transition.schedule import Stream, next_pow2, pair_schedule, peer_at
 
 from conftest import WORKERS, run_plain
 
@@ -73,7 +74,7 @@ def test_chunks_cover_the_stream_within_the_bound(sizes, limit):
             self.group, self.src_offset, self.dst_offset, self.numel = 0, off, off, n
 
     offs = [sum(sizes[:i]) for i in range(len(sizes))]
-    stream = _Stream(parts, ("k",), [T(o, n) for o, n in zip(offs, sizes)], "src")
+    stream = Stream(parts, ("k",), [T(o, n) for o, n in zip(offs, sizes)], "src")
     chunks = stream.chunks(limit)
     assert chunks[0][0] == 0 and chunks[-1][1] == stream.numel
     for (a0, b0), (a1, _) in zip(chunks, chunks[1:]):
@@ -123,7 +124,7 @@ def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
 
 
 def test_flat_in_place_reuses_the_buffer_the_parameters_live_in():
-    from ds_dynatrain.bridge import flat_in_place
+    from ds_dynatrain.zero.rebuild import flat_in_place
     old = torch.arange(1.0, 25.0)
     old[10:12] = 0  # padding after the first parameter, as DeepSpeed lays it out
     old[20:] = 0    # tail padding of the old world size

@@ -54,7 +54,7 @@ def gather_state(engine) -> dict:
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone(),
             "param": _whole(p),
         }
-    from ds_dynatrain.bridge import fp32_partitions
+    from ds_dynatrain.zero.geometry import fp32_partitions
     opt = engine.optimizer
     steps = [opt.optimizer.state[f]["step"] for f in fp32_partitions(opt)]
     out["__step__"] = [float(s) for s in steps]

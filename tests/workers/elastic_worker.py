@@ -39,6 +39,7 @@ def main():
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     with open(os.path.join(a.out, f"pid_{os.environ['DYNATRAIN_MEMBER']}"), "w") as f:
         f.write(str(os.getpid()))
     torch.manual_seed(0)

@@ -99,6 +99,7 @@ def main():
     p.add_argument("--models", default="llama,extras,extras_z1")
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     rank = int(os.environ["RANK"])
     for kind in a.models.split(","):
         run(kind, a.out, rank)

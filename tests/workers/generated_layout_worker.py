@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_dynatrain.bridge import engine_storage_fragments, layout_for_model  # noqa: E402
+from ds_dynatrain.zero.geometry import engine_storage_fragments, layout_for_model  # noqa: E402
 
 
 class Generated(torch.nn.Module):
@@ -84,7 +84,7 @@ def main():
 
     import deepspeed.ops
     import torch.distributed as tdist
-    from ds_dynatrain.bridge import reset_deepspeed_comm
+    from ds_dynatrain.zero.comm import reset_deepspeed_comm
     # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
     # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

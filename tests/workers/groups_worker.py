@@ -30,8 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from ds_dynatrain.bridge import (fp32_partitions, is_zero3, relink_optimizer_state, trainable_groups,  # noqa: E402
-                                 working_partitions)
+from ds_dynatrain.zero.geometry import (fp32_partitions, is_zero3, trainable_groups,  # noqa: E402
+                                        working_partitions)
+from ds_dynatrain.zero.state import relink_optimizer_state  # noqa: E402
 from tests.workers.common import VOCAB, Tokens, gather_state  # noqa: E402
 
 # per group: the hyperparameters the client sets (they override the config's optimizer params)
@@ -164,6 +165,7 @@ def main():
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     resize = {int(s): int(w) for s, w in (x.split(":") for x in a.resize.split(",") if x)}
 
     torch.manual_seed(0)

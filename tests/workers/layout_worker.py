@@ -14,8 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_dynatrain.bridge import (engine_fragments, engine_storage_fragments, fp32_partitions, layout_for_model,  # noqa: E402
-                                 layout_of)
+from ds_dynatrain.zero.geometry import (engine_fragments, engine_storage_fragments, fp32_partitions,  # noqa: E402
+                                        layout_for_model, layout_of)
 from tests.workers.common import TinyLM  # noqa: E402
 
 

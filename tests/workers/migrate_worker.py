@@ -104,6 +104,7 @@ def main():
                                                      "own load: the state is not checked afterwards)")
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     rank = int(os.environ["RANK"])
     for stage in map(int, a.stages.split(",")):
         if a.mode == "save":

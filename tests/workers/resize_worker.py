@@ -32,6 +32,7 @@ def main():
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     resize = {int(s): int(w) for s, w in (x.split(":") for x in a.resize.split(",") if x)}
     ds_ckpt_at = {int(s) for s in a.ds_ckpt_at.split(",") if s}
 

@@ -1,9 +1,9 @@
 """Test worker for the transition engine alone (no DeepSpeed engine): plain processes, a real
-``TCPStore`` and real gloo groups made by :func:`ds_dynatrain.transition.transition_group`.
+``TCPStore`` and real gloo groups made by :func:`ds_dynatrain.transition.execute.transition_group`.
 
 Mode ``all``: every transition between world sizes 1-4 (12 of them), each run with the default
 ``max_inflight_bytes``, with a bound of 64 bytes (many chunks), and in the background
-(:func:`~ds_dynatrain.transition.start_plan`). Partitions hold, for every parameter element, a
+(:func:`~ds_dynatrain.transition.execute.start_plan`). Partitions hold, for every parameter element, a
 value unique to (parameter, element, state kind); after a transition each process compares its
 new partitions with the values the new layout puts there (padding zero). Writes
 ``<out>/rank<r>.json``.
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_dynatrain import transition  # noqa: E402
-from ds_dynatrain.engine import allocate_partitions  # noqa: E402
+from ds_dynatrain.transition import execute as transition  # noqa: E402
+from ds_dynatrain.transition.buffers import allocate_partitions  # noqa: E402
 from ds_dynatrain.errors import TransitionAbortedError  # noqa: E402
-from ds_dynatrain.layout import ParamMeta, ZeroLayout  # noqa: E402
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout  # noqa: E402
 from ds_dynatrain.planner import assign_members, plan_transition  # noqa: E402
 
 KINDS = ("exp_avg", "exp_avg_sq")

@@ -1,0 +1,400 @@
+"""The snapshot checkpoint engine: DeepSpeed's ``CheckpointEngine`` interface, asynchronous.
+
+DataStates-LLM design (Maurya et al., HPDC'24, §4): model and optimizer state do not change during
+forward and backward, so a snapshot is *captured* lazily beside them and only the next optimizer
+step waits for the capture; tensors are not serialized at all, they are copied as bytes into a
+bounded pool of aligned host buffers and flushed with io_uring and O_DIRECT; the plain data are
+serialized (allow-listed JSON, :mod:`state_providers.serialize`).
+
+``engine.save_checkpoint()`` calls, on every rank: ``create`` -> ``save`` (one per file) ->
+``commit``. Here:
+
+* ``save(state_dict, path)`` turns the dict into items (:class:`state_providers.DictStateProvider`:
+  zero-copy tensor views, plain data serialized now) and queues one file job; it returns at once.
+  The engine's worker thread copies the tensors into the host cache (*captured*) and flushes the
+  file into ``DIR/.tmp-<tag>/`` (*persisted*, fsynced).
+* ``commit(info)`` queues the commit and returns at once. When this rank's files are persisted
+  it reports to the job's store; rank 0 waits until every rank reported, then renames the
+  directory to ``DIR/<tag>``, replaces ``latest`` atomically and prunes to ``keep_last``, and posts
+  the outcome. No collective runs on the training process group from a background thread.
+* :meth:`wait_captured` (called by the elastic engine right before the optimizer step) blocks
+  only if a capture is unfinished; :meth:`wait` blocks until the last snapshot's outcome is known
+  and raises :class:`SnapshotWriteError` on every rank if any rank failed. The next ``create``
+  calls :meth:`wait` first, so a failure surfaces at the next save on every rank and ``latest``
+  never moves to a snapshot with a missing file.
+
+``asynchronous=False`` does the same work inside ``save``/``commit`` (the comparison point).
+Loading reads this engine's files (``io_engine`` reader, checksums verified) and, for directories
+written by DeepSpeed's default engine, ``torch.load(weights_only=True)`` with DeepSpeed's own types
+allow-listed: loading never executes code from a file.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from io_engine import LATEST, TMP_PREFIX, prune_snapshots, publish_dir, read_latest, write_atomic
+from io_engine.errors import IOEngineError
+from io_engine.format import MAGIC as _FORMAT_MAGIC
+from state_providers import DictStateProvider, TensorItem
+
+from ..errors import DynatrainError, SnapshotWriteError
+from ..log import logger
+from .saved import safe_globals
+
+ENGINE_NAME = "DynatrainSnapshotEngine"
+STORE_PREFIX = "dynatrain/snap"
+PRUNABLE_TAG = r"global_step\d+"  # the tags of periodic snapshots; other tags are the user's and are kept
+
+
+_SIDE_STREAMS = {}
+
+
+def _to_host(t: torch.Tensor, ready) -> torch.Tensor:
+    """Bytes of a device tensor in pinned host memory, copied on a side stream that first waits
+    for ``ready`` (an event recorded on the training stream when ``save`` was called), so the
+    copy overlaps compute and sees the state of the moment of ``save``."""
+    stream = _SIDE_STREAMS.get(t.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(device=t.device)
+    src = t.reshape(-1).view(torch.uint8)
+    host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        host.copy_(src, non_blocking=True)
+    stream.synchronize()
+    return host
+
+
+def _write_items(provider: DictStateProvider, ready=None):
+    """``io_engine`` write items for a provider's items: tensors as uint8 numpy views (no copy on
+    CPU; device tensors staged through pinned memory on a side stream), objects as bytes."""
+    from io_engine import WriteItem
+    out = []
+    for it in provider.items():
+        if isinstance(it, TensorItem):
+            t = it.tensor
+            host = t.reshape(-1).view(torch.uint8) if t.device.type == "cpu" else _to_host(t, ready)
+            out.append(WriteItem(it.key, host.numpy(), "tensor", dict(it.attrs), it.dtype, it.shape))
+        else:
+            out.append(WriteItem(it.key, it.payload, "object", dict(it.attrs)))
+    return out
+
+
+@dataclass
+class _FileJob:
+    path: str
+    provider: DictStateProvider
+    captured: threading.Event = field(default_factory=threading.Event)
+    persisted: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    ready: Any = None             # a CUDA event recorded at save time when the state is on a GPU
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class _Snapshot:
+    info: CheckpointCommitInfo
+    key: str                      # store prefix of this snapshot's agreement
+    token: str = ""               # unique name of this attempt's temporary directory
+    jobs: List[_FileJob] = field(default_factory=list)
+    committed: bool = False
+
+    @property
+    def final_dir(self) -> str:
+        return os.path.join(self.info.save_dir, self.info.tag)
+
+    @property
+    def tmp_dir(self) -> str:
+        # unique per attempt (a random token agreed through the store): a directory left by a
+        # crashed save, of this job or an earlier one, is never reused
+        return os.path.join(self.info.save_dir, f"{TMP_PREFIX}{self.info.tag}-{self.token}")
+
+
+class SnapshotCheckpointEngine(CheckpointEngine):
+    """Asynchronous, crash-consistent checkpoint engine (see the module docstring).
+
+    Args:
+        store_address: ``(host, port)`` of the job's ``TCPStore`` (the membership store, or
+            torch.distributed's default store). The engine opens its own connections, one for the
+            training thread and one for its worker: a store client must not be shared between
+            threads (interleaved requests on one socket hang).
+        rank, world_size: this process in the generation that saves.
+        generation: the membership generation (keys of the store are per generation).
+        keep_last: complete snapshots kept in a directory after a commit (None: all).
+        timeout_s: limit of every wait (capture, persistence, agreement), seconds.
+        cache_bytes: host cache size, bytes (bounded; reused across snapshots).
+        asynchronous: False writes inside ``save``/``commit``.
+    """
+
+    def __init__(self, store_address=None, rank: int = 0, world_size: int = 1, generation: int = 0,
+                 keep_last: Optional[int] = None, timeout_s: float = 300.0, cache_bytes: int = 256 << 20,
+                 asynchronous: bool = True):
+        super().__init__(None)
+        self.name = ENGINE_NAME
+        self.store_address = store_address
+        self._stores = {}
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.keep_last = keep_last
+        self.timeout_s = timeout_s
+        self.asynchronous = asynchronous
+        self._cache_bytes = cache_bytes
+        self._writer = None
+        self._seq = 0
+        self._instance: Optional[int] = None
+        self._current: Optional[_Snapshot] = None
+        self._last: Optional[_Snapshot] = None
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.stats = {"capture_wait_s": 0.0, "persist_s": 0.0, "bytes": 0}
+        # path in the saved dict -> footer attributes of that tensor (the VPS coordinates of ZeRO
+        # partitions, set by the elastic engine); None: none
+        self.tensor_attrs = None
+        # set by ElasticEngine.save_checkpoint, which keeps DeepSpeed from writing ``latest`` itself
+        # (non-atomically) and has this engine's commit publish it instead; None: DeepSpeed's flag
+        self.publish_latest = None
+
+    @property
+    def store(self):
+        """This thread's own connection to the job's store."""
+        tid = threading.get_ident()
+        st = self._stores.get(tid)
+        if st is None:
+            host, port = self.store_address
+            st = self._stores[tid] = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                                timeout=timedelta(seconds=self.timeout_s))
+        return st
+
+    # ---------------------------------------------------------------- worker
+    def _ensure_worker(self):
+        if self._writer is None:
+            from io_engine.ioqueue import import_liburing
+            try:
+                import_liburing()  # in the training thread, before the worker needs it
+            except OSError:
+                pass  # the io backend falls back to a thread pool and says so once
+            from io_engine import SnapshotFileWriter
+            self._writer = SnapshotFileWriter(cache_bytes=self._cache_bytes)
+        if self.asynchronous and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dynatrain-snapshot", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            kind, obj = task
+            if kind == "file":
+                self._write_file(obj)
+            else:
+                self._finish(obj)
+
+    def _write_file(self, job: _FileJob):
+        t0 = time.perf_counter()
+        try:
+            os.makedirs(os.path.dirname(job.path), exist_ok=True)
+            res = self._writer.write(job.path, _write_items(job.provider, job.ready), on_captured=job.captured.set,
+                                     file_attrs={"producer": "ds_dynatrain", "rank": self.rank,
+                                                 "world_size": self.world_size})
+            job.nbytes = res.layout.file_size
+        except (OSError, IOEngineError) as err:
+            job.error = err
+        except BaseException as err:  # never leave a waiter blocked
+            job.error = err
+        finally:
+            job.seconds = time.perf_counter() - t0
+            job.provider = None  # drop the references to live tensors
+            job.captured.set()
+            job.persisted.set()
+
+    def _finish(self, snap: _Snapshot):
+        """This rank's files are persisted (or failed): report; rank 0 decides and publishes."""
+        errors = [f"{j.error}" for j in snap.jobs if j.error is not None]
+        st = self.store
+        if errors:
+            st.set(f"{snap.key}/failed/{self.rank}", "; ".join(errors)[:2000])
+        st.add(f"{snap.key}/done", 1)
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while int(st.add(f"{snap.key}/done", 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                st.set(f"{snap.key}/outcome", f"failed: not every rank finished writing within {self.timeout_s:.0f} s")
+                shutil.rmtree(snap.tmp_dir, ignore_errors=True)
+                return
+            time.sleep(0.01)
+        failed = []
+        for r in range(self.world_size):
+            k = f"{snap.key}/failed/{r}"
+            if st.check([k]):
+                failed.append(f"rank {r}: {st.get(k).decode()}")
+        if failed:
+            shutil.rmtree(snap.tmp_dir, ignore_errors=True)
+            st.set(f"{snap.key}/outcome", "failed: " + "; ".join(failed))
+            return
+        try:
+            publish_dir(snap.tmp_dir, snap.final_dir)
+            if snap.info.save_latest:
+                write_atomic(os.path.join(snap.info.save_dir, LATEST), snap.info.tag.encode())
+            if self.keep_last is not None:
+                prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag],
+                                pattern=PRUNABLE_TAG)
+            st.set(f"{snap.key}/outcome", "ok")
+        except OSError as err:
+            st.set(f"{snap.key}/outcome", f"failed: publishing on rank 0: {err}")
+
+    # ---------------------------------------------------------------- CheckpointEngine
+    def create(self, info: CheckpointCommitInfo):
+        self.wait()  # the previous snapshot's outcome, on every rank, before a new one starts
+        self._ensure_worker()
+        if self._instance is None:
+            # the n-th engine this rank made in this generation (several engines in one process,
+            # e.g. a job that builds a second one): every rank builds them in the same order, so
+            # the n-th engines of all ranks share keys, and no engine reads another's stale token
+            self._instance = self.store.add(f"{STORE_PREFIX}/g{self.generation}/instances/r{self.rank}", 1)
+        key = f"{STORE_PREFIX}/g{self.generation}/i{self._instance}/s{self._seq}"
+        self._seq += 1
+        if self.rank == 0:
+            self.store.set(f"{key}/token", uuid.uuid4().hex[:12])
+        self.store.wait([f"{key}/token"], timedelta(seconds=self.timeout_s))
+        self._current = _Snapshot(info, key, token=self.store.get(f"{key}/token").decode())
+
+    def _redirect(self, path: str) -> str:
+        snap = self._current
+        if snap is None:
+            return path
+        final = os.path.abspath(snap.final_dir)
+        p = os.path.abspath(path)
+        if p == final or p.startswith(final + os.sep):
+            return snap.tmp_dir + p[len(final):]
+        return path
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(self._redirect(path), exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str):
+        if self._current is None:
+            raise DynatrainError("SnapshotCheckpointEngine.save called outside create/commit")
+        job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
+        if torch.cuda.is_available():
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        self._current.jobs.append(job)
+        if self.asynchronous:
+            self._queue.put(("file", job))
+        else:
+            self._write_file(job)
+
+    def commit(self, info: CheckpointCommitInfo):
+        snap, self._current = self._current, None
+        if snap is None:
+            return True
+        latest = info.save_latest if self.publish_latest is None else self.publish_latest
+        self.publish_latest = None
+        snap.info = CheckpointCommitInfo(tag=info.tag, save_dir=info.save_dir, save_latest=latest)
+        snap.committed = True
+        self._last = snap
+        if self.asynchronous:
+            self._queue.put(("commit", snap))
+        else:
+            self._finish(snap)
+            self.wait()
+        return True
+
+    def load(self, path: str, map_location=None):
+        with open(path, "rb") as f:
+            head = f.read(len(_FORMAT_MAGIC))
+        if head == _FORMAT_MAGIC:
+            from io_engine import read_snapshot_file
+            raw = read_snapshot_file(path)
+            items = {}
+            for key, (view, meta) in raw.items():
+                if meta.kind == "object":
+                    items[key] = bytes(view)
+                elif meta.nbytes == 0:  # torch.frombuffer refuses an empty buffer
+                    t = torch.empty(tuple(meta.shape), dtype=getattr(torch, meta.dtype))
+                else:
+                    t = torch.frombuffer(view, dtype=torch.uint8).view(getattr(torch, meta.dtype))
+                    t = t.reshape(tuple(meta.shape))
+                    if isinstance(map_location, (str, torch.device)):
+                        t = t.to(map_location)
+                    items[key] = t
+            return DictStateProvider.rebuild(items)
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    # ---------------------------------------------------------------- waits
+    def wait_captured(self) -> float:
+        """Block until every queued file is captured (sources may change after). Returns the
+        seconds waited. Raises :class:`SnapshotWriteError` after ``timeout_s``."""
+        jobs = [j for s in (self._last, self._current) if s is not None for j in s.jobs]
+        t0 = time.perf_counter()
+        for j in jobs:
+            if not j.captured.wait(self.timeout_s):
+                raise SnapshotWriteError(f"capture of {j.path} did not finish within {self.timeout_s:.0f} s")
+        waited = time.perf_counter() - t0
+        self.stats["capture_wait_s"] += waited
+        return waited
+
+    def wait(self) -> None:
+        """Block until the last committed snapshot is published or failed, on every rank.
+
+        Raises:
+            SnapshotWriteError: some rank failed to write (names the rank and the error), or the
+                outcome was not known within ``timeout_s``; ``latest`` names the previous snapshot.
+        """
+        snap, self._last = self._last, None
+        if snap is None:
+            return
+        key = f"{snap.key}/outcome"
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise SnapshotWriteError(f"snapshot {snap.final_dir}: no outcome within {self.timeout_s:.0f} s "
+                                     f"({err}); 'latest' still names {read_latest(snap.info.save_dir)!r}") from None
+        outcome = self.store.get(key).decode()
+        for j in snap.jobs:
+            self.stats["persist_s"] += j.seconds
+            self.stats["bytes"] += j.nbytes
+        if outcome != "ok":
+            raise SnapshotWriteError(f"snapshot {snap.final_dir} was not committed, a write failed "
+                                     f"({outcome.removeprefix('failed: ')}); 'latest' still names "
+                                     f"{read_latest(snap.info.save_dir)!r}")
+
+    def close(self) -> None:
+        """Finish pending work (bounded by ``timeout_s``), stop the worker, free the host cache.
+        Safe to call twice and on a half-built engine."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        err = None
+        try:
+            self.wait()
+        except SnapshotWriteError as e:
+            err = e
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(self.timeout_s)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._stores.clear()
+        if err is not None:
+            logger.info(f"{err}")
+
+    def cleanup(self):
+        self.close()

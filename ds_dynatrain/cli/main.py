@@ -1,0 +1,211 @@
+"""The ``dynatrain`` command line.
+
+::
+
+    dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
+    dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
+    dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
+    dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
+    dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
+    dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
+    dynatrain inspect CKPT_DIR [--tag T] [--json]
+    dynatrain verify CKPT_DIR [--tag T]
+    dynatrain export CKPT_DIR --out model.safetensors [--dtype fp32|bf16] [--tag T]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from ..errors import ConfigError, DynatrainError, ResizeRefusedError, TransitionAbortedError
+from ..log import log_to_console
+
+
+def _cmd_launch(a) -> int:
+    from ..elastic.launch import launch
+    try:
+        return launch(a.script, a.script_args, a.nproc, a.config, a.store, nnodes=getattr(a, "nnodes", 1),
+                      node_rank=getattr(a, "node_rank", 0), join=a.command == "join")
+    except ConfigError as err:
+        print(f"dynatrain {a.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _cmd_resize(a) -> int:
+    from ..elastic.requests import request_resize
+    host, _, port = a.store.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"dynatrain resize: --store {a.store!r}: expected HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        answer = request_resize(host, int(port), a.world_size, a.timeout)
+    except ResizeRefusedError as err:
+        print(f"dynatrain resize: refused: {err}", file=sys.stderr)
+        return 2
+    except TransitionAbortedError as err:
+        print(f"dynatrain resize: {err}", file=sys.stderr)
+        return 1
+    print(answer["message"])
+    return 0
+
+
+def _cmd_plot(a) -> int:
+    from .plot import plot_losses
+    try:
+        plot_losses(a.metrics, a.out, static_path=a.static, title=a.title)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"dynatrain plot: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}")
+    return 0
+
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _cmd_plan(a) -> int:
+    from .plan import plan_report, print_report
+    try:
+        rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, DTYPE_NAMES.get(a.dtype, a.dtype),
+                          a.assignment)
+    except ConfigError as err:
+        print(f"dynatrain plan: {err}", file=sys.stderr)
+        return 2
+    print_report(rep, a.json)
+    return 0
+
+
+def _cmd_inspect(a) -> int:
+    from ..checkpoint.inspect import inspect_report
+    from .report import print_inspect
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain inspect: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        rep = inspect_report(a.dir, a.tag)
+    except DynatrainError as err:  # CheckpointIncompleteError: missing or damaged files
+        print(f"dynatrain inspect: {err}", file=sys.stderr)
+        return 1
+    print_inspect(rep, a.json)
+    return 0
+
+
+def _cmd_verify(a) -> int:
+    from ..checkpoint.inspect import verify_checkpoint
+    from .report import print_verify
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain verify: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    rep = verify_checkpoint(a.dir, a.tag)
+    print_verify(rep)
+    return 0 if rep.ok else 1
+
+
+def _cmd_export(a) -> int:
+    from ..checkpoint.consolidate import EXPORT_DTYPES, export_safetensors
+    if not os.path.isdir(a.dir):
+        print(f"dynatrain export: {a.dir}: not a directory", file=sys.stderr)
+        return 2
+    parent = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(parent):
+        print(f"dynatrain export: --out {a.out}: directory {parent} does not exist", file=sys.stderr)
+        return 2
+    try:
+        st = export_safetensors(a.dir, a.out, EXPORT_DTYPES[a.dtype], a.tag)
+    except (DynatrainError, ValueError) as err:  # damaged checkpoint; a dtype safetensors cannot name
+        print(f"dynatrain export: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"dynatrain export: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
+          f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s")
+    return 0
+
+
+def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: str) -> None:
+    """The arguments ``launch`` and ``join`` share: the config, the script and its arguments."""
+    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("script", help=script_help)
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
+                                "and resilience snapshots.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
+    lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
+    lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
+    lp.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store")
+    lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
+                    "on several hosts an address of node 0 and a fixed port)")
+    _job_arguments(lp, "DeepSpeed JSON config, with an optional \"dynatrain\" section",
+                   "training script; it receives its arguments plus --deepspeed_config CONFIG")
+
+    jp = sub.add_parser("join", help="add this host's workers to a running job (a grow, served at a step boundary)")
+    jp.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    jp.add_argument("--nproc", type=int, required=True, help="workers this host adds")
+    _job_arguments(jp, "the job's DeepSpeed JSON config", "the job's training script")
+
+    rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
+    rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
+    rp.add_argument("--world-size", type=int, required=True, help="the new data-parallel world size")
+    rp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job's answer")
+    rp.set_defaults(func=_cmd_resize)
+
+    qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
+    qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
+    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3; default 2)")
+    qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
+    qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
+    qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", *DTYPE_NAMES],
+                    help="working dtype of the parameters (default bfloat16; fp32 training moves no master)")
+    qp.add_argument("--assignment", default="best", choices=["best", "keep"],
+                    help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r")
+    qp.add_argument("--json", action="store_true", help="one JSON object")
+    qp.set_defaults(func=_cmd_plan)
+
+    pp = sub.add_parser("plot", help="plot loss against step with the resizes marked")
+    pp.add_argument("metrics", help="metrics JSON-lines file of the elastic run")
+    pp.add_argument("--static", default=None, help="metrics of the same job run without resizes")
+    pp.add_argument("--out", required=True, help="PNG to write")
+    pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job")
+    pp.set_defaults(func=_cmd_plot)
+
+    tag_help = "checkpoint tag, a directory under DIR (default: the one DIR/latest names)"
+    ip = sub.add_parser("inspect", help="what a checkpoint holds: world size, ZeRO stage, step, parameters, bytes")
+    ip.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    ip.add_argument("--tag", default=None, help=tag_help)
+    ip.add_argument("--json", action="store_true", help="one JSON object")
+    ip.set_defaults(func=_cmd_inspect)
+
+    vp = sub.add_parser("verify", help="check a checkpoint complete and intact: every file, checksum and fragment "
+                        "(exit status 0: intact, 1: not)")
+    vp.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    vp.add_argument("--tag", default=None, help=tag_help)
+    vp.set_defaults(func=_cmd_verify)
+
+    ep = sub.add_parser("export", help="write the consolidated full weights as one safetensors file")
+    ep.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
+    ep.add_argument("--out", required=True, help="safetensors file to write (e.g. model.safetensors)")
+    ep.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="dtype of the floating-point tensors (integer buffers keep theirs)")
+    ep.add_argument("--tag", default=None, help=tag_help)
+    ep.set_defaults(func=_cmd_export)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one ``dynatrain`` command; returns its exit status (0 ok, 1 failed, 2 refused input)."""
+    a = build_parser().parse_args(argv)
+    log_to_console()
+    if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
+        print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    return a.func(a)
+

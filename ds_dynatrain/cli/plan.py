@@ -1,0 +1,106 @@
+"""``dynatrain plan``: the transition plan of a Hugging Face model between two world sizes, from
+metadata alone (the model is built on the meta device; no process starts, no memory is used)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+from ..errors import ConfigError
+from ..planner.assignment import assign_members, assign_members_best
+from ..planner.plan import plan_transition
+from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
+
+# bytes per element a resize moves: fp32 master + Adam exp_avg + exp_avg_sq in bf16/fp16 training;
+# in fp32 training the master is not moved (the rebuild copies it from the working parameters)
+STATE_BYTES_PER_ELEMENT = {"bfloat16": 12, "float16": 12, "float32": 8}
+MAX_INFLIGHT_BYTES = 256 << 20  # the default bound of bytes in flight (dynatrain.max_inflight_bytes)
+
+
+def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
+                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> ZeroLayout:
+    """The ZeRO layout of the causal LM described by a Hugging Face config file (one group).
+
+    Raises:
+        ConfigError: unreadable config, or a ZeRO stage other than 1, 2 or 3.
+    """
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"--zero-stage {stage}: ZeRO stages 1, 2 and 3 have partitions to plan")
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:  # pragma: no cover - the examples extra
+        raise ConfigError(f"dynatrain plan needs transformers (pip install 'ds_dynatrain[examples]'): {err}")
+    if not os.path.isfile(model_config):
+        raise ConfigError(f"--model-config {model_config!r}: no such file (a Hugging Face config.json)")
+    try:
+        cfg = AutoConfig.from_pretrained(model_config)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--model-config {model_config!r}: {err}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    metas = tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
+    return ZeroLayout(world_size, (metas,), stage=stage, sub_group_size=sub_group_size)
+
+
+def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16",
+                assignment: str = "best") -> dict:
+    """Per-rank and total bytes of the transition: the fp32 master and two Adam moments in
+    bf16/fp16 training, the two moments in fp32 training (the master is not moved), bytes.
+
+    ``peak_extra_bytes`` of a rank: its new partitions of the moved state (allocated beside the
+    old ones), plus the staging of at most the default ``max_inflight_bytes`` (received bytes
+    land in place), plus, at ZeRO stage 3, the working parameters gathered whole for the
+    rebuild; 0 when the world size does not change (nothing happens).
+    """
+    if old_ws < 1 or new_ws < 1:
+        raise ConfigError("--from and --to must be >= 1")
+    old = model_layout(model_config, old_ws, stage, dtype)
+    t0 = time.perf_counter()
+    new = old.with_world_size(new_ws)
+    members = [f"m{i}" for i in range(old_ws)]
+    joiners = [f"j{i}" for i in range(max(0, new_ws - old_ws))]
+    if assignment == "best":
+        new_members = assign_members_best(old, new, members, joiners)
+    else:
+        new_members = assign_members(members, new_ws, joiners)
+    plan = plan_transition(old, new, members, new_members)
+    seconds = time.perf_counter() - t0
+    b = STATE_BYTES_PER_ELEMENT[dtype]
+    whole = sum(p.numel * p.element_size for g in old.groups for p in g) if stage == 3 else 0
+    ranks = []
+    for r, m in enumerate(new_members):
+        recv = sum(t.numel for ts in plan.receives_of(m).values() for t in ts) * b
+        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
+        kept = sum(t.numel for t in plan.keeps_of(m)) * b
+        part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
+        peak = 0 if old_ws == new_ws else part + min(recv + sent, MAX_INFLIGHT_BYTES) + whole
+        ranks.append({"rank": r, "member": m, "bytes_kept": kept, "bytes_sent": sent, "bytes_received": recv,
+                      "peak_extra_bytes": peak})
+    for m in plan.leavers:
+        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
+        ranks.append({"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0,
+                      "peak_extra_bytes": 0})
+    return {"model_config": model_config, "zero_stage": stage, "from": old_ws, "to": new_ws, "assignment": assignment,
+            "dtype": dtype, "bytes_per_element": b,
+            "parameters": sum(p.numel for p in old.groups[0]), "bytes_moved": plan.numel_moved * b,
+            "bytes_kept": plan.numel_kept * b, "plan_seconds": seconds, "transfers": len(plan.transfers),
+            "ranks": ranks}
+
+
+def print_report(rep: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rep))
+        return
+    gib = 1 << 30
+    print(f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {rep['from']} -> {rep['to']} ranks, "
+          f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers")
+    print(f"{'rank':>5} {'member':>7} {'kept GiB':>9} {'sent GiB':>9} {'recv GiB':>9} {'peak extra GiB':>15}")
+    for r in rep["ranks"]:
+        rank = "leave" if r["rank"] is None else str(r["rank"])
+        print(f"{rank:>5} {r['member']:>7} {r['bytes_kept'] / gib:>9.2f} {r['bytes_sent'] / gib:>9.2f} "
+              f"{r['bytes_received'] / gib:>9.2f} {r['peak_extra_bytes'] / gib:>15.2f}")
+    total = rep["bytes_moved"] + rep["bytes_kept"]
+    print(f"total: {rep['bytes_moved'] / gib:.1f} GiB moved, {rep['bytes_kept'] / gib:.1f} GiB kept in place "
+          f"({100 * rep['bytes_kept'] / total:.1f} %)")

@@ -1,0 +1,352 @@
+"""The launcher agent: hosts the job's ``TCPStore`` and starts worker processes.
+
+``dynatrain launch --nproc N --config CFG script.py [args...]`` runs ``script.py args...
+--deepspeed_config CFG`` in N worker processes (the ``--deepspeed_config`` flag is DeepSpeed's
+own convention, see ``deepspeed.add_config_arguments``). The agent, not a worker, hosts the
+store, so that any worker may leave. While the job runs it starts the joiners that workers ask
+for at a resize (store keys of :mod:`ds_dynatrain.membership`).
+
+Several hosts: the same agent runs on each, ``dynatrain launch --nnodes N --node-rank R --nproc K
+--store HOST:PORT``; node 0 hosts the store at HOST:PORT (an address of node 0 the others reach),
+node R starts ranks ``R*K .. R*K+K-1``. ``dynatrain join --store HOST:PORT --nproc K`` starts an
+agent on one more host that asks the job to grow by K ranks there (a request in the same queue as
+``dynatrain resize``). Joiners of a grow start on the host the request names, else on the host with
+the most free slots (each agent offers ``--nproc`` slots). Node 0's agent keeps the store up until
+every agent's workers have exited.
+
+A worker that exits with status 0 has finished or left the job at a resize. When a worker fails
+(killed without notice, or an error; a whole host lost makes its peers fail within
+``collective_timeout_s``) and the job takes snapshots with ``restore_on_failure``, its agent
+publishes a restart: every agent kills its workers and starts its share of a new generation on the
+largest world size the live workers can serve, from the latest complete snapshot
+(``DYNATRAIN_RESTORE``; the workers load it at that world size). Otherwise a failure ends the job:
+every agent kills its workers and exits with the failing worker's status.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Dict, Optional, Sequence
+
+import torch.distributed as tdist
+
+from io_engine import read_latest
+
+from ..log import logger
+from .keys import (ANSWER_KEY, CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, GEN_KEY, JOINER_FAILED_KEY, MEMBER_NODE_KEY,
+                   NODE_ALIVE_KEY, NODE_COUNT, NODE_DONE_KEY, NODE_KEY, REQUEST_COUNT, REQUEST_KEY, RESTART_COUNT,
+                   RESTART_KEY, SPAWN_COUNT, SPAWN_KEY, SWITCH_KEY)
+from .launch_env import LaunchContext, member_id
+from .membership import connect_store, next_generation
+from .placement import HEARTBEAT_LOST_S
+
+POLL_S = 0.05
+GRACE_S = 10.0
+
+
+class Agent:
+    """Starts and watches the workers of one job on this host.
+
+    Args:
+        script: the training script.  script_args: its arguments.
+        nproc: workers at launch.  config: path of the DeepSpeed config (passed on).
+        store_host, store_port: where the store listens (port 0: any free port).
+        python: interpreter for the workers.
+    """
+
+    def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
+                 store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable,
+                 restore_dir: Optional[str] = None, largest=None, max_restores: int = 3,
+                 nnodes: int = 1, node_rank: int = 0, join: bool = False, connect_timeout_s: float = 60.0):
+        self.script = script
+        self.script_args = list(script_args)
+        self.nproc = nproc
+        self.config = config
+        self.python = python
+        self.nnodes = nnodes
+        self.joining = join
+        self.master = node_rank == 0 and not join
+        if self.master:
+            self.store = tdist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=60))
+            self.store.add(NODE_COUNT, nnodes)
+        else:
+            self.store = connect_store(store_host, store_port, connect_timeout_s)
+        self.node = int(self.store.add(NODE_COUNT, 1)) - 1 if join else node_rank
+        self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": nproc}))
+        self.store_host = store_host
+        self._restarts_seen = 0
+        self.local_ranks: Dict[str, int] = {}
+        self.joiner_of: Dict[str, int] = {}  # joiners this agent started -> their generation
+        self._join_request: Optional[int] = None
+        self.workers: Dict[str, subprocess.Popen] = {}
+        self.exit_codes: Dict[str, int] = {}
+        self._spawns_seen = 0
+        self._cancels_seen = 0
+        self._stopping = False
+        self._stop_signal: Optional[int] = None
+        self.restore_dir = restore_dir  # snapshots to restart from when a worker dies (None: do not)
+        self.largest = largest or (lambda alive: alive)  # the largest world size <= alive that keeps the batch
+        self.restores_left = max_restores
+        self._restore_env = False
+
+    @property
+    def store_port(self) -> int:
+        return self.store.port
+
+    def _nodes(self) -> int:
+        return int(self.store.add(NODE_COUNT, 0))
+
+    def _start(self, ctx: LaunchContext) -> None:
+        # the local rank is this host's own index of the process (its device), whatever its rank
+        used = {self.local_ranks.get(m) for m, p in self.workers.items() if p.poll() is None}
+        local = next(i for i in range(len(used) + 1) if i not in used)
+        self.local_ranks[ctx.member] = local
+        ctx = dataclasses.replace(ctx, local_rank=local)
+        if self._restore_env:
+            ctx = dataclasses.replace(ctx, restore_dir=self.restore_dir)
+        env = dict(os.environ)
+        env.update(ctx.worker_environ())
+        env["MASTER_PORT"] = str(self.store_port)
+        cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
+        self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
+        self.workers[ctx.member] = subprocess.Popen(cmd, env=env)
+
+    def _poll_spawns(self) -> None:
+        n = int(self.store.add(SPAWN_COUNT, 0))
+        while self._spawns_seen < n:
+            req = json.loads(self.store.get(SPAWN_KEY.format(self._spawns_seen)))
+            self._spawns_seen += 1
+            nodes = req.get("nodes") or {}
+            for rank, member in zip(req["ranks"], req["members"]):
+                if int(nodes.get(member, 0)) != self.node:
+                    continue
+                logger.info(f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
+                            f"world size {req['world_size']})")
+                self.joiner_of[member] = int(req["generation"])
+                self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
+                                          int(req["world_size"]), int(rank), joiner=True))
+
+    def _poll_cancels(self) -> None:
+        """Stop joiners whose generation will not be formed; their exit status does not count."""
+        n = int(self.store.add(CANCEL_COUNT, 0))
+        while self._cancels_seen < n:
+            req = json.loads(self.store.get(CANCEL_KEY.format(self._cancels_seen)))
+            self._cancels_seen += 1
+            for member in req["members"]:
+                p = self.workers.pop(member, None)
+                self.exit_codes.pop(member, None)
+                if p is None:
+                    continue
+                logger.info(f"agent: stopping joiner {member}: generation {req['generation']} will not be formed")
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(timeout=GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+        self._stop_all(signal.Signals(signum))
+
+    def _stop_all(self, sig=signal.SIGTERM) -> None:
+        self._stopping = True
+        for p in self.workers.values():
+            if p.poll() is None:
+                p.send_signal(sig)
+        deadline = time.monotonic() + GRACE_S
+        for p in self.workers.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _died_before_joining(self, member: str) -> bool:
+        """A joiner that died before its generation started forming held no state: the job gives
+        the request up (rank 0 reads the mark) instead of stopping or restarting."""
+        g = self.joiner_of.get(member)
+        if g is None or not self.store.check([GEN_KEY.format(g)]):
+            return False
+        step = json.loads(self.store.get(GEN_KEY.format(g)))["step"]
+        if self.store.check([SWITCH_KEY.format(g, step)]):
+            return False
+        self.store.set(JOINER_FAILED_KEY.format(member), "1")
+        return True
+
+    def _publish_alive(self) -> None:
+        """This node's running workers and a heartbeat (for the restart size and node 0's wait)."""
+        alive = sum(1 for m, p in self.workers.items() if m not in self.exit_codes and p.poll() is None)
+        now = time.monotonic()
+        if alive != getattr(self, "_alive_sent", None) or now - getattr(self, "_beat_sent", 0.0) > 1.0:
+            self.store.set(NODE_ALIVE_KEY.format(self.node), json.dumps({"alive": alive, "time": time.time()}))
+            self._alive_sent, self._beat_sent = alive, now
+
+    def _restart(self, dead: str, why: str) -> bool:
+        """Publish a restart of the job from its latest snapshot on the live workers of every node
+        (or the largest size below their number that keeps the global batch), in a new
+        generation; every agent applies it (:meth:`_poll_restarts`). False when it cannot."""
+        if self.restore_dir is None or self.restores_left <= 0 or read_latest(self.restore_dir) is None:
+            return False
+        self._publish_alive()
+        alive = {}
+        for i in range(self._nodes()):
+            key = NODE_ALIVE_KEY.format(i)
+            if self.store.check([key]):
+                beat = json.loads(self.store.get(key))
+                if i == self.node or time.time() - beat["time"] <= HEARTBEAT_LOST_S:  # a lost host serves nothing
+                    alive[i] = int(beat["alive"])
+        size = self.largest(sum(alive.values()))
+        if size == 0:
+            return False
+        ranks, r = {}, 0
+        for node in sorted(alive):
+            k = min(alive[node], size - r)
+            if k > 0:
+                ranks[str(node)] = list(range(r, r + k))
+                r += k
+        tag = read_latest(self.restore_dir)
+        logger.info(f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
+                    f"{tag} in {self.restore_dir}")
+        self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
+        return True
+
+    def _post_restart(self, rec: dict) -> None:
+        i = int(self.store.add(RESTART_COUNT, 1)) - 1
+        self.store.set(RESTART_KEY.format(i), json.dumps(rec))
+
+    def _poll_restarts(self) -> Optional[int]:
+        """Apply restarts published by any agent: kill this node's workers, start its share of the
+        new generation. Returns an exit status when the job was stopped instead."""
+        n = int(self.store.add(RESTART_COUNT, 0))
+        while self._restarts_seen < n:
+            rec = json.loads(self.store.get(RESTART_KEY.format(self._restarts_seen)))
+            self._restarts_seen += 1
+            for p in self.workers.values():
+                if p.poll() is None:
+                    p.kill()
+            for p in self.workers.values():
+                p.wait()
+            self.workers.clear()
+            self.exit_codes.clear()
+            if "stop" in rec:
+                return int(rec["stop"])
+            self.restores_left -= 1
+            self._restore_env = True
+            g, size = int(rec["generation"]), int(rec["world_size"])
+            for r in rec["ranks"].get(str(self.node), []):
+                self._start(LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False))
+        return None
+
+    def _request_join(self) -> None:
+        """``dynatrain join``: ask the job to grow by this node's slots, joiners placed here."""
+        i = int(self.store.add(REQUEST_COUNT, 1)) - 1
+        self.store.set(REQUEST_KEY.format(i), json.dumps({"join": self.node, "slots": self.nproc}))
+        self._join_request = i
+        logger.info(f"agent: node {self.node} asks the job to grow by {self.nproc} rank(s) (request {i})")
+
+    def _join_refused(self) -> Optional[str]:
+        if self._join_request is None or not self.store.check([ANSWER_KEY.format(self._join_request)]):
+            return None
+        answer = json.loads(self.store.get(ANSWER_KEY.format(self._join_request)))
+        self._join_request = None
+        return None if answer["ok"] else answer["message"]
+
+    def _others_running(self) -> bool:
+        """Whether another node's agent still runs workers (node 0 keeps the store up for them)."""
+        for i in range(self._nodes()):
+            if i == self.node or self.store.check([NODE_DONE_KEY.format(i)]):
+                continue
+            key = NODE_ALIVE_KEY.format(i)
+            if not self.store.check([key]):
+                continue
+            if time.time() - json.loads(self.store.get(key))["time"] < HEARTBEAT_LOST_S:
+                return True
+        return False
+
+    def _end(self, rc: int) -> int:
+        self.store.set(NODE_DONE_KEY.format(self.node), str(rc))
+        if self.master:
+            while self._others_running():  # the store must outlive every node's workers
+                time.sleep(POLL_S * 4)
+        return rc
+
+    def run(self) -> int:
+        """Start this node's workers and wait for them. Returns 0 when every worker exited with 0,
+        else the first failing worker's status."""
+        if self.joining:
+            self._request_join()
+        else:
+            world = self.nproc * self.nnodes
+            for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
+                self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, world, r, False))
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                if not self._stopping:
+                    stopped = self._poll_restarts()
+                    if stopped is not None:
+                        return self._end(stopped)
+                    self._poll_cancels()
+                    self._poll_spawns()
+                    refused = self._join_refused()
+                    if refused:
+                        logger.info(f"agent: the job refused to grow: {refused}")
+                        return self._end(2)
+                self._publish_alive()
+                for member, p in list(self.workers.items()):
+                    if member in self.exit_codes:
+                        continue
+                    rc = p.poll()
+                    if rc is None:
+                        continue
+                    self.exit_codes[member] = rc
+                    if rc != 0 and not self._stopping:
+                        self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
+                        if member not in self.workers:
+                            continue
+                        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+                        if self._died_before_joining(member):
+                            logger.info(f"agent: joiner {member} died before it joined ({why}); the job gives its "
+                                        "generation up and goes on")
+                            continue
+                        seen = self._restarts_seen
+                        stopped = self._poll_restarts()
+                        if stopped is not None:
+                            return self._end(stopped)
+                        if self._restarts_seen != seen or not self.workers:
+                            break  # another agent restarted the job first: look afresh
+                        if self._restart(member, why):
+                            break  # the restart is applied at the top of the loop
+                        logger.info(f"agent: worker {member} failed ({why}); stopping the job")
+                        code = rc if rc > 0 else 128 - rc
+                        self._post_restart({"stop": code})
+                        # not SIGTERM: a worker takes that as a preemption notice and would wait for
+                        # a step boundary its failed peer never reaches
+                        self._stop_all(signal.SIGKILL)
+                        return self._end(code)
+                waiting_for_join = self.joining and self._join_request is not None
+                if len(self.exit_codes) == len(self.workers) and not waiting_for_join:
+                    self._poll_cancels()
+                    self._poll_spawns()
+                    if len(self.exit_codes) == len(self.workers):
+                        self._publish_alive()
+                        if self._stopping:
+                            return self._end(128 + (self._stop_signal or signal.SIGTERM))
+                        if self.store.check([ENDED_KEY]):
+                            logger.info(f"agent: every member was preempted after step "
+                                        f"{self.store.get(ENDED_KEY).decode()}; the job did not finish")
+                            return self._end(128 + signal.SIGTERM)
+                        return self._end(0)
+                time.sleep(POLL_S)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)

@@ -1,0 +1,164 @@
+"""The step boundary: what happens after each optimizer step, the same decision on every rank.
+
+One all-reduce (:mod:`~ds_dynatrain.engine.vote`) carries the loss, rank 0's pending request,
+the preemption notices, the standby processes found gone and how the background builds of a
+prepared request stand. Then, in this order: the step record, the periodic snapshot, and at most
+one change of the world: a prepared request given up (a preemption, a scheduled resize or a
+failed build came first), the preempted members leaving, the scheduled resize, the switch to a
+prepared world, or a new request served; finally joiners of a scheduled grow are started ahead.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Tuple
+
+import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
+
+from ..batch import largest_world_size
+from ..elastic.keys import ENDED_KEY
+from ..log import logger
+from ..zero.state import relink_optimizer_state
+from .members import request_joiners
+from .records import SnapshotRecord, StepRecord, format_step
+from .requests import abandon, finish_request, serve_request
+from .state import ElasticState
+from .vote import StepTally, StepVote, exchange
+
+
+def after_optimizer_step(engine) -> None:
+    """Run the step boundary after optimizer step ``engine.global_steps`` (collective)."""
+    dt = engine._dt
+    step = engine.global_steps
+    if not dt.hp_linked:
+        # DeepSpeed 0.19.8 (stage_1_and_2.py ``_optimizer_step``) links every parameter's
+        # optimizer-state fragment right after group 0's first step, when the later groups
+        # have no state yet, and never again: ``safe_get_full_optimizer_state`` then fails
+        # for every parameter outside group 0. Link once more now that all groups have state.
+        relink_optimizer_state(engine)
+        dt.hp_linked = True
+    prep = dt.preparing
+    ready, error = prep.state(dt, engine.global_rank == 0) if prep is not None else (False, None)
+    request = _read_request(engine) if prep is None and step not in dt.schedule else None
+    gone = _gone_standby(engine)
+    vote = StepVote(loss_sum=dt.loss_sum, loss_count=dt.loss_count, request=request, preempted=dt.preempted,
+                    standby_gone=gone, ready=ready, failed=error is not None)
+    tally = exchange(vote, engine.global_rank, engine.dp_world_size, len(dt.standby),
+                     get_accelerator().current_device_name())
+    if tally.standby_gone:
+        dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
+    dt.loss_sum, dt.loss_count = 0.0, 0
+    _record_step(engine, tally)
+    _snapshot(engine)
+    _decide(engine, tally, error)
+
+
+def _read_request(engine) -> Optional[Tuple[int, int]]:
+    """Rank 0: the next request of the store as ``(index, world size)`` (a ``dynatrain join`` is a
+    grow by its slots, its joiners placed on its node), or None."""
+    dt = engine._dt
+    if dt.membership is None or engine.global_rank != 0:
+        return None
+    request = dt.membership.pending_request(dt.requests_seen)
+    if request is None:
+        return None
+    index, body = request
+    if "join" in body:
+        dt.join_node = (index, int(body["join"]))
+        return index, engine.dp_world_size + int(body["slots"])
+    return index, int(body["world_size"])
+
+
+def _gone_standby(engine) -> frozenset:
+    """Rank 0: indices of the standby processes that are gone (preempted while standing by)."""
+    dt = engine._dt
+    if dt.membership is None or engine.global_rank != 0 or not dt.standby:
+        return frozenset()
+    gone = set(dt.membership.gone_standby(dt.standby))
+    return frozenset(i for i, m in enumerate(dt.standby) if m in gone)
+
+
+def _record_step(engine, tally: StepTally) -> None:
+    dt, step = engine._dt, engine.global_steps
+    if engine.global_rank != 0:
+        return
+    lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
+    rec = StepRecord(step=step, world_size=engine.dp_world_size, loss=tally.loss, lr=lr)
+    dt.metrics.write(rec)
+    if dt.membership is not None:
+        dt.membership.set_last_step(step)  # a restore from a snapshot counts the steps it loses
+    if step % dt.config.log_interval_steps == 0:
+        logger.info(format_step(rec))
+
+
+def _snapshot(engine) -> None:
+    dt, step = engine._dt, engine.global_steps
+    snap = dt.config.snapshot
+    if not (snap.interval_steps and step % snap.interval_steps == 0):
+        return
+    t0 = time.perf_counter()
+    engine.save_checkpoint(snap.dir, tag=f"global_step{step}")
+    if engine.global_rank == 0:
+        dt.metrics.write(SnapshotRecord(step=step, save_s=time.perf_counter() - t0, dir=snap.dir))
+
+
+def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
+    """At most one change of the world at this boundary (the order of the module docstring)."""
+    dt = engine._dt
+    prep = dt.preparing
+    target = dt.schedule.get(engine.global_steps)
+    if prep is not None and (tally.preempted or target is not None or tally.failed):
+        why = (f"the new world could not be formed: {error or f'{tally.failed} rank(s) could not build its groups'}"
+               if tally.failed and not tally.preempted and target is None
+               else "a preemption or a scheduled resize came first")
+        abandon(engine, prep, why)
+        prep = None
+    if tally.preempted:
+        leave_preempted(engine, tally.preempted)
+    elif target is not None:
+        engine.resize(target)
+    elif prep is not None:
+        if tally.ready == engine.dp_world_size:
+            finish_request(engine, prep)
+    elif tally.request is not None:
+        serve_request(engine, *tally.request)
+    if engine.is_member:
+        spawn_ahead(engine)
+
+
+def leave_preempted(engine, ranks) -> None:
+    """Members that received SIGTERM (``ranks``) leave now, after handing over their partitions:
+    the job shrinks to the largest world size the others can serve (the global batch rule
+    decides; surplus processes leave too)."""
+    dt = engine._dt
+    leavers = tuple(dt.members[r] for r in sorted(ranks))
+    size = largest_world_size(dt.global_batch, dt.micro_batch, engine.dp_world_size - len(leavers),
+                              dt.config.max_world_size)
+    if engine.global_rank == 0:
+        logger.info(f"preemption of {list(leavers)} after step {engine.global_steps}: "
+                    + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends"))
+    if size == 0:
+        if engine.global_rank == 0:
+            dt.membership.store.set(ENDED_KEY, str(engine.global_steps))  # the launcher exits non-zero
+        dt.retired = True
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        return
+    engine.resize(size, must_leave=leavers)
+
+
+def spawn_ahead(engine) -> None:
+    """Ask the agent to start the joiners of the next scheduled grow a few steps early, so that
+    their start-up (imports, model construction) overlaps training."""
+    dt: ElasticState = engine._dt
+    if dt.membership is None or not engine.is_member or dt.preparing is not None:
+        return  # a request being prepared owns the next generation
+    upcoming = [(s, w) for s, w in sorted(dt.schedule.items()) if s >= engine.global_steps]
+    if not upcoming:
+        return
+    step, world_size = upcoming[0]
+    if step == engine.global_steps or world_size <= engine.dp_world_size:
+        return
+    if step - engine.global_steps > dt.config.spawn_lookahead_steps:
+        return
+    request_joiners(engine, world_size)

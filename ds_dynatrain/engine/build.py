@@ -1,0 +1,106 @@
+"""The first build of an elastic engine in a worker: the launch context, the job's store and first
+generation, DeepSpeed's set-up on our object, or joining a running job; then the restore of a
+restarted job and the exit hooks."""
+from __future__ import annotations
+
+import atexit
+from typing import List
+
+import torch
+import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
+
+from ..config import ConfigError, DynatrainConfig, check_elastic_config
+from ..elastic.launch_env import LaunchContext, member_id
+from ..elastic.membership import GenerationRecord, Membership
+from ..errors import NotAMemberError
+from ..log import logger
+from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
+from .construct import construct, ds_config_for
+from .elastic_engine import ElasticEngine
+from .join import join_generation
+from .lifecycle import at_thread_shutdown, close_at_exit, restore, shutdown, take_preemption_notices
+from .members import form_generation
+from .records import MetricsWriter
+from .state import ElasticState
+
+
+def client_groups(model: torch.nn.Module, optimizer, model_parameters) -> List[list]:
+    """The parameter groups DeepSpeed will build the optimizer over, as lists of parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [list(g["params"]) for g in optimizer.param_groups]
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if params and isinstance(params[0], dict):
+        return [list(g["params"]) for g in params]
+    return [params]
+
+
+def start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config: dict, dt_cfg: DynatrainConfig,
+                 collate_fn=None, distributed_port: int = 29500, dist_init_required=None) -> ElasticEngine:
+    """An :class:`ElasticEngine` for this worker: built on the job's first generation, or joined
+    to the running job (a process the launcher started as a joiner), or built on
+    ``torch.distributed`` as ``deepspeed.initialize`` would be outside ``dynatrain launch``.
+
+    Raises:
+        ConfigError: batch keys or a schedule the job cannot serve, or a schedule outside
+            ``dynatrain launch``.
+        NotAMemberError: a joiner whose generation was cancelled.
+    """
+    import deepspeed
+
+    accelerator = get_accelerator()
+    skip_cpu_shm_op(accelerator)
+    ctx = LaunchContext.from_environ()
+    atexit.register(shutdown)
+    backend = accelerator.communication_backend_name()
+    membership = None
+    if ctx is None:
+        if dt_cfg.resize_schedule:
+            raise ConfigError("dynatrain.resize_schedule needs the job to be started by `dynatrain launch`")
+        deepspeed.init_distributed(dist_backend=backend, distributed_port=distributed_port,
+                                   dist_init_required=dist_init_required)
+        world_size, rank, generation = tdist.get_world_size(), tdist.get_rank(), 0
+        member = member_id(0, rank)
+    else:
+        membership = Membership(ctx, dt_cfg.collective_timeout_s, backend, on_new_default=reset_deepspeed_comm)
+        world_size, rank, member, generation = ctx.world_size, ctx.rank, ctx.member, ctx.generation
+    # the launch world size, and every scheduled one, must keep the global batch
+    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
+    dt = ElasticState(config=dt_cfg, ds_config=ds_config, global_batch=global_batch, micro_batch=micro,
+                      membership=membership, member=member, members=(), generation=generation, backend=backend,
+                      metrics=MetricsWriter(dt_cfg.metrics_path), collate_fn=collate_fn)
+    engine = ElasticEngine.__new__(ElasticEngine)
+    engine._dt = dt
+    if ctx is not None and ctx.joiner:
+        _join(engine, ctx, model, optimizer, model_parameters, lr_scheduler)
+    else:
+        dt.members = tuple(member_id(generation, r) for r in range(world_size))
+        dt.history = [dt.members]
+        if ctx is not None:
+            form_generation(dt, generation, dt.members, dt_cfg.collective_timeout_s)
+        construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
+                  ds_config_for(dt, dt.split(world_size), client_objects=False))
+        if ctx is not None and rank == 0:
+            membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
+            membership.publish_job(global_batch, micro, dt_cfg.max_world_size, world_size)
+    dt.returned_optimizer = engine.optimizer
+    if ctx is not None:
+        take_preemption_notices(dt)
+        dt.requests_seen = membership.served()
+        if ctx.restore_dir and not ctx.joiner:
+            restore(engine, ctx.restore_dir)
+    at_thread_shutdown(close_at_exit, engine)
+    return engine
+
+
+def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_parameters, lr_scheduler) -> None:
+    """Join the running job as a new rank of generation ``ctx.generation``."""
+    dt = engine._dt
+    dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
+    rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
+    if ctx.member not in rec.members:
+        raise NotAMemberError(f"member {ctx.member} is not in generation {rec.generation} "
+                              f"({list(rec.members)}): it was cancelled")
+    logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
+    join_generation(engine, rec, model, optimizer, model_parameters, lr_scheduler,
+                    client_groups(model, optimizer, model_parameters), rebuilt=False)

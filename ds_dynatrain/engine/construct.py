@@ -1,0 +1,95 @@
+"""Building the engine: ``DeepSpeedEngine.__init__`` run on our object (at start, and again in place
+at every resize), with DeepSpeed's config at the current world size and our snapshot engine."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Tuple
+
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ..batch import BatchSplit
+from ..checkpoint.footer import VPSAttributes
+from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..vps.layout import ZeroLayout
+from ..zero.geometry import layout_for_model, layout_of
+from ..zero.rebuild import light_rebuild
+from ..zero.zero3 import client_attrs
+from .state import ElasticState
+
+
+def ds_config_for(dt: ElasticState, split: BatchSplit, client_objects: bool) -> dict:
+    """DeepSpeed's config at one world size: the global batch kept, the per-rank split recomputed.
+
+    ``client_objects``: the optimizer and scheduler are passed as live objects (a rebuild), so
+    their config sections are dropped.
+    """
+    cfg = copy.deepcopy(dt.ds_config)
+    cfg["train_batch_size"] = split.train_batch_size
+    cfg["train_micro_batch_size_per_gpu"] = split.micro_batch
+    cfg["gradient_accumulation_steps"] = split.gradient_accumulation_steps
+    if client_objects:
+        cfg.pop("optimizer", None)
+        cfg.pop("scheduler", None)
+    return cfg
+
+
+def construct(engine, dt: ElasticState, model, optimizer, model_parameters, lr_scheduler, ds_config: dict,
+              light: bool = False, reuse_flat=()) -> None:
+    """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt), then
+    give it the snapshot engine of this generation.
+
+    ``light``: the optimizer state is installed right after (a resize), so DeepSpeed's
+    throw-away state initialisation is skipped (:func:`~ds_dynatrain.zero.rebuild.light_rebuild`);
+    ``reuse_flat``: the old engine's flat parameter buffers, which the new one may keep.
+    """
+    import deepspeed
+    config_class = DeepSpeedConfig(ds_config)
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
+    if not dt.param_attrs:  # what is the client's own, before ZeRO-3 attaches its attributes
+        dt.param_attrs = client_attrs(model)
+    with light_rebuild(reuse_flat) if light else contextlib.nullcontext():
+        DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer,
+                                 model_parameters=model_parameters, training_data=None, lr_scheduler=lr_scheduler,
+                                 mpu=None, dist_init_required=False, collate_fn=dt.collate_fn, config=ds_config,
+                                 config_class=config_class)
+    engine._configure_python_gc()
+    dt.rebuild_broadcast = None
+    snap = dt.config.snapshot
+    engine.checkpoint_engine = SnapshotCheckpointEngine(
+        store_address=store_address(dt), rank=tdist.get_rank(), world_size=tdist.get_world_size(),
+        generation=dt.generation, keep_last=snap.keep_last, timeout_s=dt.config.collective_timeout_s,
+        cache_bytes=snap.host_cache_mib << 20, asynchronous=snap.asynchronous)
+    engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
+
+
+def keep_returned_optimizer(engine) -> None:
+    """After a rebuild: the optimizer object handed out at start shares the rebuilt one's state
+    (the caller's reference stays valid)."""
+    returned = engine._dt.returned_optimizer
+    if returned is not None and returned is not engine.optimizer:
+        returned.__dict__ = engine.optimizer.__dict__
+        engine.optimizer = returned
+
+
+def store_address(dt: ElasticState) -> Tuple[str, int]:
+    """``(host, port)`` of the job's store: the launcher's, or torch.distributed's default one."""
+    if dt.membership is not None:
+        return dt.membership.ctx.store_host, dt.membership.ctx.store_port
+    st = tdist.distributed_c10d._get_default_store()
+    while isinstance(st, tdist.PrefixStore):
+        st = st.underlying_store
+    return st.host, st.port
+
+
+def own_layout(dt: ElasticState, model, groups, world_size: int) -> ZeroLayout:
+    """The layout this process's model (parameter ``groups`` as the optimizer holds them) has at
+    ``world_size`` (what a joiner checks rank 0's layout against)."""
+    ds = dt.ds_config
+    dtype = (torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16
+             if ds.get("fp16", {}).get("enabled") else next(model.parameters()).dtype)
+    return layout_for_model(list(model.named_parameters()), groups, world_size, ds, dtype)

@@ -1,0 +1,202 @@
+"""The elastic engine: a real ``DeepSpeedEngine`` that can change its data-parallel world size.
+
+``ds_dynatrain.initialize`` returns an :class:`ElasticEngine`. Hugging Face Accelerate, Lightning
+and Trainer keep the engine object they were handed, so a resize never hands back a new engine:
+it renews the insides of the same object (DeepSpeed's ``__init__`` runs again on it, on the new
+process group) and the optimizer object returned at start shares the state of the rebuilt ZeRO
+optimizer. The LR scheduler object is passed through unchanged.
+
+This class holds DeepSpeed's overrides and the public API only; the work is in the modules of
+this package: the step boundary (:mod:`.boundary`), a resize phase by phase (:mod:`.resize`),
+requests from outside (:mod:`.requests`), joining (:mod:`.join`), loading (:mod:`.loading`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
+from ..zero.geometry import zero_optimizer_of
+from . import boundary, loading, pending, requests
+from .resize import resize as resize_now
+from .state import ElasticState
+
+
+class ElasticEngine(DeepSpeedEngine):
+    """A ``DeepSpeedEngine`` whose data-parallel world size can change while it trains.
+
+    Built by :func:`ds_dynatrain.initialize`, never directly. Everything of ``DeepSpeedEngine``
+    works as usual; in addition:
+
+    * :meth:`step` runs, after each optimizer step, the plugin's step record, the periodic
+      snapshot and any resize scheduled for that step;
+    * :meth:`resize` changes the world size now (collective: every member calls it at the same
+      step boundary);
+    * :attr:`is_member` turns False in a process that left the job at a resize.
+    """
+
+    _dt: ElasticState
+
+    # ------------------------------------------------------------------ public
+    @property
+    def is_member(self) -> bool:
+        """False once this process has left the job at a resize."""
+        return not self._dt.retired
+
+    @property
+    def generation(self) -> int:
+        """The membership generation this process trains in (0 at launch, +1 per resize)."""
+        return self._dt.generation
+
+    @property
+    def resize_records(self) -> List[dict]:
+        """One record per resize (and join) this process took part in, as written to the metrics
+        file (:mod:`ds_dynatrain.engine.records`)."""
+        return [r.to_dict() for r in self._dt.resizes]
+
+    def resize(self, world_size: int, must_leave: Tuple[str, ...] = ()) -> Optional[dict]:
+        """Change the data-parallel world size now, in memory.
+
+        Collective: every member of the current generation calls it at the same step boundary
+        (the resize schedule of the config does this from :meth:`step`).
+
+        Args:
+            world_size: the new data-parallel world size.
+            must_leave: member ids that leave whatever the rank assignment prefers (preemption).
+
+        Returns:
+            The resize record (``from``, ``to``, ``bytes_moved``, ``seconds``, ...) on members of
+            the new generation; None in a process that left, or when the size does not change.
+
+        Raises:
+            ResizeRefusedError: ``world_size`` < 1, above ``max_world_size``, breaks the global
+                batch, or the job was not started by ``dynatrain launch``; nothing has changed.
+            LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
+        """
+        self._require_member()
+        self.wait_transition()
+        dt = self._dt
+        split = dt.split(world_size)
+        if dt.membership is None:
+            raise ResizeRefusedError("online resizing needs the job to be started by `dynatrain launch` "
+                                     "(it hosts the membership store and starts joiners)")
+        if world_size == self.dp_world_size and not must_leave:
+            return None
+        zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
+        rec = resize_now(self, world_size, split, tuple(must_leave))
+        return None if rec is None else rec.to_dict()
+
+    def wait_transition(self) -> Optional[dict]:
+        """Finish the optimizer-state transfer of the last resize, if one is still running.
+
+        The optimizer moments of a resize move in a background thread while the DeepSpeed engine
+        is rebuilt, and are installed here. By default (``transfer_overlap: "rebuild"``) the
+        resize itself calls this before it returns. With ``transfer_overlap: "step"`` the resize
+        returns as soon as the new engine can run forward and backward; :meth:`step`,
+        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`resize` call it, and code
+        that reads optimizer state (``safe_get_full_optimizer_state``) between the resize and the
+        next optimizer step must call it first (until then the optimizer has no state).
+
+        Returns:
+            The completed resize record, or None if nothing was pending.
+
+        Raises:
+            TransitionAbortedError: a peer failed during the transfer (names the peer and step).
+        """
+        rec = pending.wait_transition(self)
+        return None if rec is None else rec.to_dict()
+
+    def cancel_pending_joiners(self) -> None:
+        """Stop joiners started for a generation that will not be formed (the job is ending)."""
+        requests.cancel_pending_joiners(self)
+
+    # ------------------------------------------------------------------ DeepSpeed's, overridden
+    def forward(self, *inputs, **kwargs):
+        self._require_member()
+        return super().forward(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        self._require_member()
+        out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        self._dt.loss_sum += float(loss.detach().float())
+        self._dt.loss_count += 1
+        return out
+
+    def step(self, lr_kwargs=None):
+        """DeepSpeed's ``step``; after an optimizer step, the plugin's step boundary
+        (:func:`~ds_dynatrain.engine.boundary.after_optimizer_step`)."""
+        self._require_member()
+        before = self.global_steps
+        if self.is_gradient_accumulation_boundary():
+            self.wait_transition()  # the optimizer moments of the last resize must have arrived
+            if isinstance(self.checkpoint_engine, SnapshotCheckpointEngine):
+                # the optimizer step is the first thing that changes the state a snapshot captures
+                self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
+        super().step(lr_kwargs=lr_kwargs)
+        if self.global_steps != before:
+            boundary.after_optimizer_step(self)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint`` through the snapshot engine; ``latest`` is replaced
+        atomically by the engine's commit (DeepSpeed's own write of it is skipped)."""
+        self._require_member()
+        self.wait_transition()
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        ce = self.checkpoint_engine
+        if isinstance(ce, SnapshotCheckpointEngine):
+            ce.publish_latest = save_latest  # the engine's commit replaces ``latest`` atomically
+            save_latest = False
+        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, **kwargs):
+        """Load a snapshot or a DeepSpeed ZeRO checkpoint, saved at this or any other world size
+        and ZeRO stage (1, 2, 3).
+
+        Same world size and stage: DeepSpeed's ``load_checkpoint`` through the snapshot engine
+        (``weights_only=True``); afterwards the optimizer-state fragments are linked again so
+        ``deepspeed.utils.safe_get_full_optimizer_state`` works at once. Otherwise
+        :func:`ds_dynatrain.checkpoint.resharded.load_resharded`: every file of the saving world is
+        checked first, then each rank reads only the fragments of its new partitions. Collective.
+
+        Returns:
+            ``(load path, client state)`` as DeepSpeed's; ``(None, None)`` when nothing is found.
+
+        Raises:
+            CheckpointIncompleteError: missing or damaged files of the saving world.
+            LayoutMismatchError: the checkpoint holds another model (names the first parameter).
+        """
+        self._require_member()
+        self.wait_transition()
+        return loading.load_checkpoint(self, super().load_checkpoint, load_dir, tag=tag,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_strict=load_module_strict, **kwargs)
+
+    def _broadcast_model(self):
+        """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none
+        after a shrink (every survivor holds them already), spread over the survivors as sources
+        after a grow (parameter ``k`` from survivor ``k mod S``), DeepSpeed's own otherwise."""
+        dt = self.__dict__.get("_dt")
+        mode = dt.rebuild_broadcast if dt is not None else None
+        if mode is None:
+            return super()._broadcast_model()
+        if mode == "none":
+            return None
+        holders = list(mode)
+        for k, (_, p) in enumerate(self.module.named_parameters()):
+            tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
+        return None
+
+    def _require_member(self):
+        dt = getattr(self, "_dt", None)
+        if dt is not None and dt.retired:
+            raise NotAMemberError(f"member {dt.member} left the job at a resize; this engine cannot train")
+        if dt is not None and dt.failed:
+            raise TransitionAbortedError(f"this engine's last resize failed, its optimizer state is incomplete: "
+                                         f"{dt.failed}")

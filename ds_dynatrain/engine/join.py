@@ -1,0 +1,130 @@
+"""Joining a running job, the one path for every process that enters a generation it was not in: a
+new process the agent started, and a standby process taken back (which also waits here, standing
+by, until a generation names it or the job ends)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+from ..elastic.membership import GenerationRecord
+from ..errors import TransitionAbortedError
+from ..log import logger
+from ..planner.plan import scalars_for
+from .construct import construct, ds_config_for, keep_returned_optimizer, own_layout
+from .header import install_header_state, join_header
+from .members import evict_groups, form_generation
+from .pending import wait_transition
+from .records import JoinRecord
+from .state import ElasticState, PendingResize
+from .transfer import begin_transition, build_joiner_xfer
+
+POLL_S = 0.02
+
+
+def wait_unless_given_up(dt: ElasticState, rec: GenerationRecord, done: Callable[[], bool], what: str,
+                         timeout_s: float) -> None:
+    """A process joining generation ``rec`` waits for ``done()`` (polled), at most ``timeout_s``.
+
+    Raises:
+        TransitionAbortedError: generation ``rec`` was given up or the job ended first, or
+            ``what`` did not happen within ``timeout_s``.
+    """
+    membership = dt.membership
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if membership.is_abandoned(rec.generation, rec.step) or membership.job_over():
+            raise TransitionAbortedError(f"generation {rec.generation} was given up before it formed")
+        if time.monotonic() > deadline:
+            raise TransitionAbortedError(f"generation {rec.generation}: {what} within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+def join_generation(engine, rec: GenerationRecord, model, optimizer, model_parameters, lr_scheduler,
+                    groups: List[list], rebuilt: bool) -> JoinRecord:
+    """Join generation ``rec`` (its membership names this process): form its process groups,
+    receive and check the header, receive this process's partitions, build the engine, install
+    the state. Returns the join record (completed when the moments have arrived).
+
+    Args:
+        engine: the engine object to build (a new one, or this standby process's own).
+        model, optimizer, model_parameters, lr_scheduler: what ``DeepSpeedEngine.__init__`` takes.
+        groups: the parameter groups the optimizer will hold, as lists of parameters.
+        rebuilt: the optimizer and scheduler are live objects of an earlier engine (a standby
+            process): their config sections are left out.
+
+    Raises:
+        TransitionAbortedError: the generation was given up, a rendezvous or the header failed.
+        LayoutMismatchError: this process's model differs from rank 0's.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    timeout = dt.group_timeout_s
+    membership = dt.membership
+    dt.published_step[rec.generation] = rec.step
+    # built in the background, so that a request given up (or the job's end) does not leave this
+    # process stuck in a rendezvous its peers never reach
+    membership.prepare(rec.generation, rec.members, rec.step, timeout)
+    wait_unless_given_up(dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built",
+                         timeout + 5.0)
+    reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
+    xfer = build_joiner_xfer(dt, rec, timeout)
+    own = own_layout(dt, model, groups, rec.world_size)
+    # the survivors may still give the request up (a preemption at the boundary where all were
+    # ready): wait for them to switch before entering the header's broadcast
+    try:
+        wait_unless_given_up(dt, rec, lambda: membership.is_switching(rec.generation, rec.step),
+                             "the survivors did not switch", timeout)
+    except TransitionAbortedError:
+        membership.groups.detach()
+        raise
+    header, plan = join_header(rec, own)
+    dests, _, transfer, overlap, xfer = begin_transition(plan, dt, rec.generation, header, None, receives=True,
+                                                         group=xfer.get(timeout))
+    dt.members = plan.new_members
+    dt.generation = rec.generation
+    dt.retired = False
+    dt.rebuild_broadcast = plan.survivor_ranks
+    construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
+              ds_config_for(dt, dt.split(rec.world_size), client_objects=rebuilt), light=True)
+    keep_returned_optimizer(engine)
+    install_header_state(engine, header, dests, joiner=True)
+    record = JoinRecord(step=engine.global_steps, generation=rec.generation, group_reused=reused,
+                        seconds=time.perf_counter() - t0)
+    dt.pending = PendingResize(transfer, dests, scalars_for(plan, header.scalars), record, None, xfer)
+    if overlap != "step":
+        wait_transition(engine)
+    evict_groups(dt)
+    return record
+
+
+def stand_by(engine, formed: int, model, basic, scheduler) -> Optional[JoinRecord]:
+    """This process left at a shrink and stands by: it keeps its process groups (detached) and
+    waits until a later generation takes it back (then it joins as a joiner would, reusing its
+    model and optimizer objects, and this returns the join record) or the job ends (then it
+    returns None and the engine stays retired)."""
+    dt = engine._dt
+    membership = dt.membership
+    membership.groups.detach()
+    membership.stop_waiting = lambda: dt.preempted
+    while True:
+        rec = membership.wait_recall(formed, dt.member)
+        if rec is None:
+            if dt.preempted:
+                membership.leave_standby(dt.member)
+            logger.info(f"member {dt.member} stops standing by: "
+                        + ("preemption notice" if dt.preempted else "the job ended"))
+            membership.groups.close()
+            return None
+        logger.info(f"member {dt.member} taken back as rank {rec.members.index(dt.member)} of {rec.world_size} "
+                    f"(generation {rec.generation})")
+        try:
+            return join_generation(engine, rec, model, basic, None, scheduler,
+                                   [list(g["params"]) for g in basic.param_groups], rebuilt=True)
+        except TransitionAbortedError:
+            if membership.is_abandoned(rec.generation, rec.step):
+                formed = rec.generation - 1
+                continue
+            if membership.job_over():
+                membership.groups.close()
+                return None
+            raise

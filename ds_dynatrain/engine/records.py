@@ -1,0 +1,191 @@
+"""The records a job writes: one typed record per event (step, resize, join, snapshot, load,
+restore), each with one ``to_dict``; the JSON-lines writer; the console lines.
+
+Every field carries its description (Markdown), so the README's table of record fields is
+generated from these classes (``python -m ds_dynatrain.cli.readme README.md`` rewrites it; a test
+checks it is current). Times are seconds, sizes bytes; the writer adds ``"time"`` (Unix seconds).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, List, Optional, Type
+
+from ..transition.execute import TransitionStats
+
+
+def _f(doc: str, default=0, *, key: Optional[str] = None, optional: bool = False):
+    """A record field: ``doc`` for the README, ``key`` its name in the dict (when it is not the
+    attribute's), ``optional``: left out of the dict while None."""
+    return field(default=default, metadata={"doc": doc, "key": key, "optional": optional})
+
+
+def record_fields(cls) -> List[dataclasses.Field]:
+    """The fields of a record class, its own before those it inherits (the order of its dict)."""
+    own = set(cls.__dict__.get("__annotations__", {}))
+    fields = dataclasses.fields(cls)
+    return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
+
+
+@dataclass
+class Record:
+    """A record of the job's metrics file (``"event"`` names its kind)."""
+
+    EVENT: ClassVar[str] = ""
+
+    def to_dict(self) -> dict:
+        """The record as written: ``{"event": ..., field: value, ...}`` (dict keys as documented)."""
+        out = {"event": self.EVENT}
+        for f in record_fields(type(self)):
+            value = getattr(self, f.name)
+            if f.metadata.get("optional") and value is None:
+                continue
+            out[f.metadata.get("key") or f.name] = value
+        return out
+
+
+@dataclass
+class StepRecord(Record):
+    """One optimizer step (rank 0)."""
+
+    EVENT: ClassVar[str] = "step"
+    step: int = _f("global step (optimizer steps) just completed")
+    world_size: int = _f("data-parallel world size it ran on")
+    loss: float = _f("mean loss of the step's micro-batches over every rank", 0.0)
+    lr: float = _f("learning rate of the first parameter group", 0.0)
+
+
+@dataclass
+class SnapshotRecord(Record):
+    """A periodic snapshot started (rank 0)."""
+
+    EVENT: ClassVar[str] = "snapshot"
+    step: int = _f("step of the snapshot")
+    save_s: float = _f("seconds `save_checkpoint` took in the training loop (the flush runs on)", 0.0)
+    dir: str = _f("snapshot directory", "")
+
+
+@dataclass
+class TransferTotals(Record):
+    """What a transition's transfers did on this process (resize and join records)."""
+
+    transfer_s: float = _f("seconds the transfers took (the moments' in the background)", 0.0)
+    keep_s: float = _f("seconds of local copies of state kept in place", 0.0)
+    transfer_wait_s: float = _f("seconds waited for the background transfer after the rebuild", 0.0)
+    peak_extra_bytes: int = _f("rise of the peak resident set above its size before and after (Linux "
+                               "`clear_refs`; 0 where not measurable)")
+    peak_staging_bytes: int = _f("largest packing buffers alive at once")
+    messages: int = _f("messages sent and received")
+    bytes_sent: int = _f("bytes sent to other processes")
+    bytes_received: int = _f("bytes received from other processes")
+
+    def add_transfer(self, stats: TransitionStats, waited_s: float, peak_extra_bytes: int) -> None:
+        """Count one completed transfer phase (the moments' background transfer)."""
+        self.transfer_s += stats.seconds - stats.keep_seconds
+        self.keep_s += stats.keep_seconds
+        self.transfer_wait_s = waited_s
+        self.peak_extra_bytes = max(self.peak_extra_bytes, peak_extra_bytes)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, stats.peak_staging_bytes)
+        self.messages += stats.messages
+        self.bytes_sent += stats.bytes_sent
+        self.bytes_received += stats.bytes_received
+
+
+@dataclass
+class ResizeRecord(TransferTotals):
+    """A resize this process took part in and stays in (rank 0 writes it)."""
+
+    EVENT: ClassVar[str] = "resize"
+    step: int = _f("step after which the job resized")
+    from_world_size: int = _f("world size before", key="from")
+    to_world_size: int = _f("world size after", key="to")
+    generation: int = _f("membership generation formed")
+    bytes_moved: int = _f("partition state that crossed between processes")
+    bytes_kept: int = _f("partition state that stayed in place")
+    seconds: float = _f("the whole resize, from the decision to the return of `engine.step()`", 0.0)
+    plan_s: float = _f("rank assignment, planning and the header's agreement", 0.0)
+    group_s: float = _f("forming the new default process group (waiting for joiners included)", 0.0)
+    xfer_group_s: float = _f("waiting for the transition group built in the background", 0.0)
+    rebuild_s: float = _f("detaching and rebuilding the DeepSpeed engine in place", 0.0)
+    transfer_overlap: str = _f("what the moments' transfer overlapped (`dynatrain.transfer_overlap`)", "")
+    group_reused: bool = _f("the new default group was a cached one (no rendezvous)", False)
+    request: Optional[int] = _f("index of the `dynatrain resize` request served", None, optional=True)
+    prepare_s: Optional[float] = _f("from the request to the switch, for a request prepared in the background", None, optional=True)
+    background_build_s: Optional[float] = _f("construction of the new world that ran behind training",
+                                             None, optional=True)
+    hidden_fraction: Optional[float] = _f("share of that construction hidden behind training", None,
+                                          optional=True)
+
+
+@dataclass
+class JoinRecord(TransferTotals):
+    """A process joined the job at a resize (a new process, or a standby one taken back)."""
+
+    EVENT: ClassVar[str] = "join"
+    step: int = _f("the job's step when it joined")
+    generation: int = _f("generation it joined")
+    group_reused: bool = _f("its new default group was a cached one", False)
+    seconds: float = _f("from being named in the generation to an engine ready to train", 0.0)
+
+
+@dataclass
+class LoadRecord(Record):
+    """A checkpoint loaded at another world size or ZeRO stage (rank 0)."""
+
+    EVENT: ClassVar[str] = "load"
+    step: int = _f("step of the checkpoint")
+    from_world_size: int = _f("saving world size", key="from")
+    to_world_size: int = _f("world size it was loaded on", key="to")
+    saved_stage: int = _f("ZeRO stage it was saved at")
+    stage: int = _f("ZeRO stage it was loaded at")
+    bytes_read: int = _f("partition bytes rank 0 read")
+    seconds: float = _f("the whole load on rank 0", 0.0)
+    plan_s: float = _f("planning the reads", 0.0)
+    read_s: float = _f("reading the fragments", 0.0)
+    dir: str = _f("the model-state file loaded", "")
+
+
+@dataclass
+class RestoreRecord(Record):
+    """A job restarted after a worker died, restored from its latest snapshot (rank 0)."""
+
+    EVENT: ClassVar[str] = "restore"
+    step: int = _f("step the job goes on after")
+    world_size: int = _f("world size of the restarted job")
+    lost_steps: int = _f("steps completed after that snapshot, lost")
+    last_step: int = _f("last step the failed job completed")
+    dir: str = _f("snapshot directory restored", "")
+
+
+RECORDS: List[Type[Record]] = [StepRecord, ResizeRecord, JoinRecord, SnapshotRecord, LoadRecord, RestoreRecord]
+
+
+class MetricsWriter:
+    """Appends records to a JSON-lines file (flushed per record). ``path`` None: nothing written."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(self, record: Record) -> None:
+        """Append ``record.to_dict()`` with ``"time"`` (Unix seconds)."""
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**record.to_dict(), "time": time.time()}) + "\n")
+
+
+def format_step(r: StepRecord) -> str:
+    """The console line of a step."""
+    return f"step {r.step:5d} | world {r.world_size} | loss {r.loss:.4f} | lr {r.lr:.3e}"
+
+
+def format_resize(r: ResizeRecord) -> str:
+    """The console line of a resize."""
+    return (f"resize {r.from_world_size} \u2192 {r.to_world_size} after step {r.step}: "
+            f"{r.bytes_moved / 2**20:.2f} MiB moved, {r.bytes_kept / 2**20:.2f} MiB kept in place, "
+            f"{r.seconds:.2f} s (plan {r.plan_s:.3f} s, group {r.group_s:.2f} s, transfer {r.transfer_s:.3f} s, "
+            f"rebuild {r.rebuild_s:.2f} s)")

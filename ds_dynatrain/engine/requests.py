@@ -1,0 +1,109 @@
+"""Resize requests from outside the job (``dynatrain resize``, ``dynatrain join``), served at step
+boundaries: refused, served at once, or prepared in the background and switched to when every rank
+has the new world ready, or given up."""
+from __future__ import annotations
+
+import time
+
+from ..elastic.membership import transition_members
+from ..errors import ResizeRefusedError
+from ..log import logger
+from ..zero.geometry import zero_optimizer_of
+from .members import request_joiners
+from .records import ResizeRecord
+from .resize import resize
+from .state import Preparation
+from .transfer import background_xfer
+
+
+def serve_request(engine, index: int, world_size: int) -> None:
+    """``dynatrain resize`` request ``index``, at this step boundary on every rank (each learned
+    it from the step's vote); rank 0 of the world that results answers it.
+
+    With ``background_groups`` (the default) a grow or shrink is only *prepared* here
+    (:func:`prepare`): training goes on while the next world is built, and the switch happens at
+    the first step boundary where every rank has it ready (:func:`finish_request`)."""
+    dt = engine._dt
+    dt.requests_seen = index + 1  # before the resize: its header hands the count to joiners
+    try:
+        if dt.config.background_groups and world_size != engine.dp_world_size:
+            dt.split(world_size)
+            zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
+            prepare(engine, index, world_size)
+            return
+        rec = engine.resize(world_size)
+    except ResizeRefusedError as err:
+        if engine.global_rank == 0:
+            dt.membership.answer(index, False, str(err))
+            logger.info(f"resize request {index}: {err}")
+        return
+    if rec is not None and rec.get("event") != "resize":
+        return  # this process stood by and was taken back by a later resize
+    if engine.is_member and engine.global_rank == 0:
+        msg = (f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
+               if rec else f"the job already runs on {world_size} ranks")
+        dt.membership.answer(index, True, msg, rec)
+
+
+def prepare(engine, index: int, world_size: int) -> None:
+    """Publish the next generation, start its joiners (or take back standby processes) and build
+    its default group and transition group in background threads; return at once."""
+    dt = engine._dt
+    members = request_joiners(engine, world_size)
+    g = dt.generation + 1
+    step = dt.published_step[g]
+    if engine.global_rank == 0:
+        dt.membership.go(g)  # joiners and standby processes form it as soon as they are up
+    timeout = dt.group_timeout_s
+    dt.membership.prepare(g, members, step, timeout)
+    xfer = background_xfer(dt, transition_members(dt.members, members), g, step, timeout)
+    dt.preparing = Preparation(index, world_size, g, members, step, xfer, time.perf_counter())
+    if engine.global_rank == 0:
+        logger.info(f"resize request {index}: preparing generation {g} ({engine.dp_world_size} -> {world_size} "
+                    f"ranks) while training goes on")
+
+
+def finish_request(engine, prep: Preparation) -> None:
+    """Every rank has the prepared groups: switch to the new world now."""
+    dt = engine._dt
+    dt.preparing = None
+    rec = resize(engine, prep.world_size, dt.split(prep.world_size), prepared=prep)
+    if not isinstance(rec, ResizeRecord):
+        return  # this process left (or stood by and was taken back later: a join record)
+    if engine.is_member and engine.global_rank == 0:
+        dt.membership.answer(prep.index, True, f"resized {rec.from_world_size} -> {rec.to_world_size} after step "
+                             f"{rec.step} in {rec.seconds:.2f} s ({rec.prepare_s:.2f} s prepared in the background)",
+                             rec.to_dict())
+
+
+def abandon(engine, prep: Preparation, why: str) -> None:
+    """Give up a prepared request: its joiners are stopped, the requester told why."""
+    dt = engine._dt
+    dt.preparing = None
+    if engine.global_rank == 0:
+        dt.membership.abandon(prep.generation)
+        stale = dt.spawned_for.pop(prep.generation, ())
+        if stale:
+            dt.membership.cancel_spawn(prep.generation, stale)
+        dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}", aborted=True)
+        logger.info(f"resize request {prep.index} abandoned: {why}")
+    dt.published.pop(prep.generation, None)
+    dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
+    prep.xfer.close()
+    # a joiner's id comes back when the generation is published again: a group built with the
+    # cancelled joiner must not pass for the new one's
+    gone = set(prep.members) - set(dt.members) - set(dt.standby)
+    dt.membership.groups.evict(lambda members: not set(members) & gone)
+
+
+def cancel_pending_joiners(engine) -> None:
+    """Stop joiners started for a generation that will not be formed (the job is ending)."""
+    dt = engine._dt
+    if dt.membership is None or engine.global_rank != 0:
+        return
+    if dt.preparing is not None:
+        abandon(engine, dt.preparing, "the job ended first")
+    for g, joiners in sorted(dt.spawned_for.items()):
+        if g > dt.generation and joiners:
+            dt.membership.cancel_spawn(g, joiners)
+    dt.spawned_for = {g: j for g, j in dt.spawned_for.items() if g <= dt.generation}

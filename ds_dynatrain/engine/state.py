@@ -1,0 +1,145 @@
+"""What the plugin keeps across rebuilds of the engine: the elastic state (the engine's ``_dt``), a
+resize whose optimizer-state transfer still runs, and a request being prepared in the background."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..batch import BatchSplit, split_global_batch
+from ..config import DynatrainConfig
+from ..elastic.membership import Membership
+from ..transition.execute import PendingTransition
+from .records import MetricsWriter
+
+
+@dataclass
+class ElasticState:
+    """What the plugin keeps across rebuilds of the engine (the engine's ``_dt`` attribute).
+
+    Attributes (the less obvious ones):
+        global_batch, micro_batch: the global batch kept across resizes and the largest
+            micro-batch (samples).
+        membership: this process's view of the job's store (None outside ``dynatrain launch``).
+        member, members, generation: this process's member id, the current generation's members
+            in rank order, and its number.
+        spawned_for, published, published_step, assigned: per generation (and request), the
+            joiners started, the members published, the step published at, the members drafted.
+        pending: a resize whose optimizer-state transfer still runs.  preparing: a request whose
+            next world is being built.  standby, history: processes standing by, and the members
+            of recent generations (group reuse).  failed: why the last resize's transfer failed
+            (the engine then refuses to train).
+    """
+
+    config: DynatrainConfig
+    ds_config: dict
+    global_batch: int
+    micro_batch: int
+    membership: Optional[Membership]
+    member: str
+    members: Tuple[str, ...]
+    generation: int
+    backend: str
+    metrics: MetricsWriter
+    collate_fn: Any = None
+    returned_optimizer: Any = None
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    retired: bool = False
+    spawned_for: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> joiners started
+    snapshot_stall_s: float = 0.0
+    published: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> members published
+    resizes: List[dict] = field(default_factory=list)
+    pending: Optional["PendingResize"] = None
+    rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (ElasticEngine._broadcast_model)
+    failed: Optional[str] = None
+    param_attrs: Dict[str, frozenset] = field(default_factory=dict)  # the client's own attributes (ZeRO-3)
+    assigned: Dict[tuple, Tuple[str, ...]] = field(default_factory=dict)  # (generation, size, must leave) -> members
+    hp_linked: bool = False  # DeepSpeed's fragment links repaired after the engine's first step
+    requests_seen: int = 0  # resize requests of the store served so far (rank 0 reads them)
+    preempted: bool = False  # SIGTERM received: leave at the next step boundary
+    preparing: Optional["Preparation"] = None
+    published_step: Dict[int, int] = field(default_factory=dict)  # generation -> step it was published at
+    join_node: Optional[Tuple[int, int]] = None  # (request index, node) of the last `dynatrain join` (rank 0)
+    standby: Tuple[str, ...] = ()  # processes standing by (left at a shrink, may be taken back), in order
+    history: List[Tuple[str, ...]] = field(default_factory=list)  # members of recent generations (group reuse)
+
+    @property
+    def schedule(self) -> Dict[int, int]:
+        """``{step: world size}`` of the config's resize schedule."""
+        return {e.step: e.world_size for e in self.config.resize_schedule}
+
+    def split(self, world_size: int) -> BatchSplit:
+        """The global batch split over ``world_size`` ranks.
+
+        Raises:
+            ResizeRefusedError: ``world_size`` cannot keep the global batch or exceeds
+                ``max_world_size``.
+        """
+        return split_global_batch(self.global_batch, self.micro_batch, world_size, self.config.max_world_size)
+
+    @property
+    def group_timeout_s(self) -> float:
+        """Limit of a group rendezvous that may wait for joiners to start, seconds."""
+        return self.config.join_timeout_s
+
+
+@dataclass
+class PendingResize:
+    """A resize (or join) whose optimizer-state transfer still runs in the background.
+
+    Attributes:
+        transfer: the background transfer of the moments.  dests: this process's new partitions
+            (``{partition: {kind: 1-D tensor}}``; None in a leaver).  scalars: the non-partition
+            states of each new partition.  record: the resize or join record it completes.
+        rss_base: resident set at the start, bytes (None: not measured).  group: the transition
+            group, shut down once the transfer is over.
+    """
+
+    transfer: PendingTransition
+    dests: Optional[Dict[int, Dict[str, torch.Tensor]]]
+    scalars: List[Dict[str, Any]]
+    record: Any
+    rss_base: Optional[int]
+    group: Any = None
+
+
+@dataclass
+class Preparation:
+    """A ``dynatrain resize`` request being prepared in the background: the next generation is
+    published, its joiners started, and its process groups built while the current one trains.
+
+    Attributes:
+        index: the request's index in the store.  world_size: the requested size.
+        generation, members, step: the generation being formed (members in rank order), published
+            at optimizer step ``step``.
+        xfer: the transition group being built (:class:`~ds_dynatrain.elastic.groups.BackgroundGroup`).
+        started: ``time.perf_counter()`` when it was decided.  ready_at: when this process saw its
+            groups built (None before).
+    """
+
+    index: int
+    world_size: int
+    generation: int
+    members: Tuple[str, ...]
+    step: int
+    xfer: Any
+    started: float
+    ready_at: Optional[float] = None
+
+    def state(self, dt: ElasticState, check_joiners: bool = False) -> Tuple[bool, Optional[str]]:
+        """``(ready, error)`` of this process's builds, without waiting. ``check_joiners`` (rank 0):
+        also whether a joiner of this generation died before it joined (its agent says so)."""
+        groups = dt.membership.groups
+        mine = dt.member in self.members
+        err = self.xfer.error or (groups.error(self.members) if mine else None)
+        if err is None and check_joiners:
+            dead = dt.membership.failed_joiners([m for m in self.members if m not in dt.members])
+            if dead:
+                err = f"joiner(s) {list(dead)} died before they joined"
+        ready = self.xfer.ready() and (not mine or groups.ready(self.members))
+        if ready and self.ready_at is None:
+            self.ready_at = time.perf_counter()
+        return ready, err

@@ -1,0 +1,295 @@
+"""The transition engine: executes a :class:`~ds_dynatrain.planner.Plan` between processes.
+
+It moves bytes and interprets nothing (DynaTrain, "State Transition Engine"):
+
+* **Pairing.** The processes of the transition (the old members plus the joiners, ranked in
+  that order) exchange in steps: in step ``s`` (1 ≤ s < the next power of two above their
+  count) process ``i`` exchanges with ``i XOR s`` if that process exists. The relation is
+  symmetric, so both sides of a pair are in the same step, and every ordered pair of distinct
+  processes meets in exactly one step (:func:`pair_schedule`). Within a pair, each side posts
+  its receive, then its send, then waits for both, so no ordering between peers can deadlock.
+* **Packing.** Everything process ``i`` sends to ``j`` is one *stream*: the plan's transfers
+  ``i → j`` in plan order, each with the state kinds in a fixed order. The stream is cut into
+  chunks of at most ``max_inflight_bytes / 2`` per direction, at slice boundaries where
+  possible (:meth:`~ds_dynatrain.transition.schedule.Stream.chunks`); both sides cut at the same element offsets, so they agree
+  on every message without a word. A chunk is one contiguous buffer and one send: a view of
+  the partition when it lies inside one slice (no copy), else a packed buffer of small slices;
+  the receiver unpacks straight into its new partitions.
+* **Bounded memory.** Messages in flight, and packing buffers, never exceed
+  ``max_inflight_bytes`` per process at any time (one chunk each way);
+  :attr:`TransitionStats.peak_staging_bytes` records the largest packing footprint.
+* **Timeouts.** Every wait has a timeout; an error names the peer, the step and the chunk.
+
+The data plane is a gloo process-group object (:func:`transition_group` makes a private one that
+survives the re-forming of the default group, so a transfer may continue in the background while
+the new engine is built: :func:`start_plan`). Partitions on an accelerator are staged through host
+buffers.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import TransitionAbortedError
+from ..planner.plan import Plan
+from .schedule import Stream, next_pow2, peer_at
+
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+
+# A seam for fault injection in tests: called as ``hook(step, chunk)`` before each chunk is posted.
+fault_hook: Optional[Callable[[int, int], None]] = None
+
+
+@dataclass
+class TransitionStats:
+    """What one process did in a transition (bytes, seconds)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_kept: int = 0
+    seconds: float = 0.0       # the whole call: local copies and exchanges
+    keep_seconds: float = 0.0  # local copies of kept elements
+    messages: int = 0
+    peak_staging_bytes: int = 0  # largest packing buffers alive at once
+
+
+def transition_ranks(plan: Plan) -> Tuple[str, ...]:
+    """Members of the transition in rank order: the old members, then the joiners."""
+    return tuple(plan.old_members) + plan.joiners
+
+
+def transition_group(store, prefix: str, members: Sequence[str], member: str, timeout_s: float):
+    """A private gloo process group over ``members`` for one transition, on store prefix
+    ``prefix`` (:func:`~ds_dynatrain.membership.group_prefix` with ``kind="xfer"``).
+
+    Not registered as a ``torch.distributed`` group, so switching the default group (a shrink)
+    leaves it working; shut it down when the transfer is over. Collective: every process in
+    ``members`` calls it (it may run in a background thread).
+
+    Raises:
+        TransitionAbortedError: the rendezvous did not complete within ``timeout_s``.
+    """
+    rank = list(members).index(member)
+    try:
+        return tdist.ProcessGroupGloo(tdist.PrefixStore(prefix, store), rank, len(members),
+                                      timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise TransitionAbortedError(f"transition group {prefix}: rank {rank} of {len(members)} "
+                                     f"could not form it within {timeout_s:.0f} s: {err}") from err
+
+
+def _state_dtype(kinds, *parts_list):
+    dtype = None
+    for parts in parts_list:
+        for g in (parts.values() if isinstance(parts, dict) else parts or ()):
+            for k in kinds:
+                if dtype is None:
+                    dtype = g[k].dtype
+                elif g[k].dtype != dtype:
+                    raise TransitionAbortedError(f"state kind {k} has dtype {g[k].dtype}, expected {dtype}")
+    return dtype or torch.float32
+
+
+def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
+                 sources: Optional[Dict[int, Dict[str, torch.Tensor]]],
+                 dests: Optional[Dict[int, Dict[str, torch.Tensor]]], timeout_s: float,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                 ranks: Optional[Sequence[str]] = None, progress: Optional[dict] = None) -> TransitionStats:
+    """Move this process's share of ``plan``: keeps, then the XOR-paired exchanges.
+
+    Args:
+        plan: the plan, identical on every process.
+        member: this process's member id.
+        group: process-group object over ``ranks`` (``send``/``recv`` of lists of CPU tensors),
+            e.g. :func:`transition_group`, or the default group when its ranks are ``ranks``.
+        kinds: state kinds to move, same order on every process (e.g. ``exp_avg, exp_avg_sq``).
+        sources: this process's old partitions, ``parts[group][kind]`` a 1-D tensor (a dict or a
+            list indexed by group); None for a joiner.
+        dests: this process's new partitions, same form; None for a leaver. Written in place
+            (elements no transfer covers are left untouched).
+        timeout_s: limit of each wait, seconds.
+        max_inflight_bytes: bound of the bytes in flight (sent plus received, packing buffers
+            included) per process at any moment; at least one element each way.
+        ranks: member of each rank of ``group`` (default :func:`transition_ranks`).
+        progress: if given, updated with the peer and stage being exchanged (for reports).
+
+    Returns:
+        :class:`TransitionStats` of this process.
+
+    Raises:
+        TransitionAbortedError: a send or receive failed or timed out (names the peer, the step
+            and the chunk), or the state kinds have different dtypes.
+    """
+    t0 = time.perf_counter()
+    stats = TransitionStats()
+    progress = progress if progress is not None else {}
+    kinds = tuple(kinds)
+    if not kinds:
+        return stats
+    dtype = _state_dtype(kinds, sources, dests)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    ranks = tuple(ranks) if ranks is not None else transition_ranks(plan)
+    me = ranks.index(member)
+    n = len(ranks)
+    chunk = max(1, max_inflight_bytes // (2 * elsize))  # elements per direction per message
+
+    if sources is not None and dests is not None:
+        _copy_keeps(plan, member, kinds, sources, dests, elsize, stats)
+    sends, recvs = plan.sends_of(member), plan.receives_of(member)
+    for step in range(1, next_pow2(n)):
+        p = peer_at(me, step, n)
+        if p is None:
+            continue
+        peer = ranks[p]
+        out = Stream(sources, kinds, sends[peer], "src") if peer in sends else None
+        inn = Stream(dests, kinds, recvs[peer], "dst") if peer in recvs else None
+        _exchange(group, _Peer(p, peer, step), out, inn, chunk, dtype, timeout_s, stats, progress)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _copy_keeps(plan: Plan, member: str, kinds: Tuple[str, ...], sources, dests, elsize: int,
+                stats: TransitionStats) -> None:
+    """The local copies of the elements ``member`` keeps (its old and new partitions)."""
+    t_keep = time.perf_counter()
+    for t in plan.keeps_of(member):
+        for k in kinds:
+            dests[t.dst_group][k].narrow(0, t.dst_offset, t.numel).copy_(
+                sources[t.group][k].narrow(0, t.src_offset, t.numel))
+        stats.bytes_kept += t.numel * len(kinds) * elsize
+    stats.keep_seconds = time.perf_counter() - t_keep
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """The other side of one exchange: its transition rank, member id, and the XOR step."""
+
+    rank: int
+    member: str
+    step: int
+
+
+def _exchange(group, peer: _Peer, out: Optional[Stream], inn: Optional[Stream], chunk: int, dtype: torch.dtype,
+              timeout_s: float, stats: TransitionStats, progress: dict) -> None:
+    """Both directions of one pair's exchange, chunk by chunk: post the receive, then the send,
+    then wait for both (so no ordering between peers can deadlock); unpack what arrived."""
+    out_chunks = out.chunks(chunk) if out else []
+    in_chunks = inn.chunks(chunk) if inn else []
+    nchunks = max(len(out_chunks), len(in_chunks))
+    elsize = torch.empty((), dtype=dtype).element_size()
+    for c in range(nchunks):
+        if fault_hook is not None:
+            fault_hook(peer.step, c)
+        where = f"step {peer.step}, chunk {c + 1}/{nchunks}"
+        progress.update(peer=peer.member, where=where)
+        recv = in_chunks[c] if c < len(in_chunks) else None
+        send = out_chunks[c] if c < len(out_chunks) else None
+        rbuf = _post_and_wait(group, peer, inn, recv, out, send, dtype, elsize, where, timeout_s, stats)
+        if recv is not None:
+            a, b = recv
+            if rbuf is not None:
+                for piece, pos in inn.pieces(a, b):
+                    piece.copy_(rbuf.narrow(0, pos, piece.numel()))
+            stats.bytes_received += (b - a) * elsize
+
+
+def _post_and_wait(group, peer: _Peer, inn, recv, out, send, dtype, elsize: int, where: str, timeout_s: float,
+                   stats: TransitionStats) -> Optional[torch.Tensor]:
+    """Post one chunk's receive (into place when it is one view, else into a staging buffer,
+    returned) and send (from place, else packed), and wait for both.
+
+    Raises:
+        TransitionAbortedError: naming the peer, the step and the chunk.
+    """
+    staging = 0
+    rbuf = None
+    works = []
+    current = "posting messages to"
+    try:
+        if recv is not None:
+            a, b = recv
+            rview = inn.view(a, b)
+            if rview is None:
+                rbuf = torch.empty(b - a, dtype=dtype)
+                staging += rbuf.numel() * elsize
+            works.append(("receive from", group.recv([rview if rview is not None else rbuf], peer.rank, peer.step)))
+        if send is not None:
+            a, b = send
+            sbuf = out.view(a, b)
+            if sbuf is None:
+                sbuf = torch.empty(b - a, dtype=dtype)
+                staging += sbuf.numel() * elsize
+                for piece, pos in out.pieces(a, b):
+                    sbuf.narrow(0, pos, piece.numel()).copy_(piece)
+            works.append(("send to", group.send([sbuf], peer.rank, peer.step)))
+            stats.bytes_sent += sbuf.numel() * elsize
+        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
+        timeout = timedelta(seconds=timeout_s)
+        for what, w in works:
+            current = what
+            w.wait(timeout)
+    except RuntimeError as err:
+        raise TransitionAbortedError(
+            f"transition: {current} member {peer.member} (transition rank {peer.rank}) failed at {where} "
+            f"(wait limit {timeout_s:.0f} s): {err}") from err
+    stats.messages += len(works)
+    return rbuf
+
+
+class PendingTransition:
+    """A transition running in a background thread (:func:`start_plan`)."""
+
+    def __init__(self, target, *args, **kwargs):
+        self._stats: Optional[TransitionStats] = None
+        self._error: Optional[BaseException] = None
+        self.started = time.perf_counter()
+        self.finished: Optional[float] = None
+        self.progress: dict = {}
+        kwargs["progress"] = self.progress
+
+        def run():
+            try:
+                self._stats = target(*args, **kwargs)
+            except BaseException as err:  # handed to the waiting thread
+                self._error = err
+            finally:
+                self.finished = time.perf_counter()
+
+        self._thread = threading.Thread(target=run, name="dynatrain-transition", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: Optional[float] = None) -> TransitionStats:
+        """Block until the transfer is complete; returns its stats.
+
+        Every wait inside the transfer has its own timeout, so without ``timeout_s`` this
+        returns or raises within (number of messages) x the per-message timeout.
+
+        Raises:
+            TransitionAbortedError: the transfer failed (the background error, naming the peer,
+                step and chunk), or it did not finish within ``timeout_s`` seconds.
+        """
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TransitionAbortedError(
+                f"transition: background transfer still running after {timeout_s:.0f} s, exchanging with member "
+                f"{self.progress.get('peer')} at {self.progress.get('where')}")
+        if self._error is not None:
+            if isinstance(self._error, TransitionAbortedError):
+                raise TransitionAbortedError(str(self._error)) from self._error
+            raise TransitionAbortedError(f"transition: background transfer failed: {self._error}") from self._error
+        return self._stats
+
+
+def start_plan(*args, **kwargs) -> PendingTransition:
+    """:func:`execute_plan` in a background thread; same arguments. The caller must not touch
+    ``sources`` or ``dests`` until :meth:`PendingTransition.wait` returns."""
+    return PendingTransition(execute_plan, *args, **kwargs)

@@ -1,0 +1,61 @@
+"""Joiner placement and the launch environment (``ds_dynatrain.elastic``): the pure choice of a
+node by free slots, the same choice read from a real ``TCPStore``, and the contract of the
+environment variables a worker starts with."""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as tdist
+
+from ds_dynatrain.elastic.keys import MEMBER_NODE_KEY, NODE_ALIVE_KEY, NODE_COUNT, NODE_DONE_KEY, NODE_KEY
+from ds_dynatrain.elastic.launch_env import LaunchContext, enter_generation
+from ds_dynatrain.elastic.placement import HEARTBEAT_LOST_S, choose_nodes, live_nodes, place_joiners
+
+
+def test_joiners_go_to_the_node_with_the_most_free_slots_lowest_id_on_a_tie():
+    assert choose_nodes({0: 2, 1: 2}, {0: 2, 1: 1}, ["j0", "j1", "j2"]) == {"j0": 1, "j1": 0, "j2": 1}
+    assert choose_nodes({0: 4, 1: 4}, {}, ["j0", "j1", "j2"]) == {"j0": 0, "j1": 1, "j2": 0}
+    # no free slot anywhere: the emptiest is oversubscribed
+    assert choose_nodes({0: 1, 1: 2}, {0: 1, 1: 2}, ["j"]) == {"j": 0}
+    assert choose_nodes({}, {}, ["j"]) == {"j": 0}
+
+
+@pytest.fixture()
+def store():
+    st = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield st
+
+
+def test_placement_reads_live_agents_and_members_from_the_store(store):
+    store.add(NODE_COUNT, 3)
+    for node, slots in ((0, 2), (1, 2), (2, 4)):
+        store.set(NODE_KEY.format(node), json.dumps({"slots": slots}))
+        store.set(NODE_ALIVE_KEY.format(node), json.dumps({"alive": 1, "time": time.time()}))
+    store.set(NODE_DONE_KEY.format(1), "0")                       # node 1's agent finished
+    store.set(NODE_ALIVE_KEY.format(2), json.dumps({"alive": 3, "time": time.time() - HEARTBEAT_LOST_S - 5}))
+    assert live_nodes(store) == {0: 2}                            # node 2's heartbeat is lost
+    store.set(NODE_ALIVE_KEY.format(2), json.dumps({"alive": 3, "time": time.time()}))
+    for m, node in (("a", 0), ("b", 2), ("c", 2), ("d", 2)):
+        store.set(MEMBER_NODE_KEY.format(m), str(node))
+    # node 0: 2 slots, 1 used; node 2: 4 slots, 3 used -> the tie goes to node 0, then node 2
+    assert place_joiners(store, ["a", "b", "c", "d"], ["j0", "j1"]) == {"j0": 0, "j1": 2}
+
+
+def test_launch_context_round_trips_through_the_environment():
+    ctx = LaunchContext("10.0.0.1", 29501, "g2r3", 2, 3, 4, 1, joiner=True, restore_dir="/snapshots")
+    env = ctx.worker_environ()
+    assert env["DYNATRAIN_RESTORE"] == "/snapshots" and env["RANK"] == "3" and env["WORLD_SIZE"] == "4"
+    assert LaunchContext.from_environ(env) == ctx
+    plain = LaunchContext("h", 1, "g0r0", 0, 0, 1, 0, joiner=False)
+    assert "DYNATRAIN_RESTORE" not in plain.worker_environ()
+    assert LaunchContext.from_environ(plain.worker_environ()) == plain
+    assert LaunchContext.from_environ({}) is None
+
+
+def test_entering_a_generation_keeps_the_local_rank():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    enter_generation(0, 2, 1, environ=env)
+    assert env == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
