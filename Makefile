@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test install clean
+.PHONY: demo test lint format install clean
 
 install: $(STAMP)
 
@@ -21,8 +21,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py --compare-static --out runs/demo
 
-test: $(STAMP)
+# lint and format check first (ruff, configured in pyproject.toml), then the suite
+test: lint
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

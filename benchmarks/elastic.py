@@ -24,6 +24,7 @@ Python standard library's sources), ZeRO-2, gloo, global batch 12, under ``dynat
 
 Times in seconds. ``--json`` prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -62,8 +64,13 @@ class Job:
         with open(os.path.join(ROOT, "configs", "zero2_elastic.json")) as f:
             cfg = json.load(f)
         self.metrics = os.path.join(work, f"{name}.jsonl")
-        cfg["dynatrain"] = {"max_world_size": 4, "metrics_path": self.metrics, "join_timeout_s": 120,
-                            "collective_timeout_s": 60, **dynatrain}
+        cfg["dynatrain"] = {
+            "max_world_size": 4,
+            "metrics_path": self.metrics,
+            "join_timeout_s": 120,
+            "collective_timeout_s": 60,
+            **dynatrain,
+        }
         cfg_path = os.path.join(work, f"{name}.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
@@ -72,10 +79,29 @@ class Job:
         self.log = open(self.log_path, "w")
         env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONPATH=ROOT)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", cfg_path, "--store",
-             f"127.0.0.1:{self.port}", os.path.join(ROOT, "examples", "train_lm.py"), "--steps", str(steps),
-             "--metrics", self.metrics], stdout=self.log, stderr=subprocess.STDOUT, cwd=work, env=env,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "ds_dynatrain.cli",
+                "launch",
+                "--nproc",
+                "2",
+                "--config",
+                cfg_path,
+                "--store",
+                f"127.0.0.1:{self.port}",
+                os.path.join(ROOT, "examples", "train_lm.py"),
+                "--steps",
+                str(steps),
+                "--metrics",
+                self.metrics,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+        )
         self.seen = {}  # step record index -> wall-clock time it was first seen
 
     def poll(self) -> list:
@@ -126,6 +152,7 @@ class Job:
 
 def _request_phase(work: str, name: str, background: bool) -> dict:
     from ds_dynatrain.elastic.requests import request_resize
+
     job = Job(work, name, {"background_groups": background}, 24)
     try:
         job.wait_for(lambda r: r["event"] == "step" and r["step"] >= 4)
@@ -152,8 +179,11 @@ def _kill_phase(work: str) -> dict:
         kill_to_step = job.seen[i] - t0
     finally:
         job.finish()
-    return {"kill_to_step_s": kill_to_step, "steps_lost": restore["lost_steps"],
-            "restored_world_size": restore["world_size"]}
+    return {
+        "kill_to_step_s": kill_to_step,
+        "steps_lost": restore["lost_steps"],
+        "restored_world_size": restore["world_size"],
+    }
 
 
 def main(argv=None) -> int:
@@ -170,25 +200,36 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     rec = ours["record"]
     out = {
-        "hidden_fraction": rec["hidden_fraction"], "background_build_s": rec["background_build_s"],
-        "exposed_group_s": rec["group_s"] + rec.get("xfer_group_s", 0.0), "resize_s": rec["seconds"],
-        "request_to_step_s": ours["request_to_step_s"], "stall_s": ours["stall_s"],
-        "anchor_request_to_step_s": anchor["request_to_step_s"], "anchor_stall_s": anchor["stall_s"],
+        "hidden_fraction": rec["hidden_fraction"],
+        "background_build_s": rec["background_build_s"],
+        "exposed_group_s": rec["group_s"] + rec.get("xfer_group_s", 0.0),
+        "resize_s": rec["seconds"],
+        "request_to_step_s": ours["request_to_step_s"],
+        "stall_s": ours["stall_s"],
+        "anchor_request_to_step_s": anchor["request_to_step_s"],
+        "anchor_stall_s": anchor["stall_s"],
         "anchor_group_s": anchor["record"]["group_s"],
-        "stall_ratio": anchor["stall_s"] / max(ours["stall_s"], 1e-3), **kill,
+        "stall_ratio": anchor["stall_s"] / max(ours["stall_s"], 1e-3),
+        **kill,
     }
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"request 2 -> 4, background: {out['request_to_step_s']:.2f} s to the first step on 4 ranks; "
-          f"stall {out['stall_s']:.2f} s; {100 * out['hidden_fraction']:.1f} % of the new world's construction "
-          f"({out['background_build_s']:.2f} s) hidden behind training, {out['exposed_group_s']:.3f} s left "
-          f"at the switch")
-    print(f"request 2 -> 4, blocking (anchor): {out['anchor_request_to_step_s']:.2f} s to the first step; "
-          f"stall {out['anchor_stall_s']:.2f} s (group {out['anchor_group_s']:.2f} s); "
-          f"stall ratio {out['stall_ratio']:.1f}x")
-    print(f"SIGKILL of one of 2: {out['kill_to_step_s']:.2f} s to the first step on {out['restored_world_size']} "
-          f"ranks after the restore; {out['steps_lost']} step(s) lost")
+    print(
+        f"request 2 -> 4, background: {out['request_to_step_s']:.2f} s to the first step on 4 ranks; "
+        f"stall {out['stall_s']:.2f} s; {100 * out['hidden_fraction']:.1f} % of the new world's construction "
+        f"({out['background_build_s']:.2f} s) hidden behind training, {out['exposed_group_s']:.3f} s left "
+        f"at the switch"
+    )
+    print(
+        f"request 2 -> 4, blocking (anchor): {out['anchor_request_to_step_s']:.2f} s to the first step; "
+        f"stall {out['anchor_stall_s']:.2f} s (group {out['anchor_group_s']:.2f} s); "
+        f"stall ratio {out['stall_ratio']:.1f}x"
+    )
+    print(
+        f"SIGKILL of one of 2: {out['kill_to_step_s']:.2f} s to the first step on {out['restored_world_size']} "
+        f"ranks after the restore; {out['steps_lost']} step(s) lost"
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ Printed side by side with ratios to the device bound (``--json``: one JSON objec
 is the median of ``--repeat`` runs. Run as ``python -m benchmarks.io_bound [--size-mib 256]
 [--dir DIR] [--json]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,7 @@ import time
 
 import numpy as np
 
-from io_engine import (Flusher, IOBackend, IOConfig, SnapshotFileWriter, WriteItem,
-                       read_snapshot_file)
+from io_engine import Flusher, IOBackend, IOConfig, SnapshotFileWriter, WriteItem, read_snapshot_file
 from io_engine.host_cache import alloc_aligned
 
 MIB = 1 << 20
@@ -55,11 +55,11 @@ def mixed_items(pool: np.ndarray, n_items: int = 100, seed: int = 0):
     rng = np.random.default_rng(seed)
     weights = np.exp(rng.uniform(np.log(1), np.log(4096), n_items))
     sizes = np.floor(weights / weights.sum() * pool.nbytes).astype(np.int64)
-    sizes[: 5] = [0, 1, 511, 4097, 12345]
+    sizes[:5] = [0, 1, 511, 4097, 12345]
     sizes[-1] = pool.nbytes - sizes[:-1].sum()
     items, pos = [], 0
     for i, n in enumerate(sizes):
-        view = pool[pos:pos + int(n)]
+        view = pool[pos : pos + int(n)]
         pos += int(n)
         if i % 25 == 7:
             items.append(WriteItem(f"obj{i}", view, kind="object", attrs={"i": i}))
@@ -85,8 +85,7 @@ def bench_buffered(path: str, size: int, cfg: IOConfig, bufs):
     return time.perf_counter() - t0, {"engine": "write()", "direct": False}
 
 
-def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib: int,
-        cache_mib: int) -> dict:
+def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib: int, cache_mib: int) -> dict:
     cfg = IOConfig(queue_depth=queue_depth, chunk_bytes=chunk_mib * MIB)
     size = max(1, size_mib * MIB // cfg.chunk_bytes) * cfg.chunk_bytes
     rng = np.random.default_rng(0)
@@ -97,7 +96,7 @@ def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib:
         bufs.append(m)
     pool = rng.integers(0, 256, size, dtype=np.uint8)
     items = mixed_items(pool)
-    backend = IOBackend(cfg)          # one policy: a refusal (io_uring, O_DIRECT) shows once, below
+    backend = IOBackend(cfg)  # one policy: a refusal (io_uring, O_DIRECT) shows once, below
     writer = SnapshotFileWriter(flusher=Flusher(backend=backend), cache_bytes=cache_mib * MIB)
     path = os.path.join(directory, f".io_bound.{os.getpid()}")
     results, meta = {}, {}
@@ -106,7 +105,7 @@ def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib:
         runs = []
         for _ in range(repeat):
             if name != "read_snapshot_file" and os.path.exists(path):
-                os.unlink(path)                    # every write creates a fresh file
+                os.unlink(path)  # every write creates a fresh file
             seconds, info = fn()
             runs.append(seconds)
             meta[name] = info
@@ -114,8 +113,11 @@ def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib:
 
     def snapshot_write():
         res = writer.write(path, items, file_attrs={"bench": True})
-        return res.report.seconds, {"engine": res.report.engine, "direct": res.report.direct,
-                                    "file_bytes": res.layout.file_size}
+        return res.report.seconds, {
+            "engine": res.report.engine,
+            "direct": res.report.direct,
+            "file_bytes": res.layout.file_size,
+        }
 
     def snapshot_read():
         t0 = time.perf_counter()
@@ -125,7 +127,7 @@ def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib:
         return seconds, {"verified": True}
 
     try:
-        writer.write(path, mixed_items(pool[: writer.cache.total_bytes]))   # warm the cache pages
+        writer.write(path, mixed_items(pool[: writer.cache.total_bytes]))  # warm the cache pages
         timed("device_bound_odirect_uring", lambda: bench_device(path, size, backend, bufs))
         timed("buffered_write_fsync", lambda: bench_buffered(path, size, cfg, bufs))
         timed("write_snapshot_file", snapshot_write)
@@ -136,11 +138,18 @@ def run(size_mib: int, directory: str, repeat: int, queue_depth: int, chunk_mib:
             os.unlink(path)
     dev = results["device_bound_odirect_uring"]
     out = {
-        "size_bytes": size, "dir": directory, "fs_type": fs_type(directory), "repeat": repeat,
-        "queue_depth": cfg.queue_depth, "chunk_bytes": cfg.chunk_bytes,
-        "host_cache_bytes": cache_mib * MIB, "items": len(items),
-        "results": {k: {"seconds": round(v, 4), "gib_per_s": round(size / v / (1 << 30), 3),
-                        **meta[k]} for k, v in results.items()},
+        "size_bytes": size,
+        "dir": directory,
+        "fs_type": fs_type(directory),
+        "repeat": repeat,
+        "queue_depth": cfg.queue_depth,
+        "chunk_bytes": cfg.chunk_bytes,
+        "host_cache_bytes": cache_mib * MIB,
+        "items": len(items),
+        "results": {
+            k: {"seconds": round(v, 4), "gib_per_s": round(size / v / (1 << 30), 3), **meta[k]}
+            for k, v in results.items()
+        },
         "ratios_vs_device_bound": {k: round(dev / v, 3) for k, v in results.items()},
         "snapshot_vs_buffered": round(results["buffered_write_fsync"] / results["write_snapshot_file"], 3),
         "fallbacks": backend.fallbacks,
@@ -162,14 +171,15 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"io bound: {out['size_bytes'] / MIB:.0f} MiB per write in {out['dir']} ({out['fs_type']}), "
-          f"queue depth {out['queue_depth']}, chunk {out['chunk_bytes'] // MIB} MiB, "
-          f"host cache {out['host_cache_bytes'] // MIB} MiB, median of {out['repeat']}")
+    print(
+        f"io bound: {out['size_bytes'] / MIB:.0f} MiB per write in {out['dir']} ({out['fs_type']}), "
+        f"queue depth {out['queue_depth']}, chunk {out['chunk_bytes'] // MIB} MiB, "
+        f"host cache {out['host_cache_bytes'] // MIB} MiB, median of {out['repeat']}"
+    )
     print(f"{'':34s} {'GiB/s':>7s} {'seconds':>8s} {'x device':>9s}  path")
     for k, r in out["results"].items():
         how = f"{r.get('engine', '')}{', O_DIRECT' if r.get('direct') else ''}"
-        print(f"{k:34s} {r['gib_per_s']:7.3f} {r['seconds']:8.3f} "
-              f"{out['ratios_vs_device_bound'][k]:9.2f}  {how}")
+        print(f"{k:34s} {r['gib_per_s']:7.3f} {r['seconds']:8.3f} {out['ratios_vs_device_bound'][k]:9.2f}  {how}")
     print(f"write_snapshot_file vs buffered write+fsync: {out['snapshot_vs_buffered']:.2f}x")
     for line in out["fallbacks"]:
         print(f"fallback: {line}")

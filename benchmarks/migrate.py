@@ -24,6 +24,7 @@ Before every load the checkpoint files are dropped from the page cache (``posix_
 ``DONTNEED``), so both routes read from the device. Times in seconds, sizes in bytes, bandwidths
 in GB/s (1e9 bytes per second). ``--json`` prints one JSON object per transition.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,7 @@ from typing import List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.reconfig import (JobFailed, layers_for, llama_params, parse_count, read_json, run_job,  # noqa: E402
-                                 run_plain)
+from benchmarks.reconfig import JobFailed, layers_for, llama_params, parse_count, read_json, run_job, run_plain  # noqa: E402
 
 WORKER = os.path.join(ROOT, "benchmarks", "migrate_worker.py")
 TAG = "global_step1"
@@ -62,6 +62,7 @@ def evict(path: str) -> None:
 
 def _read_whole(path: str) -> int:
     from io_engine import FileReader
+
     with FileReader(path) as r:
         return sum(len(v) for v in r.read_ranges([(0, r.layout.file_size)]))
 
@@ -71,6 +72,7 @@ def device_bound(snapshot_dir: str) -> dict:
     both from one process and from one process per file at once; the faster of the two, best of
     2 rounds, from a cold page cache."""
     from concurrent.futures import ProcessPoolExecutor
+
     files = sorted(os.path.join(snapshot_dir, f) for f in os.listdir(snapshot_dir) if f.endswith("optim_states.pt"))
     best, total = float("inf"), 0
     with ProcessPoolExecutor(max_workers=len(files)) as pool:
@@ -99,37 +101,76 @@ def main(argv=None) -> int:
     results = []
     try:
         n = a.save_ranks
-        run_ranks(n, ["--mode", "save", *model, "--dir", ckpt, "--tag", TAG, "--out",
-                      os.path.join(work, "save.json")], work, "save", a.timeout)
+        run_ranks(
+            n,
+            ["--mode", "save", *model, "--dir", ckpt, "--tag", TAG, "--out", os.path.join(work, "save.json")],
+            work,
+            "save",
+            a.timeout,
+        )
         save = read_json(os.path.join(work, "save.json"), os.path.join(work, "save_rank0.log"))
         convert_out = os.path.join(work, "convert.json")
-        convert_wall = run_job([sys.executable, WORKER, "--mode", "convert", "--dir", ckpt, "--tag", TAG, "--out",
-                                convert_out], os.path.join(work, "convert.log"), a.timeout, "ds_to_universal")
+        convert_wall = run_job(
+            [sys.executable, WORKER, "--mode", "convert", "--dir", ckpt, "--tag", TAG, "--out", convert_out],
+            os.path.join(work, "convert.log"),
+            a.timeout,
+            "ds_to_universal",
+        )
         convert = read_json(convert_out, os.path.join(work, "convert.log"))
         convert_s, convert_peak = convert_wall, convert["peak_rss_bytes"]
         bound = device_bound(os.path.join(ckpt, "ours", TAG))
         for m in (int(x) for x in a.to.split(",")):
             evict(ckpt)
-            run_ranks(m, ["--mode", "ours", *model, "--dir", ckpt, "--tag", TAG, "--out",
-                          os.path.join(work, f"ours{m}.json")], work, f"ours{m}", a.timeout)
+            run_ranks(
+                m,
+                ["--mode", "ours", *model, "--dir", ckpt, "--tag", TAG, "--out", os.path.join(work, f"ours{m}.json")],
+                work,
+                f"ours{m}",
+                a.timeout,
+            )
             ours = read_json(os.path.join(work, f"ours{m}.json"), os.path.join(work, f"ours{m}_rank0.log"))
             evict(ckpt)
-            run_ranks(m, ["--mode", "deepspeed", *model, "--dir", ckpt, "--tag", f"{TAG}_universal", "--out",
-                          os.path.join(work, f"ds{m}.json")], work, f"ds{m}", a.timeout)
+            run_ranks(
+                m,
+                [
+                    "--mode",
+                    "deepspeed",
+                    *model,
+                    "--dir",
+                    ckpt,
+                    "--tag",
+                    f"{TAG}_universal",
+                    "--out",
+                    os.path.join(work, f"ds{m}.json"),
+                ],
+                work,
+                f"ds{m}",
+                a.timeout,
+            )
             ds = read_json(os.path.join(work, f"ds{m}.json"), os.path.join(work, f"ds{m}_rank0.log"))
             read_bytes = sum(r["bytes_read"] for r in ours["ranks"])
             read_s = max(r["read_s"] for r in ours["ranks"])
             route = convert_s + ds["load_s"]
-            results.append({
-                "transition": f"{n}->{m}", "params": save["params"], "ours_s": ours["load_s"],
-                "deepspeed_route_s": route, "convert_s": convert_s, "deepspeed_load_s": ds["load_s"],
-                "ratio": route / ours["load_s"], "bytes_read": read_bytes, "read_s": read_s,
-                "read_gbps": read_bytes / read_s / 1e9, "bound_gbps": bound["bound_gbps"],
-                "read_vs_bound": (read_bytes / read_s / 1e9) / bound["bound_gbps"],
-                "peak_rss_bytes": max(r["peak_extra_bytes"] for r in ours["ranks"]),
-                "deepspeed_peak_rss_bytes": max([r["peak_extra_bytes"] for r in ds["ranks"]] + [convert_peak]),
-                "convert_peak_rss_bytes": convert_peak, "ranks": ours["ranks"],
-            })
+            results.append(
+                {
+                    "transition": f"{n}->{m}",
+                    "params": save["params"],
+                    "ours_s": ours["load_s"],
+                    "deepspeed_route_s": route,
+                    "convert_s": convert_s,
+                    "deepspeed_load_s": ds["load_s"],
+                    "ratio": route / ours["load_s"],
+                    "bytes_read": read_bytes,
+                    "read_s": read_s,
+                    "read_gbps": read_bytes / read_s / 1e9,
+                    "bound_gbps": bound["bound_gbps"],
+                    "read_vs_bound": (read_bytes / read_s / 1e9) / bound["bound_gbps"],
+                    "peak_rss_bytes": max(r["peak_extra_bytes"] for r in ours["ranks"]),
+                    "deepspeed_peak_rss_bytes": max([r["peak_extra_bytes"] for r in ds["ranks"]] + [convert_peak]),
+                    "convert_peak_rss_bytes": convert_peak,
+                    "ranks": ours["ranks"],
+                }
+            )
     except JobFailed as err:
         print(f"benchmarks.migrate: {err}", file=sys.stderr)
         return 1
@@ -139,16 +180,21 @@ def main(argv=None) -> int:
         for r in results:
             print(json.dumps(r))
         return 0
-    mib = 2 ** 20
-    print(f"{results[0]['params'] / 1e6:.1f} M parameters ({llama_params(a.hidden, layers) / 1e6:.1f} M computed), "
-          f"ZeRO-2 fp32 AdamW, saved on {a.save_ranks} ranks; ds_to_universal {results[0]['convert_s']:.2f} s; "
-          f"device bound {results[0]['bound_gbps']:.2f} GB/s")
+    mib = 2**20
+    print(
+        f"{results[0]['params'] / 1e6:.1f} M parameters ({llama_params(a.hidden, layers) / 1e6:.1f} M computed), "
+        f"ZeRO-2 fp32 AdamW, saved on {a.save_ranks} ranks; ds_to_universal {results[0]['convert_s']:.2f} s; "
+        f"device bound {results[0]['bound_gbps']:.2f} GB/s"
+    )
     for r in results:
-        print(f"{r['transition']}: ours {r['ours_s']:.2f} s, DeepSpeed route {r['deepspeed_route_s']:.2f} s "
-              f"(convert {r['convert_s']:.2f} + load {r['deepspeed_load_s']:.2f}) -> {r['ratio']:.1f}x; "
-              f"read {r['bytes_read'] / mib:.0f} MiB at {r['read_gbps']:.2f} GB/s = {r['read_vs_bound']:.2f} of the bound; "
-              f"peak extra memory per rank: ours {r['peak_rss_bytes'] / mib:.0f} MiB, "
-              f"DeepSpeed's route {r['deepspeed_peak_rss_bytes'] / mib:.0f} MiB")
+        print(
+            f"{r['transition']}: ours {r['ours_s']:.2f} s, DeepSpeed route {r['deepspeed_route_s']:.2f} s "
+            f"(convert {r['convert_s']:.2f} + load {r['deepspeed_load_s']:.2f}) -> {r['ratio']:.1f}x; "
+            f"read {r['bytes_read'] / mib:.0f} MiB at {r['read_gbps']:.2f} GB/s = "
+            f"{r['read_vs_bound']:.2f} of the bound; "
+            f"peak extra memory per rank: ours {r['peak_rss_bytes'] / mib:.0f} MiB, "
+            f"DeepSpeed's route {r['deepspeed_peak_rss_bytes'] / mib:.0f} MiB"
+        )
     return 0
 
 

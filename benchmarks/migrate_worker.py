@@ -15,6 +15,7 @@ writes ``--out`` (JSON; times in seconds, sizes in bytes), with every rank's fig
 * ``convert``: ``ds_to_universal`` run in this process (one process, no ranks): its wall time and
   peak resident set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,14 @@ def status_bytes(field: str) -> int:
 
 
 def config(a, world_size: int, load_universal: bool = False) -> dict:
-    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 1,
-           "gradient_accumulation_steps": 12 // world_size,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    cfg = {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 12 // world_size,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
     if load_universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -56,6 +61,7 @@ def config(a, world_size: int, load_universal: bool = False) -> dict:
 
 def gather(obj) -> list:
     import torch.distributed as tdist
+
     out = [None] * tdist.get_world_size()
     tdist.all_gather_object(out, obj)
     return out
@@ -64,6 +70,7 @@ def gather(obj) -> list:
 def elastic_engine(a):
     """``ds_dynatrain.initialize`` of the benchmark's model at this world size: ``(engine, model)``."""
     import ds_dynatrain
+
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     model = build_model(a.hidden, a.layers, a.seq_len)
     cfg = dict(config(a, int(os.environ["WORLD_SIZE"])), dynatrain={"log_interval_steps": 10**6})
@@ -75,6 +82,7 @@ def elastic_engine(a):
 def run_save(a) -> None:
     import torch.distributed as tdist
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
     engine, model = elastic_engine(a)
     gen = torch.Generator().manual_seed(1000 + engine.global_rank)
     for _ in range(a.steps):
@@ -86,15 +94,19 @@ def run_save(a) -> None:
     engine.checkpoint_engine = ours
     tdist.barrier()
     if engine.global_rank == 0:
-        write_json(a.out, {"mode": "save", "params": sum(p.numel() for p in model.parameters()),
-                           "global_steps": engine.global_steps})
+        write_json(
+            a.out,
+            {"mode": "save", "params": sum(p.numel() for p in model.parameters()), "global_steps": engine.global_steps},
+        )
     ours.close()
     tdist.destroy_process_group()
 
 
 def run_ours(a) -> None:
     import torch.distributed as tdist
+
     from ds_dynatrain.checkpoint.resharded import load_resharded
+
     engine, _model = elastic_engine(a)
     tdist.barrier()
     base = peak_reset()
@@ -103,9 +115,17 @@ def run_ours(a) -> None:
     tdist.barrier()
     load_s = time.perf_counter() - t0
     peak = max(0, status_bytes("VmHWM") - base)
-    ranks = gather({"bytes_read": stats.bytes_read, "read_s": stats.read_s, "plan_s": stats.plan_s,
-                    "install_s": stats.install_s, "gather_s": stats.gather_s,
-                    "seconds": stats.seconds, "peak_extra_bytes": peak})
+    ranks = gather(
+        {
+            "bytes_read": stats.bytes_read,
+            "read_s": stats.read_s,
+            "plan_s": stats.plan_s,
+            "install_s": stats.install_s,
+            "gather_s": stats.gather_s,
+            "seconds": stats.seconds,
+            "peak_extra_bytes": peak,
+        }
+    )
     if engine.global_rank == 0:
         write_json(a.out, {"mode": "ours", "load_s": load_s, "global_steps": engine.global_steps, "ranks": ranks})
     engine.checkpoint_engine.close()
@@ -116,11 +136,13 @@ def run_deepspeed(a) -> None:
     import deepspeed
     import deepspeed.ops
     import torch.distributed as tdist
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ws = int(os.environ["WORLD_SIZE"])
     model = build_model(a.hidden, a.layers, a.seq_len)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config(a, ws, load_universal=True))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(a, ws, load_universal=True)
+    )
     tdist.barrier()
     base = peak_reset()
     t0 = time.perf_counter()
@@ -131,8 +153,7 @@ def run_deepspeed(a) -> None:
         raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r}")
     ranks = gather({"peak_extra_bytes": max(0, status_bytes("VmHWM") - base)})
     if engine.global_rank == 0:
-        write_json(a.out, {"mode": "deepspeed", "load_s": load_s, "global_steps": engine.global_steps,
-                           "ranks": ranks})
+        write_json(a.out, {"mode": "deepspeed", "load_s": load_s, "global_steps": engine.global_steps, "ranks": ranks})
     tdist.destroy_process_group()
 
 
@@ -142,13 +163,25 @@ def run_convert(a) -> None:
     processes, bytes)."""
     import resource
     import runpy
+
     src = os.path.join(a.dir, "deepspeed", a.tag)
-    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", src + "_universal",
-                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    sys.argv = [
+        "ds_to_universal",
+        "--input_folder",
+        src,
+        "--output_folder",
+        src + "_universal",
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
     t0 = time.perf_counter()
     runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
     seconds = time.perf_counter() - t0
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    peak = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    )
     write_json(a.out, {"mode": "convert", "seconds": seconds, "peak_rss_bytes": peak * 1024})
 
 

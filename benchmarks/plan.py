@@ -7,6 +7,7 @@ ranks kept in place, and prints the time beside the target (under 1 s; DynaTrain
 the flattened model (one fragment per rank boundary); ZeRO-3 partitions every parameter (about
 10^5 fragments), so it is the harder case for the planner.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,24 +26,36 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from ds_dynatrain.cli.plan import plan_report
+
     out = []
     for stage in (2, 3):
         for assignment in ("best", "keep"):
             rep = plan_report(a.model_config, stage, a.from_ws, a.to_ws, "bfloat16", assignment)
             total = rep["bytes_moved"] + rep["bytes_kept"]
-            out.append({"zero_stage": stage, "assignment": assignment, "plan_seconds": rep["plan_seconds"],
-                        "target_seconds": 1.0, "ratio_to_target": rep["plan_seconds"] / 1.0,
-                        "kept_fraction": rep["bytes_kept"] / total, "bytes_moved": rep["bytes_moved"],
-                        "transfers": rep["transfers"], "parameters": rep["parameters"]})
+            out.append(
+                {
+                    "zero_stage": stage,
+                    "assignment": assignment,
+                    "plan_seconds": rep["plan_seconds"],
+                    "target_seconds": 1.0,
+                    "ratio_to_target": rep["plan_seconds"] / 1.0,
+                    "kept_fraction": rep["bytes_kept"] / total,
+                    "bytes_moved": rep["bytes_moved"],
+                    "transfers": rep["transfers"],
+                    "parameters": rep["parameters"],
+                }
+            )
     if a.json:
         for r in out:
             print(json.dumps(r))
         return 0
     print(f"{out[0]['parameters'] / 1e9:.1f} B parameters, {a.from_ws} -> {a.to_ws} ranks")
     for r in out:
-        print(f"ZeRO-{r['zero_stage']} {r['assignment']:>5} assignment: planned in {r['plan_seconds'] * 1e3:6.1f} ms "
-              f"(target 1000 ms, ratio {r['ratio_to_target']:.3f}); {100 * r['kept_fraction']:.1f} % of the state "
-              f"stays in place, {r['bytes_moved'] / 2**30:.0f} GiB move, {r['transfers']} transfers")
+        print(
+            f"ZeRO-{r['zero_stage']} {r['assignment']:>5} assignment: planned in {r['plan_seconds'] * 1e3:6.1f} ms "
+            f"(target 1000 ms, ratio {r['ratio_to_target']:.3f}); {100 * r['kept_fraction']:.1f} % of the state "
+            f"stays in place, {r['bytes_moved'] / 2**30:.0f} GiB move, {r['transfers']} transfers"
+        )
     return 0
 
 

@@ -29,6 +29,7 @@ Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``-
 JSON object per transition; otherwise a table. Checkpoints and logs go to a temporary directory
 under ``--dir`` that is removed at the end. A failed job stops the run with the tail of its log.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -137,8 +138,9 @@ def wait_all(procs: Sequence[subprocess.Popen], logs: Sequence[str], timeout: fl
 
 def start(cmd: Sequence[str], log: str, env: dict) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            list(cmd), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
 
 
 def run_job(cmd: Sequence[str], log: str, timeout: float, what: str) -> float:
@@ -162,8 +164,14 @@ def run_plain(nproc: int, args: Sequence[str], work: str, name: str, timeout: fl
     t_start = time.time()
     for r in range(nproc):
         env = job_env()
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         logs.append(os.path.join(work, f"{name}_rank{r}.log"))
         procs.append(start([sys.executable, worker, *args], logs[-1], env))
     wait_all(procs, logs, timeout, name)
@@ -182,9 +190,13 @@ def read_json(path: str, log: str) -> dict:
 
 def base_config(batch: int) -> dict:
     """DeepSpeed config shared by both routes: global batch ``batch`` samples, micro-batch 1."""
-    return {"train_batch_size": batch, "train_micro_batch_size_per_gpu": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    return {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
 
 
 def model_args(a) -> List[str]:
@@ -194,8 +206,7 @@ def model_args(a) -> List[str]:
 def measure_link(a, work: str) -> dict:
     """Point-to-point bandwidth between two gloo processes on this host (``link_gbps``, GB/s)."""
     out = os.path.join(work, "link.json")
-    run_plain(2, ["--mode", "link", "--mib", str(a.link_mib), "--repeat", "3", "--out", out], work, "link",
-              a.timeout)
+    run_plain(2, ["--mode", "link", "--mib", str(a.link_mib), "--repeat", "3", "--out", out], work, "link", a.timeout)
     return read_json(out, os.path.join(work, "link_rank0.log"))
 
 
@@ -203,14 +214,36 @@ def run_ours(n: int, m: int, a, work: str, batch: int) -> dict:
     """Our route N -> M: one ``dynatrain launch`` job resized at step K. Returns rank 0's result."""
     name = f"ours_{n}to{m}"
     k = a.steps_before
-    cfg = dict(base_config(batch), dynatrain={"resize_schedule": [{"step": k, "world_size": m}],
-                                              "spawn_lookahead_steps": k, "log_interval_steps": 10**6})
+    cfg = dict(
+        base_config(batch),
+        dynatrain={
+            "resize_schedule": [{"step": k, "world_size": m}],
+            "spawn_lookahead_steps": k,
+            "log_interval_steps": 10**6,
+        },
+    )
     cfg_path = os.path.join(work, f"{name}.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     out = os.path.join(work, f"{name}.out.json")
-    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(n), "--config", cfg_path, WORKER,
-           "--mode", "ours", *model_args(a), "--steps", str(k + a.steps_after), "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_dynatrain.cli",
+        "launch",
+        "--nproc",
+        str(n),
+        "--config",
+        cfg_path,
+        WORKER,
+        "--mode",
+        "ours",
+        *model_args(a),
+        "--steps",
+        str(k + a.steps_after),
+        "--out",
+        out,
+    ]
     log = os.path.join(work, f"{name}.log")
     run_job(cmd, log, a.timeout, f"ours {n}->{m}")
     return read_json(out, log)
@@ -227,24 +260,53 @@ def run_deepspeed(n: int, m: int, a, work: str, batch: int) -> dict:
         json.dump(base_config(batch), f)
     common = ["--config", cfg_path, *model_args(a), "--dir", ckpt]
     save_out = os.path.join(work, f"{name}_save.json")
-    run_plain(n, ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out], work,
-              f"{name}_save", a.timeout)
+    run_plain(
+        n,
+        ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out],
+        work,
+        f"{name}_save",
+        a.timeout,
+    )
     save = read_json(save_out, os.path.join(work, f"{name}_save_rank0.log"))
     uni_tag = f"{tag}_universal"
-    convert_s = run_job([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                         "--input_folder", os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, uni_tag),
-                         "--num_extract_workers", str(a.convert_workers),
-                         "--num_merge_workers", str(a.convert_workers)],
-                        os.path.join(work, f"{name}_convert.log"), a.timeout, f"ds_to_universal {n}->{m}")
+    convert_s = run_job(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            os.path.join(ckpt, tag),
+            "--output_folder",
+            os.path.join(ckpt, uni_tag),
+            "--num_extract_workers",
+            str(a.convert_workers),
+            "--num_merge_workers",
+            str(a.convert_workers),
+        ],
+        os.path.join(work, f"{name}_convert.log"),
+        a.timeout,
+        f"ds_to_universal {n}->{m}",
+    )
     load_out = os.path.join(work, f"{name}_load.json")
-    t_start = run_plain(m, ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--out", load_out],
-                        work, f"{name}_load", a.timeout)
+    t_start = run_plain(
+        m,
+        ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--out", load_out],
+        work,
+        f"{name}_load",
+        a.timeout,
+    )
     load = read_json(load_out, os.path.join(work, f"{name}_load_rank0.log"))
     shutil.rmtree(ckpt, ignore_errors=True)
-    return {"save_s": save["save_s"], "convert_s": convert_s, "relaunch_s": load["t_first_step"] - t_start,
-            "relaunch_startup_s": load["t_init"] - t_start, "relaunch_load_s": load["t_load"] - load["t_init"],
-            "relaunch_first_step_s": load["t_first_step"] - load["t_load"],
-            "checkpoint_bytes": save["checkpoint_bytes"], "params": save["params"]}
+    return {
+        "save_s": save["save_s"],
+        "convert_s": convert_s,
+        "relaunch_s": load["t_first_step"] - t_start,
+        "relaunch_startup_s": load["t_init"] - t_start,
+        "relaunch_load_s": load["t_load"] - load["t_init"],
+        "relaunch_first_step_s": load["t_first_step"] - load["t_load"],
+        "checkpoint_bytes": save["checkpoint_bytes"],
+        "params": save["params"],
+    }
 
 
 def transition(n: int, m: int, a, work: str, link: dict) -> dict:
@@ -263,14 +325,23 @@ def transition(n: int, m: int, a, work: str, link: dict) -> dict:
     route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
     bound_s = rec["bytes_moved"] / (link["link_gbps"] * 1e9)
     return {
-        "transition": f"{n}->{m}", "params": ours["params"], "train_batch_size": batch,
-        "ours_s": ours_s, **split, "first_step_excess_s": excess, "resize_seconds": rec["seconds"],
-        "bytes_moved": rec["bytes_moved"], "bytes_kept": rec.get("bytes_kept"),
+        "transition": f"{n}->{m}",
+        "params": ours["params"],
+        "train_batch_size": batch,
+        "ours_s": ours_s,
+        **split,
+        "first_step_excess_s": excess,
+        "resize_seconds": rec["seconds"],
+        "bytes_moved": rec["bytes_moved"],
+        "bytes_kept": rec.get("bytes_kept"),
         "transfer_gbps": rec["bytes_moved"] / rec["transfer_s"] / 1e9 if rec["transfer_s"] > 0 else None,
-        "old_iter_s": ours["old_iter_s"], "new_iter_s": ours["new_iter_s"],
-        "deepspeed_route_s": route, **{k: v for k, v in ds.items() if k != "params"},
+        "old_iter_s": ours["old_iter_s"],
+        "new_iter_s": ours["new_iter_s"],
+        "deepspeed_route_s": route,
+        **{k: v for k, v in ds.items() if k != "params"},
         "ratio": route / ours_s if ours_s > 0 else None,
-        "link_gbps": link["link_gbps"], "bound_s": bound_s,
+        "link_gbps": link["link_gbps"],
+        "bound_s": bound_s,
         "transfer_vs_bound": rec["transfer_s"] / bound_s if bound_s > 0 else None,
         "peak_extra_bytes": rec.get("peak_extra_bytes"),
         # the issue's memory bound: max(max_inflight_bytes, 1.25 x the largest local partition),
@@ -288,11 +359,15 @@ def fmt(v, spec: str, width: int) -> str:
 
 def print_table(results: List[dict], a) -> None:
     r0 = results[0]
-    print(f"model: {r0['params'] / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers, vocabulary {VOCAB}, "
-          f"sequence {a.seq_len}), ZeRO-2 fp32 AdamW, micro-batch 1; resize after step {a.steps_before}; "
-          f"link {r0['link_gbps']:.2f} GB/s (gloo send/recv, {a.link_mib} MiB)")
-    extra = sorted({k for r in results for k in r["record"] if k.endswith("_s") and k != "seconds"}
-                   - {"plan_s", "group_s", "transfer_s", "rebuild_s"})
+    print(
+        f"model: {r0['params'] / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers, vocabulary {VOCAB}, "
+        f"sequence {a.seq_len}), ZeRO-2 fp32 AdamW, micro-batch 1; resize after step {a.steps_before}; "
+        f"link {r0['link_gbps']:.2f} GB/s (gloo send/recv, {a.link_mib} MiB)"
+    )
+    extra = sorted(
+        {k for r in results for k in r["record"] if k.endswith("_s") and k != "seconds"}
+        - {"plan_s", "group_s", "transfer_s", "rebuild_s"}
+    )
     cols = ["plan_s", "group_s", "transfer_s", "rebuild_s", *extra, "first_step_excess_s"]
     short = {"first_step_excess_s": "excess"}
     print("\nours (seconds)")
@@ -300,32 +375,53 @@ def print_table(results: List[dict], a) -> None:
     print(head + f" {'moved MiB':>10} {'GB/s':>7} {'bound':>8} {'xfer/bound':>10} {'peak+ MiB':>9} {'limit MiB':>9}")
     for r in results:
         peak = r["peak_extra_bytes"] / 2**20 if r["peak_extra_bytes"] is not None else None
-        print(f"{r['transition']:<10} {r['ours_s']:>8.3f} " + " ".join(fmt(r.get(c), ".3f", 9) for c in cols)
-              + f" {r['bytes_moved'] / 2**20:>10.1f} {fmt(r['transfer_gbps'], '.2f', 7)} {r['bound_s']:>8.3f}"
-              f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(peak, '.1f', 9)} {r['peak_bound_bytes'] / 2**20:>9.0f}")
+        print(
+            f"{r['transition']:<10} {r['ours_s']:>8.3f} "
+            + " ".join(fmt(r.get(c), ".3f", 9) for c in cols)
+            + f" {r['bytes_moved'] / 2**20:>10.1f} {fmt(r['transfer_gbps'], '.2f', 7)} {r['bound_s']:>8.3f}"
+            f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(peak, '.1f', 9)} {r['peak_bound_bytes'] / 2**20:>9.0f}"
+        )
     print("\nDeepSpeed's route: save_checkpoint -> ds_to_universal -> relaunch with load_universal (seconds)")
-    print(f"{'transition':<10} {'route':>8} {'save':>8} {'convert':>8} {'relaunch':>9} "
-          f"{'(start':>7} {'load':>7} {'step)':>7} {'ckpt MiB':>9} {'iter N':>7} {'iter M':>7} {'ratio':>7}")
+    print(
+        f"{'transition':<10} {'route':>8} {'save':>8} {'convert':>8} {'relaunch':>9} "
+        f"{'(start':>7} {'load':>7} {'step)':>7} {'ckpt MiB':>9} {'iter N':>7} {'iter M':>7} {'ratio':>7}"
+    )
     for r in results:
-        print(f"{r['transition']:<10} {r['deepspeed_route_s']:>8.2f} {r['save_s']:>8.2f} {r['convert_s']:>8.2f} "
-              f"{r['relaunch_s']:>9.2f} {r['relaunch_startup_s']:>7.2f} {r['relaunch_load_s']:>7.2f} "
-              f"{r['relaunch_first_step_s']:>7.2f} {r['checkpoint_bytes'] / 2**20:>9.0f} "
-              f"{fmt(r['old_iter_s'], '.2f', 7)} {fmt(r['new_iter_s'], '.2f', 7)} {fmt(r['ratio'], '.1f', 7)}")
-    print("\nratio = DeepSpeed's route / ours; relaunch = start + load + the first step's excess over iter M; "
-          "bound = bytes moved / link bandwidth (all bytes over one link)")
+        print(
+            f"{r['transition']:<10} {r['deepspeed_route_s']:>8.2f} {r['save_s']:>8.2f} {r['convert_s']:>8.2f} "
+            f"{r['relaunch_s']:>9.2f} {r['relaunch_startup_s']:>7.2f} {r['relaunch_load_s']:>7.2f} "
+            f"{r['relaunch_first_step_s']:>7.2f} {r['checkpoint_bytes'] / 2**20:>9.0f} "
+            f"{fmt(r['old_iter_s'], '.2f', 7)} {fmt(r['new_iter_s'], '.2f', 7)} {fmt(r['ratio'], '.1f', 7)}"
+        )
+    print(
+        "\nratio = DeepSpeed's route / ours; relaunch = start + load + the first step's excess over iter M; "
+        "bound = bytes moved / link bandwidth (all bytes over one link)"
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=parse_count, default=parse_count("100M"),
-                    help="model size to aim at, e.g. 100M or 20M (picks the number of layers)")
+    ap.add_argument(
+        "--params",
+        type=parse_count,
+        default=parse_count("100M"),
+        help="model size to aim at, e.g. 100M or 20M (picks the number of layers)",
+    )
     ap.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (overrides --params)")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--transitions", type=parse_transitions, default=parse_transitions("2:1,1:2,2:3"),
-                    help="N:M,... world-size transitions")
-    ap.add_argument("--global-batch", type=int, default=6,
-                    help="global batch in samples (rounded up to a multiple of both world sizes)")
+    ap.add_argument(
+        "--transitions",
+        type=parse_transitions,
+        default=parse_transitions("2:1,1:2,2:3"),
+        help="N:M,... world-size transitions",
+    )
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        default=6,
+        help="global batch in samples (rounded up to a multiple of both world sizes)",
+    )
     ap.add_argument("--steps-before", type=int, default=3, help="optimizer steps on N before the resize (K)")
     ap.add_argument("--steps-after", type=int, default=4, help="optimizer steps on M after the resize")
     ap.add_argument("--link-mib", type=int, default=256, help="message size of the link measurement, MiB")

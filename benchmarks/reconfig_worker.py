@@ -20,6 +20,7 @@ Modes (rank 0 writes ``--out``, JSON; every time is in seconds, every size in by
 * ``link``: two plain gloo processes, no DeepSpeed: ``send``/``recv`` of a ``--mib`` MiB buffer
   from rank 0 to rank 1 after a warm-up, best of ``--repeat``; writes ``link_gbps`` (GB/s, 1e9).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,20 @@ VOCAB = 8192
 def build_model(hidden: int, layers: int, seq_len: int):
     """A randomly initialised Llama (untied embeddings, 64-wide heads, MLP width 8/3 of hidden)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                        num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                        num_key_value_heads=hidden // 64, max_position_embeddings=seq_len,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=hidden * 8 // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 64,
+            max_position_embeddings=seq_len,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def train_iteration(engine, seq_len: int, gen: torch.Generator) -> float:
@@ -76,8 +86,7 @@ def plain_config(path: str, world_size: int, load_universal: bool = False) -> di
     with open(path) as f:
         cfg = json.load(f)
     cfg.pop("dynatrain", None)
-    cfg["gradient_accumulation_steps"] = cfg["train_batch_size"] // (cfg["train_micro_batch_size_per_gpu"]
-                                                                     * world_size)
+    cfg["gradient_accumulation_steps"] = cfg["train_batch_size"] // (cfg["train_micro_batch_size_per_gpu"] * world_size)
     if load_universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -87,6 +96,7 @@ def plain_deepspeed(a, load_universal: bool = False):
     """``deepspeed.initialize`` on the environment's ranks, without the CPU shared-memory op build."""
     import deepspeed
     import deepspeed.ops
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     cfg = plain_config(a.config, int(os.environ["WORLD_SIZE"]), load_universal)
     model = build_model(a.hidden, a.layers, a.seq_len)
@@ -96,35 +106,47 @@ def plain_deepspeed(a, load_universal: bool = False):
 
 def run_ours(a) -> None:
     import ds_dynatrain
+
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     model = build_model(a.hidden, a.layers, a.seq_len)
-    engine, *_ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                         config=a.deepspeed_config)
+    engine, *_ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=a.deepspeed_config)
     gen = torch.Generator().manual_seed(1000 + engine.global_rank)
     iterations = []  # one per optimizer step this process ran
     while engine.is_member and engine.global_steps < a.steps:
         ws = engine.dp_world_size
         dt = train_iteration(engine, a.seq_len, gen)
         if engine.is_member:
-            iterations.append({"step": engine.global_steps, "world_size_before": ws,
-                               "world_size_after": engine.dp_world_size, "seconds": dt})
+            iterations.append(
+                {
+                    "step": engine.global_steps,
+                    "world_size_before": ws,
+                    "world_size_after": engine.dp_world_size,
+                    "seconds": dt,
+                }
+            )
     if not engine.is_member or engine.global_rank != 0 or not engine.resize_records:
         return
     record = engine.resize_records[-1]
     after = [it["seconds"] for it in iterations if it["step"] > record["step"]]
     before = [it["seconds"] for it in iterations if it["step"] < record["step"]]
     rest = statistics.median(after[1:]) if len(after) > 1 else None
-    write_json(a.out, {
-        "mode": "ours", "params": sum(p.numel() for p in model.parameters()), "record": record,
-        "iterations": iterations,
-        "old_iter_s": statistics.median(before[1:]) if len(before) > 1 else None,
-        "new_iter_s": rest,
-        "first_step_excess_s": max(0.0, after[0] - rest) if rest is not None else None,
-    })
+    write_json(
+        a.out,
+        {
+            "mode": "ours",
+            "params": sum(p.numel() for p in model.parameters()),
+            "record": record,
+            "iterations": iterations,
+            "old_iter_s": statistics.median(before[1:]) if len(before) > 1 else None,
+            "new_iter_s": rest,
+            "first_step_excess_s": max(0.0, after[0] - rest) if rest is not None else None,
+        },
+    )
 
 
 def run_ds_save(a) -> None:
     import torch.distributed as tdist
+
     engine, model = plain_deepspeed(a)
     gen = torch.Generator().manual_seed(1000 + engine.global_rank)
     iters = [train_iteration(engine, a.seq_len, gen) for _ in range(a.steps)]
@@ -134,14 +156,23 @@ def run_ds_save(a) -> None:
     tdist.barrier()
     save_s = time.perf_counter() - t0
     if engine.global_rank == 0:
-        write_json(a.out, {"mode": "ds-save", "params": sum(p.numel() for p in model.parameters()),
-                           "save_s": save_s, "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
-                           "iterations": iters, "global_steps": engine.global_steps})
+        write_json(
+            a.out,
+            {
+                "mode": "ds-save",
+                "params": sum(p.numel() for p in model.parameters()),
+                "save_s": save_s,
+                "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
+                "iterations": iters,
+                "global_steps": engine.global_steps,
+            },
+        )
     tdist.destroy_process_group()  # left to interpreter teardown, gloo may abort the process
 
 
 def run_ds_load(a) -> None:
     import torch.distributed as tdist
+
     engine, _model = plain_deepspeed(a, load_universal=True)
     t_init = time.time()
     path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
@@ -155,13 +186,23 @@ def run_ds_load(a) -> None:
         if len(iters) == 1:
             t_first = time.time()
     if engine.global_rank == 0:
-        write_json(a.out, {"mode": "ds-load", "t_init": t_init, "t_load": t_load, "t_first_step": t_first,
-                           "iterations": iters, "global_steps": engine.global_steps})
+        write_json(
+            a.out,
+            {
+                "mode": "ds-load",
+                "t_init": t_init,
+                "t_load": t_load,
+                "t_first_step": t_first,
+                "iterations": iters,
+                "global_steps": engine.global_steps,
+            },
+        )
     tdist.destroy_process_group()
 
 
 def run_link(a) -> None:
     import torch.distributed as tdist
+
     tdist.init_process_group("gloo")
     rank = tdist.get_rank()
     buf = torch.ones(a.mib << 18, dtype=torch.float32)  # 4-byte elements

@@ -16,6 +16,7 @@ write of the same size into the same directory, ``benchmarks.io_bound``), and th
 mean iteration (snapshot steps included) against a run without snapshots. ``--json`` prints one
 object per engine with ``engine, stall_s, step_s, iter_s, slowdown, flush_gbps, bound_gbps``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +30,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_engine(engine: str, a, workdir: str) -> dict:
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
-           "dynatrain": {"snapshot": {"host_cache_mib": 256}, "log_interval_steps": 10**6}}
+    cfg = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+        "dynatrain": {"snapshot": {"host_cache_mib": 256}, "log_interval_steps": 10**6},
+    }
     cfg_path = os.path.join(workdir, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     out = os.path.join(workdir, f"{engine}.json")
-    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", cfg_path,
-           os.path.join(ROOT, "benchmarks", "snapshot_worker.py"), "--engine", engine, "--hidden", str(a.hidden),
-           "--layers", str(a.layers), "--steps", str(a.steps), "--every", str(a.every), "--dir", a.dir,
-           "--out", out]
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_dynatrain.cli",
+        "launch",
+        "--nproc",
+        "2",
+        "--config",
+        cfg_path,
+        os.path.join(ROOT, "benchmarks", "snapshot_worker.py"),
+        "--engine",
+        engine,
+        "--hidden",
+        str(a.hidden),
+        "--layers",
+        str(a.layers),
+        "--steps",
+        str(a.steps),
+        "--every",
+        str(a.every),
+        "--dir",
+        a.dir,
+        "--out",
+        out,
+    ]
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         sys.exit(f"benchmark job for {engine} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -66,6 +95,7 @@ def main(argv=None) -> int:
         for e in a.engines.split(","):
             results.append(run_engine(e, a, work))
     from benchmarks.io_bound import run as io_run
+
     base = next((r for r in results if r["engine"] == "none"), None)
     results = [r for r in results if r["engine"] != "none"]
     size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
@@ -81,17 +111,23 @@ def main(argv=None) -> int:
         for r in results:
             print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
         return 0
-    print(f"model: {results[0]['params'] / 1e6:.0f} M parameters, ZeRO-2, 2 ranks, snapshot every {a.every} steps, "
-          f"{results[0]['snapshot_bytes'] / 2**20:.0f} MiB per snapshot, dir {a.dir}")
+    print(
+        f"model: {results[0]['params'] / 1e6:.0f} M parameters, ZeRO-2, 2 ranks, snapshot every {a.every} steps, "
+        f"{results[0]['snapshot_bytes'] / 2**20:.0f} MiB per snapshot, dir {a.dir}"
+    )
     if base:
         print(f"baseline (no snapshots): {base['iter_s']:.2f} s per iteration")
-    print(f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
-          f"{'stall/torch':>12} {'flush/bound':>12}")
+    print(
+        f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
+        f"{'stall/torch':>12} {'flush/bound':>12}"
+    )
     for r in results:
         slow = f"{100 * r['slowdown']:>8.1f}%" if r["slowdown"] is not None else f"{'-':>9}"
-        print(f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
-              f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {r['stall_vs_torch']:>12.3f} "
-              f"{r['flush_vs_bound']:>12.2f}")
+        print(
+            f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
+            f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {r['stall_vs_torch']:>12.3f} "
+            f"{r['flush_vs_bound']:>12.2f}"
+        )
     return 0
 
 

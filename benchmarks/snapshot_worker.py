@@ -6,6 +6,7 @@ Engines: ``dynatrain`` (ours, asynchronous), ``torch`` (DeepSpeed's default
 (``torch.distributed.checkpoint.async_save`` of each rank's module and optimizer state).
 Rank 0 writes ``--out`` (JSON).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,25 @@ def main():
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3,
-                                         num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
-                                         num_key_value_heads=a.hidden // 64, max_position_embeddings=a.seq_len))
-    engine, _o, _l, _s = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                                 config=a.deepspeed_config)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=a.hidden,
+            intermediate_size=a.hidden * 8 // 3,
+            num_hidden_layers=a.layers,
+            num_attention_heads=a.hidden // 64,
+            num_key_value_heads=a.hidden // 64,
+            max_position_embeddings=a.seq_len,
+        )
+    )
+    engine, _o, _l, _s = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), config=a.deepspeed_config
+    )
     if a.engine == "torch":
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
         engine.checkpoint_engine = TorchCheckpointEngine()
     rank = engine.global_rank
     g = torch.Generator().manual_seed(rank)
@@ -82,14 +94,19 @@ def main():
             tag = f"global_step{engine.global_steps}"
             if a.engine == "dcp":
                 import torch.distributed.checkpoint as dcp
+
                 if pending is not None:
                     f0 = pending[1]
                     pending[0].result()
                     flush.append((pending[2], time.perf_counter() - f0))
-                state = {f"rank{rank}": {"module": engine.module.state_dict(),
-                                         "optimizer": engine.optimizer.state_dict()}}
-                pending = (dcp.async_save(state, checkpoint_id=os.path.join(save_dir, tag)), s0,
-                           os.path.join(save_dir, tag))
+                state = {
+                    f"rank{rank}": {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+                }
+                pending = (
+                    dcp.async_save(state, checkpoint_id=os.path.join(save_dir, tag)),
+                    s0,
+                    os.path.join(save_dir, tag),
+                )
             else:
                 engine.save_checkpoint(save_dir, tag=tag)
             stall += time.perf_counter() - s0
@@ -120,12 +137,22 @@ def main():
         flush_gbps = snap_bytes / persist / 1e9
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"engine": a.engine, "stall_s": statistics.median(stalls), "stalls": stalls,
-                       "step_s": statistics.median(plain) if plain else None,
-                       "step_with_snapshot_s": statistics.median(with_snap) if with_snap else None,
-                       "iter_s": statistics.mean(plain + with_snap), "snapshot_bytes": snap_bytes,
-                       "persist_s": persist, "flush_gbps": flush_gbps, "every": a.every,
-                       "params": sum(q.numel() for q in model.parameters())}, f)
+            json.dump(
+                {
+                    "engine": a.engine,
+                    "stall_s": statistics.median(stalls),
+                    "stalls": stalls,
+                    "step_s": statistics.median(plain) if plain else None,
+                    "step_with_snapshot_s": statistics.median(with_snap) if with_snap else None,
+                    "iter_s": statistics.mean(plain + with_snap),
+                    "snapshot_bytes": snap_bytes,
+                    "persist_s": persist,
+                    "flush_gbps": flush_gbps,
+                    "every": a.every,
+                    "params": sum(q.numel() for q in model.parameters()),
+                },
+                f,
+            )
     return 0
 
 

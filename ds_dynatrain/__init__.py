@@ -4,14 +4,34 @@ Use :func:`initialize` where you would call ``deepspeed.initialize``; add a ``"d
 section to the DeepSpeed config; start the job with ``dynatrain launch``. :func:`log_to_console`
 prints the plugin's log lines (a library installs no handler of its own).
 """
+
 from .config import DynatrainConfig, load_ds_config
-from .errors import (CheckpointIncompleteError, ConfigError, DynatrainError, LayoutMismatchError, NotAMemberError,
-                     ResizeRefusedError, SnapshotNotFoundError, SnapshotWriteError, TransitionAbortedError)
+from .errors import (
+    CheckpointIncompleteError,
+    ConfigError,
+    DynatrainError,
+    LayoutMismatchError,
+    NotAMemberError,
+    ResizeRefusedError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    TransitionAbortedError,
+)
 from .initialize import initialize
 from .log import log_to_console
 
 __all__ = [
-    "initialize", "DynatrainConfig", "load_ds_config", "log_to_console", "DynatrainError", "ConfigError",
-    "ResizeRefusedError", "LayoutMismatchError", "TransitionAbortedError", "NotAMemberError",
-    "CheckpointIncompleteError", "SnapshotNotFoundError", "SnapshotWriteError",
+    "initialize",
+    "DynatrainConfig",
+    "load_ds_config",
+    "log_to_console",
+    "DynatrainError",
+    "ConfigError",
+    "ResizeRefusedError",
+    "LayoutMismatchError",
+    "TransitionAbortedError",
+    "NotAMemberError",
+    "CheckpointIncompleteError",
+    "SnapshotNotFoundError",
+    "SnapshotWriteError",
 ]

@@ -8,6 +8,7 @@ smaller micro-batch that does is taken, and gradient accumulation makes up the r
 
 (DeepSpeed 0.19 no longer ships ``deepspeed.elasticity``; this is the small part of it we need.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,7 @@ class BatchSplit:
         return self.micro_batch * self.gradient_accumulation_steps * self.world_size
 
 
-def largest_world_size(train_batch_size: int, micro_batch: int, at_most: int,
-                       max_world_size: int | None = None) -> int:
+def largest_world_size(train_batch_size: int, micro_batch: int, at_most: int, max_world_size: int | None = None) -> int:
     """The largest world size ``<= at_most`` that :func:`split_global_batch` accepts; 0 if none
     (e.g. the processes left after a failure or a preemption, at_most = how many are alive)."""
     for n in range(at_most, 0, -1):
@@ -44,8 +44,9 @@ def largest_world_size(train_batch_size: int, micro_batch: int, at_most: int,
     return 0
 
 
-def split_global_batch(train_batch_size: int, micro_batch: int, world_size: int,
-                       max_world_size: int | None = None) -> BatchSplit:
+def split_global_batch(
+    train_batch_size: int, micro_batch: int, world_size: int, max_world_size: int | None = None
+) -> BatchSplit:
     """Split a fixed global batch over ``world_size`` data-parallel ranks.
 
     Args:
@@ -64,16 +65,17 @@ def split_global_batch(train_batch_size: int, micro_batch: int, world_size: int,
     """
     if train_batch_size <= 0 or micro_batch <= 0:
         raise ResizeRefusedError(
-            f"train_batch_size ({train_batch_size}) and micro batch ({micro_batch}) must be positive")
+            f"train_batch_size ({train_batch_size}) and micro batch ({micro_batch}) must be positive"
+        )
     if world_size < 1:
         raise ResizeRefusedError(f"world size {world_size} refused: a job needs at least one rank")
     if max_world_size is not None and world_size > max_world_size:
-        raise ResizeRefusedError(
-            f"world size {world_size} refused: above max_world_size={max_world_size}")
+        raise ResizeRefusedError(f"world size {world_size} refused: above max_world_size={max_world_size}")
     if train_batch_size % world_size:
         raise ResizeRefusedError(
             f"world size {world_size} refused: the global batch train_batch_size={train_batch_size} "
-            f"is not divisible by it, so the global batch could not be kept")
+            f"is not divisible by it, so the global batch could not be kept"
+        )
     per_rank = train_batch_size // world_size
     micro = min(micro_batch, per_rank)
     while per_rank % micro:

@@ -12,6 +12,7 @@ process group or engine exists. Example::
         "metrics_path": "runs/metrics.jsonl"
     }
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,12 +45,17 @@ class SnapshotConfig(_Strict):
     interval_steps: int = Field(0, ge=0, description="save every this many optimizer steps; 0 = never")
     dir: Optional[str] = Field(None, description="directory of the snapshots (one sub-directory per tag)")
     keep_last: int = Field(2, ge=1, description="complete snapshots kept; older ones are pruned after a commit")
-    asynchronous: bool = Field(True, description="capture beside forward/backward and flush in the background; "
-                               "False writes inside save_checkpoint")
+    asynchronous: bool = Field(
+        True,
+        description="capture beside forward/backward and flush in the background; False writes inside save_checkpoint",
+    )
     host_cache_mib: int = Field(256, ge=8, description="bounded host cache the snapshot is copied through, MiB")
-    restore_on_failure: bool = Field(True, description="when a worker dies (a process killed without notice), "
-                                     "the launcher restarts the job on the largest world size the live workers "
-                                     "can serve, from the latest complete snapshot")
+    restore_on_failure: bool = Field(
+        True,
+        description="when a worker dies (a process killed without notice), "
+        "the launcher restarts the job on the largest world size the live workers "
+        "can serve, from the latest complete snapshot",
+    )
 
     @model_validator(mode="after")
     def _dir_needed(self):
@@ -62,34 +68,56 @@ class DynatrainConfig(_Strict):
     """The whole ``"dynatrain"`` section. Every field has a default; an empty section is valid."""
 
     enabled: bool = Field(True, description="False makes ds_dynatrain.initialize a plain deepspeed.initialize")
-    resize_schedule: List[ResizeEvent] = Field(default_factory=list,
-                                               description="resizes at fixed steps, in increasing step order")
+    resize_schedule: List[ResizeEvent] = Field(
+        default_factory=list, description="resizes at fixed steps, in increasing step order"
+    )
     max_world_size: Optional[int] = Field(None, ge=1, description="largest data-parallel world size allowed")
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     metrics_path: Optional[str] = Field(None, description="JSON-lines file of step and resize records (rank 0)")
     log_interval_steps: int = Field(1, ge=1, description="print one step line every this many steps")
     collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every wait of a transition, seconds")
-    join_timeout_s: float = Field(600.0, gt=0,
-                                  description="how long a spawned joiner waits for its generation, seconds")
-    max_inflight_bytes: int = Field(256 << 20, ge=1024, description="bound of the bytes a process has in flight "
-                                    "during a resize (messages sent and received plus packing buffers)")
+    join_timeout_s: float = Field(
+        600.0, gt=0, description="how long a spawned joiner waits for its generation, seconds"
+    )
+    max_inflight_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="bound of the bytes a process has in flight "
+        "during a resize (messages sent and received plus packing buffers)",
+    )
     transfer_overlap: Literal["none", "rebuild", "step"] = Field(
-        "rebuild", description="what the optimizer-moment transfer of a resize overlaps: 'none' (it completes "
+        "rebuild",
+        description="what the optimizer-moment transfer of a resize overlaps: 'none' (it completes "
         "before the engine is rebuilt), 'rebuild' (it runs while the DeepSpeed engine is rebuilt and completes "
-        "before the resize returns), 'step' (it completes only before the first optimizer step on the new world)")
-    leaver_nice: int = Field(19, ge=0, le=19, description="a process that leaves the job at a resize raises its "
-                             "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors")
-    spawn_lookahead_steps: int = Field(3, ge=0, description="start joiners of a scheduled grow this many steps "
-                                       "early, so their start-up overlaps training")
-    standby: bool = Field(False, description="processes that leave at a shrink (not a preemption) stay as "
-                          "standby members instead of exiting: a later grow takes them back before it starts "
-                          "new processes, and reuses the process groups they were part of (4 -> 2 -> 4 forms "
-                          "no new group). They exit when the job ends. Off by default: a shrink usually hands "
-                          "the device to another job")
-    background_groups: bool = Field(True, description="a `dynatrain resize` request builds the next "
-                                    "generation's process groups (and starts its joiners) in the background while "
-                                    "training goes on, and switches at the first step boundary where they are "
-                                    "ready; false: the resize blocks training at the step it is served")
+        "before the resize returns), 'step' (it completes only before the first optimizer step on the new world)",
+    )
+    leaver_nice: int = Field(
+        19,
+        ge=0,
+        le=19,
+        description="a process that leaves the job at a resize raises its "
+        "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors",
+    )
+    spawn_lookahead_steps: int = Field(
+        3,
+        ge=0,
+        description="start joiners of a scheduled grow this many steps early, so their start-up overlaps training",
+    )
+    standby: bool = Field(
+        False,
+        description="processes that leave at a shrink (not a preemption) stay as "
+        "standby members instead of exiting: a later grow takes them back before it starts "
+        "new processes, and reuses the process groups they were part of (4 -> 2 -> 4 forms "
+        "no new group). They exit when the job ends. Off by default: a shrink usually hands "
+        "the device to another job",
+    )
+    background_groups: bool = Field(
+        True,
+        description="a `dynatrain resize` request builds the next "
+        "generation's process groups (and starts its joiners) in the background while "
+        "training goes on, and switches at the first step boundary where they are "
+        "ready; false: the resize blocks training at the step it is served",
+    )
 
     @model_validator(mode="after")
     def _schedule_ordered(self):
@@ -161,25 +189,34 @@ def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
     tb = ds_config.get("train_batch_size")
     mb = ds_config.get("train_micro_batch_size_per_gpu")
     ga = ds_config.get("gradient_accumulation_steps")
-    for name, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
-                    ("gradient_accumulation_steps", ga)):
+    for name, v in (
+        ("train_batch_size", tb),
+        ("train_micro_batch_size_per_gpu", mb),
+        ("gradient_accumulation_steps", ga),
+    ):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ConfigError(f"invalid DeepSpeed config: {name} must be a positive integer, got {v!r}")
     if tb and mb:
         if ga and tb != mb * ga * world_size:
-            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} != micro batch {mb} * "
-                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+            raise ConfigError(
+                f"invalid DeepSpeed config: train_batch_size {tb} != micro batch {mb} * "
+                f"gradient_accumulation_steps {ga} * world size {world_size}"
+            )
         return tb, mb
     if tb and ga:
         if tb % (ga * world_size):
-            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by "
-                              f"gradient_accumulation_steps {ga} * world size {world_size}")
+            raise ConfigError(
+                f"invalid DeepSpeed config: train_batch_size {tb} not divisible by "
+                f"gradient_accumulation_steps {ga} * world size {world_size}"
+            )
         return tb, tb // (ga * world_size)
     if mb:
         return mb * (ga or 1) * world_size, mb
     if tb:
         if tb % world_size:
-            raise ConfigError(f"invalid DeepSpeed config: train_batch_size {tb} not divisible by world size {world_size}")
+            raise ConfigError(
+                f"invalid DeepSpeed config: train_batch_size {tb} not divisible by world size {world_size}"
+            )
         return tb, tb // world_size
     raise ConfigError("invalid DeepSpeed config: set train_batch_size and train_micro_batch_size_per_gpu")
 
@@ -196,11 +233,14 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
         ConfigError: naming the key and the problem.
     """
     if elastic and not (ds_config.get("train_batch_size") and ds_config.get("train_micro_batch_size_per_gpu")):
-        raise ConfigError("invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
-                          "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)")
+        raise ConfigError(
+            "invalid DeepSpeed config: an elastic job needs both train_batch_size (kept across "
+            "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)"
+        )
     global_batch, micro = resolve_global_batch(ds_config, world_size)
     for ws, where in [(world_size, "the launch world size")] + [
-            (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule]:
+        (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule
+    ]:
         try:
             split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
         except ResizeRefusedError as err:
@@ -209,11 +249,15 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
         zero = ds_config.get("zero_optimization", {}) or {}
         stage = zero.get("stage", 0)
         if stage not in (1, 2, 3):
-            raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
-                              f"1, 2 or 3 (stage {stage} has no partitions to resize)")
+            raise ConfigError(
+                f"invalid DeepSpeed config: dynatrain.resize_schedule needs zero_optimization.stage "
+                f"1, 2 or 3 (stage {stage} has no partitions to resize)"
+            )
         for key in ("offload_optimizer", "offload_param"):
             dev = (zero.get(key) or {}).get("device", "none")
             if dev not in (None, "none"):
-                raise ConfigError(f"invalid DeepSpeed config: dynatrain.resize_schedule with "
-                                  f"zero_optimization.{key}.device={dev!r}: offloaded state is not moved by a resize")
+                raise ConfigError(
+                    f"invalid DeepSpeed config: dynatrain.resize_schedule with "
+                    f"zero_optimization.{key}.device={dev!r}: offloaded state is not moved by a resize"
+                )
     return global_batch, micro

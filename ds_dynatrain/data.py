@@ -8,6 +8,7 @@ loader reads the engine's step counter, rank, world size and micro-batch each ti
 for a batch, so after a resize (which happens at a step boundary) it continues exactly where the
 job stands: no sample is seen twice or skipped, whatever the world sizes.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -33,8 +34,15 @@ class ElasticDataLoader:
     global batch of an epoch are dropped (``drop_last``).
     """
 
-    def __init__(self, dataset: Dataset, engine, global_batch: int, seed: int = 0, shuffle: bool = True,
-                 collate_fn: Optional[Callable[[list], Any]] = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        engine,
+        global_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        collate_fn: Optional[Callable[[list], Any]] = None,
+    ):
         if len(dataset) < global_batch:
             raise ValueError(f"dataset of {len(dataset)} samples is smaller than one global batch ({global_batch})")
         self.dataset = dataset
@@ -66,7 +74,7 @@ class ElasticDataLoader:
         """Dataset indices of micro-batch ``micro`` of ``rank`` at global step ``step``."""
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         start = in_epoch * self.global_batch + micro * world_size * micro_batch + rank * micro_batch
-        return self._order_of(epoch)[start:start + micro_batch]
+        return self._order_of(epoch)[start : start + micro_batch]
 
     def __len__(self) -> int:
         """Micro-batches this rank takes per epoch at the current world size."""
@@ -81,9 +89,12 @@ class ElasticDataLoader:
                 self._step, self._micro = step, 0
             accum = engine.gradient_accumulation_steps()
             if self._micro >= accum:
-                raise RuntimeError(f"the training loop asked for micro-batch {self._micro + 1} of step {step}, "
-                                   f"which has {accum}; call engine.step() after every backward()")
-            idx = self.indices_for(step, self._micro, engine.global_rank, engine.dp_world_size,
-                                   engine.train_micro_batch_size_per_gpu())
+                raise RuntimeError(
+                    f"the training loop asked for micro-batch {self._micro + 1} of step {step}, "
+                    f"which has {accum}; call engine.step() after every backward()"
+                )
+            idx = self.indices_for(
+                step, self._micro, engine.global_rank, engine.dp_world_size, engine.train_micro_batch_size_per_gpu()
+            )
             self._micro += 1
             yield self.collate_fn([self.dataset[int(i)] for i in idx])

@@ -1,4 +1,5 @@
 """``ds_dynatrain.initialize``: ``deepspeed.initialize`` with an elastic engine behind it."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -10,21 +11,23 @@ from .data import ElasticDataLoader
 from .engine.build import start_engine
 
 
-def initialize(args: Any = None,
-               model: Optional[torch.nn.Module] = None,
-               optimizer=None,
-               model_parameters=None,
-               training_data=None,
-               lr_scheduler=None,
-               distributed_port: int = 29500,
-               mpu=None,
-               dist_init_required: Optional[bool] = None,
-               collate_fn=None,
-               config=None,
-               config_params=None,
-               *,
-               seed: int = 0,
-               shuffle: bool = True):
+def initialize(
+    args: Any = None,
+    model: Optional[torch.nn.Module] = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+):
     """Drop-in for ``deepspeed.initialize`` returning an :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine`.
 
     Same arguments and return values as ``deepspeed.initialize``: ``(engine, optimizer,
@@ -54,17 +57,35 @@ def initialize(args: Any = None,
         raise ConfigError("no DeepSpeed config: pass config= or args.deepspeed_config")
     ds_config, dt_cfg = load_ds_config(config)
     if not dt_cfg.enabled:
-        return deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler,
-                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                                    collate_fn=collate_fn, config=ds_config)
+        return deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            distributed_port=distributed_port,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=ds_config,
+        )
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
 
-    engine = start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config, dt_cfg, collate_fn=collate_fn,
-                          distributed_port=distributed_port, dist_init_required=dist_init_required)
+    engine = start_engine(
+        model,
+        optimizer,
+        model_parameters,
+        lr_scheduler,
+        ds_config,
+        dt_cfg,
+        collate_fn=collate_fn,
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+    )
     loader = None
     if training_data is not None:
-        loader = ElasticDataLoader(training_data, engine, engine._dt.global_batch, seed=seed, shuffle=shuffle,
-                                   collate_fn=collate_fn)
+        loader = ElasticDataLoader(
+            training_data, engine, engine._dt.global_batch, seed=seed, shuffle=shuffle, collate_fn=collate_fn
+        )
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -4,6 +4,7 @@ Library code only logs (``logger.info``); it installs no handler. The ``dynatrai
 the examples and the test workers call :func:`log_to_console`; a training script of its own may do
 the same, or configure :mod:`logging` as it likes (the logger is ``"ds_dynatrain"``).
 """
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ runs ``dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/t
 then (with ``--compare-static``) the same job with the resize schedule removed, and writes
 ``OUT/metrics.jsonl``, ``OUT/static.jsonl`` and ``OUT/loss.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,24 @@ ROOT = os.path.dirname(HERE)
 
 
 def run_job(config: str, out: str, metrics: str, steps: int, nproc: int, extra=()) -> float:
-    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config", config,
-           os.path.join(HERE, "train_lm.py"), "--steps", str(steps), "--metrics", metrics,
-           "--snapshot-dir", os.path.join(out, "snapshots" if not extra else "snapshots-static"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_dynatrain.cli",
+        "launch",
+        "--nproc",
+        str(nproc),
+        "--config",
+        config,
+        os.path.join(HERE, "train_lm.py"),
+        "--steps",
+        str(steps),
+        "--metrics",
+        metrics,
+        "--snapshot-dir",
+        os.path.join(out, "snapshots" if not extra else "snapshots-static"),
+        *extra,
+    ]
     print("$ dynatrain " + " ".join(cmd[3:]), flush=True)
     t0 = time.time()
     rc = subprocess.call(cmd)
@@ -54,15 +70,18 @@ def main() -> int:
     t_static = run_job(a.config, a.out, static, a.steps, a.nproc, ["--static"]) if a.compare_static else None
 
     from ds_dynatrain.cli.plot import plot_losses, read_metrics
+
     png = os.path.join(a.out, "loss.png")
     plot_losses(metrics, png, static_path=static if a.compare_static else None)
 
     print("\n=== demo summary ===")
     for r in read_metrics(metrics):
         if r["event"] == "resize":
-            print(f"resize {r['from']} -> {r['to']} after step {r['step']}: {r['bytes_moved'] / 2**20:.1f} MiB moved "
-                  f"in {r['seconds']:.2f} s (plan {r['plan_s']:.3f}, group {r['group_s']:.2f}, "
-                  f"transfer {r['transfer_s']:.3f}, rebuild {r['rebuild_s']:.2f} s)")
+            print(
+                f"resize {r['from']} -> {r['to']} after step {r['step']}: {r['bytes_moved'] / 2**20:.1f} MiB moved "
+                f"in {r['seconds']:.2f} s (plan {r['plan_s']:.3f}, group {r['group_s']:.2f}, "
+                f"transfer {r['transfer_s']:.3f}, rebuild {r['rebuild_s']:.2f} s)"
+            )
     el = losses(metrics)
     print(f"elastic run: {len(el)} steps in {t_elastic:.0f} s, final loss {el[max(el)]['loss']:.4f}")
     if a.compare_static:

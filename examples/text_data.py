@@ -1,4 +1,5 @@
 """Real text as byte-level training samples (vocabulary of 256, no tokenizer download)."""
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,7 @@ class ByteTextDataset(Dataset):
         n = len(data) // seq_len
         if n == 0:
             raise ValueError(f"need at least {seq_len} bytes of text, found {len(data)}")
-        self.tokens = torch.frombuffer(bytearray(data[:n * seq_len]), dtype=torch.uint8).view(n, seq_len)
+        self.tokens = torch.frombuffer(bytearray(data[: n * seq_len]), dtype=torch.uint8).view(n, seq_len)
         self.source = "Python standard library" if path is None else path
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ The loop below is an ordinary DeepSpeed loop; the resizes happen inside ``engine
 loader returned by ``ds_dynatrain.initialize`` follows them. A process that leaves the job at a
 resize sees its loader end and simply returns.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,26 @@ import deepspeed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ds_dynatrain  # noqa: E402
 from text_data import ByteTextDataset  # noqa: E402
+
+import ds_dynatrain  # noqa: E402
 
 
 def build_model(seq_len: int, layers: int = 4, hidden: int = 256):
     """A byte-level Llama: vocabulary 256, ``layers`` x ``hidden`` (about 3.3 M parameters at 4 x 256)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 8 * 8,
-                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                      num_key_value_heads=max(1, hidden // 64), max_position_embeddings=seq_len,
-                      tie_word_embeddings=False, attention_dropout=0.0)
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -65,12 +75,16 @@ def main(argv=None) -> int:
     model = build_model(args.seq_len, args.layers, args.hidden)
     dataset = ByteTextDataset(args.data, args.seq_len)
     engine, _optimizer, loader, _scheduler = ds_dynatrain.initialize(
-        model=model, model_parameters=model.parameters(), training_data=dataset, config=config, seed=args.seed)
+        model=model, model_parameters=model.parameters(), training_data=dataset, config=config, seed=args.seed
+    )
     if engine.global_rank == 0 and engine.global_steps == 0:
         n = sum(q.numel() for q in model.parameters())
-        print(f"model: Llama, {n / 1e6:.2f} M parameters; data: {dataset.source}, {len(dataset)} samples of "
-              f"{args.seq_len} bytes; ZeRO stage {engine.zero_optimization_stage()}, world size "
-              f"{engine.dp_world_size}", flush=True)
+        print(
+            f"model: Llama, {n / 1e6:.2f} M parameters; data: {dataset.source}, {len(dataset)} samples of "
+            f"{args.seq_len} bytes; ZeRO stage {engine.zero_optimization_stage()}, world size "
+            f"{engine.dp_world_size}",
+            flush=True,
+        )
 
     while engine.is_member and engine.global_steps < args.steps:
         for batch in loader:

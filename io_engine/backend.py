@@ -19,6 +19,7 @@ signature; raise EINVAL for ``O_DIRECT`` to refuse it).
 ``queue_depth`` in flight, completions reaped with a timeout, failures turned into typed errors
 naming the file and offset. It is used by one thread at a time.
 """
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from .errors import (BackendUnavailableError, IOTimeoutError, ShortWriteError, StorageError,
-                     StorageReadError, StorageWriteError, errno_name)
+from .errors import (
+    BackendUnavailableError,
+    IOTimeoutError,
+    ShortWriteError,
+    StorageError,
+    StorageReadError,
+    StorageWriteError,
+    errno_name,
+)
 from .ioqueue import IOQueue, QueueFactory, default_queue_factory
 
 log = logging.getLogger("ds_dynatrain.io")
@@ -55,6 +63,7 @@ class IOConfig:
 
     Raises ``ValueError`` on construction for any invalid field.
     """
+
     engine: str = "auto"
     direct: Union[str, bool] = "auto"
     queue_depth: int = 32
@@ -72,8 +81,9 @@ class IOConfig:
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % self.alignment or self.chunk_bytes >= 1 << 31:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {self.alignment} "
-                             f"below 2 GiB, got {self.chunk_bytes}")
+            raise ValueError(
+                f"chunk_bytes must be a positive multiple of {self.alignment} below 2 GiB, got {self.chunk_bytes}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
@@ -93,8 +103,13 @@ class IOBackend:
     messages logged so far (each logged once, at WARNING, on ``ds_dynatrain.io``).
     """
 
-    def __init__(self, config: Optional[IOConfig] = None, *,
-                 queue_factory: Optional[QueueFactory] = None, opener: Optional[Opener] = None):
+    def __init__(
+        self,
+        config: Optional[IOConfig] = None,
+        *,
+        queue_factory: Optional[QueueFactory] = None,
+        opener: Optional[Opener] = None,
+    ):
         self.config = config or IOConfig()
         self._factory = queue_factory or default_queue_factory
         self._opener = opener or os.open
@@ -122,12 +137,16 @@ class IOBackend:
                 return self._factory("io_uring", depth)
             except OSError as e:
                 if self.config.engine == "io_uring":
-                    raise BackendUnavailableError("<io_uring>", "io_uring was requested but refused",
-                                                  errno=e.errno) from e
+                    raise BackendUnavailableError(
+                        "<io_uring>", "io_uring was requested but refused", errno=e.errno
+                    ) from e
                 self._uring_refused = True
-                self.note_once("io_uring", f"io_uring refused at queue init ({errno_name(e.errno)}: "
-                                           f"{e.strerror or e}); falling back to a thread pool of "
-                                           f"os.pwrite/os.preadv")
+                self.note_once(
+                    "io_uring",
+                    f"io_uring refused at queue init ({errno_name(e.errno)}: "
+                    f"{e.strerror or e}); falling back to a thread pool of "
+                    f"os.pwrite/os.preadv",
+                )
         return self._factory("threads", depth)
 
     def open_file(self, path: str, write: bool) -> Tuple[int, bool]:
@@ -145,8 +164,9 @@ class IOBackend:
                 return self._opener(path, flags | os.O_DIRECT, 0o644), True
             except OSError as e:
                 if direct is True or e.errno not in _DIRECT_REFUSALS:
-                    raise err_type(path, "open failed" + (" with O_DIRECT" if direct is True else ""),
-                                   errno=e.errno) from e
+                    raise err_type(
+                        path, "open failed" + (" with O_DIRECT" if direct is True else ""), errno=e.errno
+                    ) from e
                 self.note_direct_refused(path, f"open with O_DIRECT failed: {errno_name(e.errno)}")
         try:
             return self._opener(path, flags, 0o644), False
@@ -161,15 +181,17 @@ class IOBackend:
             return self._opener(path, flags, 0o644)
         except OSError as e:
             raise (StorageWriteError if write else StorageReadError)(
-                path, "reopen without O_DIRECT failed", errno=e.errno) from e
+                path, "reopen without O_DIRECT failed", errno=e.errno
+            ) from e
 
     def note_direct_refused(self, path: str, reason: str) -> None:
         dev = _device_of(path)
         with self._lock:
             self._buffered_devices.add(dev)
         where = os.path.dirname(os.path.abspath(path))
-        self.note_once(("direct", dev), f"O_DIRECT refused on the file system of {where} ({reason}); "
-                                        f"using buffered I/O there")
+        self.note_once(
+            ("direct", dev), f"O_DIRECT refused on the file system of {where} ({reason}); using buffered I/O there"
+        )
 
 
 class Op:
@@ -180,10 +202,18 @@ class Op:
     longer references ``view`` (success or failure; never after a timeout). ``keep`` holds extra
     references (a bounce buffer) for the op's lifetime.
     """
+
     __slots__ = ("write", "view", "offset", "need", "on_release", "keep", "done")
 
-    def __init__(self, write: bool, view: memoryview, offset: int, need: Optional[int] = None,
-                 on_release: Optional[Callable[[], None]] = None, keep: Any = None):
+    def __init__(
+        self,
+        write: bool,
+        view: memoryview,
+        offset: int,
+        need: Optional[int] = None,
+        on_release: Optional[Callable[[], None]] = None,
+        keep: Any = None,
+    ):
         self.write, self.view, self.offset = write, view, offset
         self.need = len(view) if need is None else need
         self.on_release, self.keep, self.done = on_release, keep, 0
@@ -233,7 +263,7 @@ class FileChannel:
 
     def _issue(self, op: Op) -> None:
         token, self._next = self._next, self._next + 1
-        view = op.view[op.done:] if op.done else op.view
+        view = op.view[op.done :] if op.done else op.view
         self._inflight[token] = op
         try:
             if op.write:
@@ -264,26 +294,28 @@ class FileChannel:
 
     def _complete(self, op: Op, res: int) -> None:
         if res < 0:
-            if (-res in _DIRECT_REFUSALS and self.direct and not self._direct_ok
-                    and self.backend.config.direct == "auto" and self._error is None):
-                self._retry.append(op)       # file system refuses O_DIRECT ops: retry buffered
+            if (
+                -res in _DIRECT_REFUSALS
+                and self.direct
+                and not self._direct_ok
+                and self.backend.config.direct == "auto"
+                and self._error is None
+            ):
+                self._retry.append(op)  # file system refuses O_DIRECT ops: retry buffered
                 return
-            self._fail(op, f"{'write' if op.write else 'read'} of {len(op.view) - op.done} bytes failed",
-                       -res)
+            self._fail(op, f"{'write' if op.write else 'read'} of {len(op.view) - op.done} bytes failed", -res)
             return
         if op.write:
             if res < len(op.view) - op.done:
-                return self._fail(op, f"short write: {res} of {len(op.view) - op.done} bytes", None,
-                                  ShortWriteError)
+                return self._fail(op, f"short write: {res} of {len(op.view) - op.done} bytes", None, ShortWriteError)
         else:
             have = op.done + res
             if have < op.need:
                 if res == 0:
-                    return self._fail(op, f"unexpected end of file: {have} of {op.need} bytes read",
-                                      None)
+                    return self._fail(op, f"unexpected end of file: {have} of {op.need} bytes read", None)
                 if self.direct and have % self.backend.config.alignment:
                     return self._fail(op, f"short read: {have} of {op.need} bytes", None)
-                op.done = have               # resubmit the rest
+                op.done = have  # resubmit the rest
                 self._issue(op)
                 return
         if self.direct:
@@ -295,8 +327,7 @@ class FileChannel:
         if self._error is None:
             cls = cls or (StorageWriteError if self.write else StorageReadError)
             mode = f" [{self.engine}{', O_DIRECT' if self.direct else ', buffered'}]"
-            self._error = cls(self.path, message + mode,
-                              offset=None if op is None else op.offset + op.done, errno=err)
+            self._error = cls(self.path, message + mode, offset=None if op is None else op.offset + op.done, errno=err)
         if op is not None:
             self._release(op)
 
@@ -313,8 +344,7 @@ class FileChannel:
                 self._release(op)
             return
         try:
-            fd = self.backend.reopen_buffered(self.path, self.write,
-                                              "EINVAL on the first O_DIRECT operation")
+            fd = self.backend.reopen_buffered(self.path, self.write, "EINVAL on the first O_DIRECT operation")
         except StorageError as e:
             self._error = e
             for op in ops:
@@ -327,12 +357,12 @@ class FileChannel:
 
     def _abandon(self) -> None:
         ops = list(self._inflight.values()) + self._retry
-        _ABANDONED.append((self._queue, ops))     # never unmap what the kernel may still touch
+        _ABANDONED.append((self._queue, ops))  # never unmap what the kernel may still touch
         self._inflight, self._retry, self._queue = {}, [], None
         if self._error is None:
-            self._error = IOTimeoutError(self.path, f"no completion within "
-                                                    f"{self.backend.config.timeout_s} s "
-                                                    f"({len(ops)} ops abandoned)")
+            self._error = IOTimeoutError(
+                self.path, f"no completion within {self.backend.config.timeout_s} s ({len(ops)} ops abandoned)"
+            )
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -5,6 +5,7 @@ the directory renamed to its final name and ``latest`` replaced (write to a temp
 rename, fsync the parent). A crash at any point leaves either the previous snapshot and the
 previous ``latest``, or the new ones: never a ``latest`` naming an incomplete directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,9 @@ def _step_of(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def prune_snapshots(save_dir: str, keep_last: int, protect: Iterable[str] = (),
-                    pattern: Optional[str] = None) -> List[str]:
+def prune_snapshots(
+    save_dir: str, keep_last: int, protect: Iterable[str] = (), pattern: Optional[str] = None
+) -> List[str]:
     """Delete complete snapshot directories beyond the newest ``keep_last`` (by trailing step number).
 
     Only directories whose whole name matches ``pattern`` (a regular expression; None: every
@@ -85,11 +87,15 @@ def prune_snapshots(save_dir: str, keep_last: int, protect: Iterable[str] = (),
     directories and the protected tags are never touched. Returns the deleted tags.
     """
     protect = set(protect)
-    tags = [d for d in os.listdir(save_dir)
-            if os.path.isdir(os.path.join(save_dir, d)) and not d.startswith(".")
-            and (pattern is None or re.fullmatch(pattern, d))]
+    tags = [
+        d
+        for d in os.listdir(save_dir)
+        if os.path.isdir(os.path.join(save_dir, d))
+        and not d.startswith(".")
+        and (pattern is None or re.fullmatch(pattern, d))
+    ]
     tags.sort(key=_step_of)
-    doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in protect]
+    doomed = [t for t in tags[: max(0, len(tags) - keep_last)] if t not in protect]
     for t in doomed:
         shutil.rmtree(os.path.join(save_dir, t), ignore_errors=True)
     return doomed

@@ -11,6 +11,7 @@ cases; below it two branches that mean different things to the caller:
 Every message names the file, and where it applies the byte offset or the item key, so a log
 line alone locates the problem.
 """
+
 from __future__ import annotations
 
 import errno as _errno
@@ -28,6 +29,7 @@ class InvalidItemError(IOEngineError, ValueError):
 
 
 # --- the file does not follow the format -------------------------------------------------------
+
 
 class SnapshotFormatError(IOEngineError):
     """A snapshot file is not a valid file of this format. ``path`` names it."""
@@ -69,17 +71,16 @@ class ChecksumMismatchError(SnapshotFormatError):
         self.key = key
         self.expected = expected
         self.actual = actual
-        super().__init__(path, f"checksum mismatch for item {key!r}: footer says {expected}, "
-                               f"payload has {actual}")
+        super().__init__(path, f"checksum mismatch for item {key!r}: footer says {expected}, payload has {actual}")
 
 
 # --- the storage refused an operation ----------------------------------------------------------
 
+
 class StorageError(IOEngineError):
     """An operation on ``path`` failed at the storage level."""
 
-    def __init__(self, path: str, message: str, *, offset: Optional[int] = None,
-                 errno: Optional[int] = None):
+    def __init__(self, path: str, message: str, *, offset: Optional[int] = None, errno: Optional[int] = None):
         self.path = path
         self.offset = offset
         self.errno = errno

@@ -15,6 +15,7 @@ Errors never leave a silent partial file: the first failure (ENOSPC, EIO, short 
 as a :class:`~io_engine.errors.StorageWriteError` naming the file and offset, after every write
 still in flight has completed, and :meth:`Flusher.write_file` removes the partial file.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ class WriteReport:
     """What one file write did. ``nbytes``: logical file size in bytes; ``seconds``: wall time
     from open to fsync; ``engine``: ``"io_uring"``/``"threads"``; ``direct``: O_DIRECT used at the
     end; ``fallbacks``: fallback messages of the backend so far."""
+
     path: str
     nbytes: int
     seconds: float
@@ -103,15 +105,15 @@ class WriteSession:
             n = len(view)
             keep = None
             if n and self._channel.direct and (n % align or buffer_address(view) % align):
-                keep = alloc_aligned(align_up(n, align))          # zero-filled bounce buffer
+                keep = alloc_aligned(align_up(n, align))  # zero-filled bounce buffer
                 keep[:n] = view
-                view = memoryview(keep)[:align_up(n, align)]
+                view = memoryview(keep)[: align_up(n, align)]
         except BaseException:
             if on_release is not None:
                 on_release()
             raise
         if keep is not None and on_release is not None:
-            on_release()                                          # the caller's buffer is free now
+            on_release()  # the caller's buffer is free now
             on_release = None
         self._end = max(self._end, offset + n)
         starts = range(0, len(view), chunk)
@@ -129,11 +131,10 @@ class WriteSession:
         submitted = 0
         try:
             for s in starts:
-                self._channel.submit(Op(True, view[s:s + chunk], offset + s,
-                                        on_release=chunk_released, keep=keep))
+                self._channel.submit(Op(True, view[s : s + chunk], offset + s, on_release=chunk_released, keep=keep))
                 submitted += 1
         finally:
-            for _ in range(len(starts) - submitted):   # never submitted: released right here
+            for _ in range(len(starts) - submitted):  # never submitted: released right here
                 chunk_released()
 
     def drain(self) -> None:
@@ -152,15 +153,14 @@ class WriteSession:
         ch = self._channel
         try:
             ch.drain()
-            for what, fn in (("ftruncate", lambda: os.ftruncate(ch.fd, size)),
-                             ("fsync", lambda: os.fsync(ch.fd))):
+            for what, fn in (("ftruncate", lambda: os.ftruncate(ch.fd, size)), ("fsync", lambda: os.fsync(ch.fd))):
                 try:
                     fn()
                 except OSError as e:
-                    raise StorageWriteError(self.path, f"{what} failed", offset=size,
-                                            errno=e.errno) from e
-            report = WriteReport(self.path, size, time.perf_counter() - self._t0, ch.engine,
-                                 ch.direct, tuple(self._backend.fallbacks))
+                    raise StorageWriteError(self.path, f"{what} failed", offset=size, errno=e.errno) from e
+            report = WriteReport(
+                self.path, size, time.perf_counter() - self._t0, ch.engine, ch.direct, tuple(self._backend.fallbacks)
+            )
         except BaseException:
             ch.abort()
             raise
@@ -188,8 +188,14 @@ class Flusher:
     ``config``, ``queue_factory`` and ``opener`` (the seams that inject refusals in tests).
     """
 
-    def __init__(self, config: Optional[IOConfig] = None, *, backend: Optional[IOBackend] = None,
-                 queue_factory: Optional[QueueFactory] = None, opener=None):
+    def __init__(
+        self,
+        config: Optional[IOConfig] = None,
+        *,
+        backend: Optional[IOBackend] = None,
+        queue_factory: Optional[QueueFactory] = None,
+        opener=None,
+    ):
         self.backend = backend or IOBackend(config, queue_factory=queue_factory, opener=opener)
         self.config = self.backend.config
 
@@ -198,8 +204,9 @@ class Flusher:
         Raises :class:`StorageWriteError` when it cannot be opened."""
         return WriteSession(self.backend, path)
 
-    def write_file(self, path: str, extents: Iterable[Tuple[object, int]],
-                   logical_size: Optional[int] = None) -> WriteReport:
+    def write_file(
+        self, path: str, extents: Iterable[Tuple[object, int]], logical_size: Optional[int] = None
+    ) -> WriteReport:
         """Write ``extents`` (``(buffer, byte offset)`` pairs) into a new file at ``path``, truncate
         it to ``logical_size`` (default: end of the furthest extent) and fsync it.
 
@@ -228,4 +235,3 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-

@@ -30,6 +30,7 @@ The planner (:func:`plan_layout`) does no I/O. :func:`read_footer` reads and val
 metadata with plain ``pread`` (a few KiB, not worth io_uring); payload I/O lives in
 ``flusher.py`` / ``reader.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,15 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
-from .errors import (BadMagicError, CorruptFooterError, CorruptHeaderError, FileSizeMismatchError,
-                     InvalidItemError, TruncatedFileError, UnsupportedVersionError)
+from .errors import (
+    BadMagicError,
+    CorruptFooterError,
+    CorruptHeaderError,
+    FileSizeMismatchError,
+    InvalidItemError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
 
 MAGIC = b"DSDYNSNP"
 FORMAT_VERSION = 1
@@ -52,10 +60,10 @@ KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
 KINDS = (KIND_TENSOR, KIND_OBJECT)
 
-_HEADER = struct.Struct("<8sHHIQ")      # magic, version, header size, alignment, file size
+_HEADER = struct.Struct("<8sHHIQ")  # magic, version, header size, alignment, file size
 _HEADER_CRC = struct.Struct("<I")
-_TRAILER = struct.Struct("<QII8s")      # footer length, footer crc32, version, magic
-TRAILER_SIZE = _TRAILER.size            # 24
+_TRAILER = struct.Struct("<QII8s")  # footer length, footer crc32, version, magic
+TRAILER_SIZE = _TRAILER.size  # 24
 _MAX_FOOTER = 1 << 31
 
 CHECKSUM_ALGO = "crc32"
@@ -63,9 +71,23 @@ CHECKSUM_PLACEHOLDER = "crc32:00000000"
 
 # Element sizes of dtype names we can check shapes against; other names are accepted unchecked
 # (the caller may use names numpy does not know, e.g. "bfloat16" from torch).
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2,
-             "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
-             "float64": 8, "complex64": 8, "complex128": 16}
+_ITEMSIZE = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -108,6 +130,7 @@ class ItemSpec:
 
     Raises :class:`InvalidItemError` on any inconsistency.
     """
+
     key: str
     nbytes: int
     kind: str = KIND_TENSOR
@@ -129,8 +152,10 @@ class ItemSpec:
             object.__setattr__(self, "shape", shape)
             size = _ITEMSIZE.get(self.dtype)
             if size is not None and math.prod(shape) * size != self.nbytes:
-                raise InvalidItemError(f"item {self.key!r}: shape {shape} of {self.dtype} is "
-                                       f"{math.prod(shape) * size} bytes, not {self.nbytes}")
+                raise InvalidItemError(
+                    f"item {self.key!r}: shape {shape} of {self.dtype} is "
+                    f"{math.prod(shape) * size} bytes, not {self.nbytes}"
+                )
         object.__setattr__(self, "attrs", _freeze_attrs(self.attrs, self.key))
 
 
@@ -141,6 +166,7 @@ class ItemMeta:
     ``offset`` and ``nbytes`` are bytes from the start of the file. ``checksum`` is
     ``"crc32:%08x"`` of the payload, or None in a plan that has not been written yet.
     """
+
     key: str
     kind: str
     dtype: str
@@ -152,10 +178,16 @@ class ItemMeta:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready dict (the footer entry)."""
-        return {"key": self.key, "kind": self.kind, "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum,
-                "attrs": dict(self.attrs)}
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "attrs": dict(self.attrs),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ItemMeta":
@@ -165,17 +197,27 @@ class ItemMeta:
             if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
                 raise ValueError(f"bad shape {shape!r}")
             shape = tuple(shape)
-        meta = cls(key=d["key"], kind=d["kind"], dtype=d["dtype"], shape=shape,
-                   offset=d["offset"], nbytes=d["nbytes"], checksum=d["checksum"],
-                   attrs=MappingProxyType(dict(d["attrs"])))
+        meta = cls(
+            key=d["key"],
+            kind=d["kind"],
+            dtype=d["dtype"],
+            shape=shape,
+            offset=d["offset"],
+            nbytes=d["nbytes"],
+            checksum=d["checksum"],
+            attrs=MappingProxyType(dict(d["attrs"])),
+        )
         if not isinstance(meta.key, str) or meta.kind not in KINDS or not isinstance(meta.dtype, str):
             raise ValueError(f"bad key/kind/dtype in {dict(d)!r}")
         for name in ("offset", "nbytes"):
             v = getattr(meta, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"bad {name} {v!r}")
-        if not isinstance(meta.checksum, str) or len(meta.checksum) != len(CHECKSUM_PLACEHOLDER) \
-                or not meta.checksum.startswith(CHECKSUM_ALGO + ":"):
+        if (
+            not isinstance(meta.checksum, str)
+            or len(meta.checksum) != len(CHECKSUM_PLACEHOLDER)
+            or not meta.checksum.startswith(CHECKSUM_ALGO + ":")
+        ):
             raise ValueError(f"bad checksum {meta.checksum!r}")
         return meta
 
@@ -188,6 +230,7 @@ class FileLayout:
     ``[objects_offset, footer_offset)``, the footer ``[footer_offset, footer_offset +
     footer_length)``, the trailer the last :data:`TRAILER_SIZE` bytes; ``file_size`` is the total.
     """
+
     items: Tuple[ItemMeta, ...]
     alignment: int
     data_offset: int
@@ -216,12 +259,16 @@ class FileLayout:
 
 def encode_footer(layout: FileLayout) -> bytes:
     """The footer bytes of ``layout``: deterministic, ASCII-only JSON."""
-    doc = {"format": "ds_dynatrain.snapshot", "version": layout.version,
-           "alignment": layout.alignment, "data_offset": layout.data_offset,
-           "objects_offset": layout.objects_offset, "file_attrs": dict(layout.file_attrs),
-           "items": [it.to_dict() for it in layout.items]}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
+    doc = {
+        "format": "ds_dynatrain.snapshot",
+        "version": layout.version,
+        "alignment": layout.alignment,
+        "data_offset": layout.data_offset,
+        "objects_offset": layout.objects_offset,
+        "file_attrs": dict(layout.file_attrs),
+        "items": [it.to_dict() for it in layout.items],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 def encode_header(file_size: int, alignment: int) -> bytes:
@@ -236,8 +283,9 @@ def encode_trailer(footer: bytes) -> bytes:
     return _TRAILER.pack(len(footer), zlib.crc32(footer), FORMAT_VERSION, MAGIC)
 
 
-def plan_layout(specs: Iterable[ItemSpec], *, alignment: int = DEFAULT_ALIGNMENT,
-                file_attrs: Optional[Mapping[str, Any]] = None) -> FileLayout:
+def plan_layout(
+    specs: Iterable[ItemSpec], *, alignment: int = DEFAULT_ALIGNMENT, file_attrs: Optional[Mapping[str, Any]] = None
+) -> FileLayout:
     """Place ``specs`` in a file. Pure: no I/O, deterministic in the order of ``specs``.
 
     Tensors go first, in the given order, each at a multiple of ``alignment`` (a zero-byte tensor
@@ -268,16 +316,32 @@ def plan_layout(specs: Iterable[ItemSpec], *, alignment: int = DEFAULT_ALIGNMENT
         if s.kind == KIND_OBJECT:
             placed[s.key] = cursor
             cursor += s.nbytes
-    items = tuple(ItemMeta(key=s.key, kind=s.kind, dtype=s.dtype, shape=s.shape,
-                           offset=placed[s.key], nbytes=s.nbytes, checksum=None, attrs=s.attrs)
-                  for s in specs)
+    items = tuple(
+        ItemMeta(
+            key=s.key,
+            kind=s.kind,
+            dtype=s.dtype,
+            shape=s.shape,
+            offset=placed[s.key],
+            nbytes=s.nbytes,
+            checksum=None,
+            attrs=s.attrs,
+        )
+        for s in specs
+    )
     attrs = _freeze_attrs(file_attrs, "<file_attrs>")
-    layout = FileLayout(items=items, alignment=alignment, data_offset=data_offset,
-                        objects_offset=objects_offset, footer_offset=cursor, footer_length=0,
-                        file_size=0, file_attrs=attrs)
+    layout = FileLayout(
+        items=items,
+        alignment=alignment,
+        data_offset=data_offset,
+        objects_offset=objects_offset,
+        footer_offset=cursor,
+        footer_length=0,
+        file_size=0,
+        file_attrs=attrs,
+    )
     footer_len = len(encode_footer(layout.with_checksums({k: CHECKSUM_PLACEHOLDER for k in seen})))
-    return replace(layout, footer_length=footer_len,
-                   file_size=cursor + footer_len + TRAILER_SIZE)
+    return replace(layout, footer_length=footer_len, file_size=cursor + footer_len + TRAILER_SIZE)
 
 
 def _pread_exact(fd: int, n: int, offset: int) -> bytes:
@@ -290,18 +354,25 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return out
 
 
-def _parse_footer(path: str, raw: bytes, header_alignment: int, size: int, footer_offset: int,
-                  footer_len: int) -> FileLayout:
+def _parse_footer(
+    path: str, raw: bytes, header_alignment: int, size: int, footer_offset: int, footer_len: int
+) -> FileLayout:
     try:
         doc = json.loads(raw.decode("ascii"))
         if not isinstance(doc, dict) or doc.get("format") != "ds_dynatrain.snapshot":
             raise ValueError("not a ds_dynatrain.snapshot footer")
         items = tuple(ItemMeta.from_dict(d) for d in doc["items"])
-        layout = FileLayout(items=items, alignment=doc["alignment"], data_offset=doc["data_offset"],
-                            objects_offset=doc["objects_offset"], footer_offset=footer_offset,
-                            footer_length=footer_len, file_size=size,
-                            file_attrs=MappingProxyType(dict(doc["file_attrs"])),
-                            version=doc["version"])
+        layout = FileLayout(
+            items=items,
+            alignment=doc["alignment"],
+            data_offset=doc["data_offset"],
+            objects_offset=doc["objects_offset"],
+            footer_offset=footer_offset,
+            footer_length=footer_len,
+            file_size=size,
+            file_attrs=MappingProxyType(dict(doc["file_attrs"])),
+            version=doc["version"],
+        )
     except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
         raise CorruptFooterError(path, f"footer metadata does not parse: {e}") from None
     if layout.alignment != header_alignment or layout.version != FORMAT_VERSION:
@@ -320,17 +391,21 @@ def _check_tiling(path: str, layout: FileLayout) -> None:
         if it.key in keys:
             raise CorruptFooterError(path, f"duplicate item key {it.key!r} in footer")
         keys.add(it.key)
-        lo, hi = ((layout.data_offset, layout.objects_offset) if it.kind == KIND_TENSOR
-                  else (layout.objects_offset, layout.footer_offset))
+        lo, hi = (
+            (layout.data_offset, layout.objects_offset)
+            if it.kind == KIND_TENSOR
+            else (layout.objects_offset, layout.footer_offset)
+        )
         if it.offset < lo or it.offset + it.nbytes > hi:
-            raise CorruptFooterError(path, f"item {it.key!r} [{it.offset}, {it.offset + it.nbytes}) "
-                                           f"lies outside its region [{lo}, {hi})")
+            raise CorruptFooterError(
+                path, f"item {it.key!r} [{it.offset}, {it.offset + it.nbytes}) lies outside its region [{lo}, {hi})"
+            )
         if it.kind == KIND_TENSOR and it.offset % layout.alignment:
             raise CorruptFooterError(path, f"tensor item {it.key!r} offset {it.offset} is not aligned")
         if it.nbytes:
             spans.append((it.offset, it.offset + it.nbytes, it.key))
     spans.sort()
-    for (a0, a1, ak), (b0, _b1, bk) in zip(spans, spans[1:]):
+    for (_a0, a1, ak), (b0, _b1, bk) in zip(spans, spans[1:]):
         if b0 < a1:
             raise CorruptFooterError(path, f"items {ak!r} and {bk!r} overlap")
 
@@ -351,21 +426,19 @@ def read_footer(path: str) -> FileLayout:
         size = os.fstat(fd).st_size
         head = _pread_exact(fd, HEADER_SIZE, 0)
         if len(head) < _HEADER.size + _HEADER_CRC.size:
-            if head[:len(MAGIC)] != MAGIC[:len(head)]:
+            if head[: len(MAGIC)] != MAGIC[: len(head)]:
                 raise BadMagicError(path, f"header magic is {head[:8]!r}, expected {MAGIC!r}")
             raise TruncatedFileError(path, f"file is {size} bytes, shorter than the header")
         magic, version, header_size, alignment, file_size = _HEADER.unpack_from(head)
         if magic != MAGIC:
             raise BadMagicError(path, f"header magic is {magic!r}, expected {MAGIC!r}")
         (crc,) = _HEADER_CRC.unpack_from(head, _HEADER.size)
-        if crc != zlib.crc32(head[:_HEADER.size]):
+        if crc != zlib.crc32(head[: _HEADER.size]):
             raise CorruptHeaderError(path, "header checksum mismatch")
         if version != FORMAT_VERSION:
-            raise UnsupportedVersionError(path, f"format version {version}, this code reads "
-                                                f"version {FORMAT_VERSION}")
+            raise UnsupportedVersionError(path, f"format version {version}, this code reads version {FORMAT_VERSION}")
         if header_size != HEADER_SIZE or alignment <= 0 or alignment & (alignment - 1):
-            raise CorruptHeaderError(path, f"impossible header (size {header_size}, "
-                                           f"alignment {alignment})")
+            raise CorruptHeaderError(path, f"impossible header (size {header_size}, alignment {alignment})")
         if size < file_size:
             raise TruncatedFileError(path, f"file is {size} bytes, its header records {file_size}")
         if size > file_size:
@@ -373,13 +446,13 @@ def read_footer(path: str) -> FileLayout:
         if size < HEADER_SIZE + TRAILER_SIZE:
             raise CorruptHeaderError(path, f"recorded file size {file_size} cannot hold a trailer")
         footer_len, footer_crc, t_version, t_magic = _TRAILER.unpack(
-            _pread_exact(fd, TRAILER_SIZE, size - TRAILER_SIZE))
+            _pread_exact(fd, TRAILER_SIZE, size - TRAILER_SIZE)
+        )
         if t_magic != MAGIC:
             raise BadMagicError(path, f"trailer magic is {t_magic!r}, expected {MAGIC!r}")
         footer_offset = size - TRAILER_SIZE - footer_len
         if t_version != version or footer_len > _MAX_FOOTER or footer_offset < HEADER_SIZE:
-            raise CorruptFooterError(path, f"trailer is corrupt (footer length {footer_len}, "
-                                           f"version {t_version})")
+            raise CorruptFooterError(path, f"trailer is corrupt (footer length {footer_len}, version {t_version})")
         raw = _pread_exact(fd, footer_len, footer_offset)
         if zlib.crc32(raw) != footer_crc:
             raise CorruptFooterError(path, "footer checksum mismatch")
@@ -390,5 +463,7 @@ def read_footer(path: str) -> FileLayout:
 
 def specs_of(layout: FileLayout) -> Sequence[ItemSpec]:
     """The item descriptions that planned ``layout`` (re-planning them reproduces its offsets)."""
-    return [ItemSpec(key=it.key, nbytes=it.nbytes, kind=it.kind, dtype=it.dtype, shape=it.shape,
-                     attrs=it.attrs) for it in layout.items]
+    return [
+        ItemSpec(key=it.key, nbytes=it.nbytes, kind=it.kind, dtype=it.dtype, shape=it.shape, attrs=it.attrs)
+        for it in layout.items
+    ]

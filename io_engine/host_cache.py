@@ -15,6 +15,7 @@ Pinning (``cudaHostRegister``) is the caller's job on GPU machines: pass ``pin``
 ``pin(view)`` is called once per buffer at construction, ``unpin(handle)`` at :meth:`close`.
 This module imports neither torch nor CUDA.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,6 +45,7 @@ def alloc_aligned(nbytes: int) -> mmap.mmap:
 def buffer_address(buf) -> int:
     """Virtual address of the first byte of a non-empty, contiguous buffer-protocol object."""
     import numpy as np  # local: the package does not need numpy to import
+
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
@@ -64,6 +66,7 @@ class HostBuffer:
     def numpy(self):
         """The buffer as a 1-D ``numpy.uint8`` array (a view, no copy)."""
         import numpy as np
+
         return np.frombuffer(self.view, dtype=np.uint8)
 
     def __repr__(self) -> str:
@@ -81,9 +84,15 @@ class HostCache:
     allocated has been released.
     """
 
-    def __init__(self, total_bytes: int, buffer_bytes: int = 8 << 20, *, alignment: int = 4096,
-                 pin: Optional[Callable[[memoryview], Any]] = None,
-                 unpin: Optional[Callable[[Any], None]] = None):
+    def __init__(
+        self,
+        total_bytes: int,
+        buffer_bytes: int = 8 << 20,
+        *,
+        alignment: int = 4096,
+        pin: Optional[Callable[[memoryview], Any]] = None,
+        unpin: Optional[Callable[[Any], None]] = None,
+    ):
         self._buffers: List[HostBuffer] = []
         self._pins: List[Any] = []
         self._unpin = unpin
@@ -95,11 +104,9 @@ class HostCache:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if buffer_bytes <= 0 or buffer_bytes % alignment:
-            raise ValueError(f"buffer_bytes ({buffer_bytes}) must be a positive multiple of "
-                             f"alignment ({alignment})")
+            raise ValueError(f"buffer_bytes ({buffer_bytes}) must be a positive multiple of alignment ({alignment})")
         if total_bytes < buffer_bytes:
-            raise ValueError(f"total_bytes ({total_bytes}) must hold at least one buffer of "
-                             f"{buffer_bytes} bytes")
+            raise ValueError(f"total_bytes ({total_bytes}) must hold at least one buffer of {buffer_bytes} bytes")
         self.buffer_bytes = buffer_bytes
         self.alignment = alignment
         try:
@@ -149,7 +156,8 @@ class HostCache:
                 if remaining is not None and remaining <= 0:
                     raise HostCacheTimeoutError(
                         f"no host buffer free after {timeout:.3f} s: all {self.num_buffers} buffers "
-                        f"of {self.buffer_bytes} bytes are held")
+                        f"of {self.buffer_bytes} bytes are held"
+                    )
                 self._cond.wait(remaining)
 
     def _take(self) -> Optional[HostBuffer]:
@@ -213,5 +221,7 @@ class HostCache:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"HostCache(num_buffers={self.num_buffers}, buffer_bytes={self.buffer_bytes}, "
-                f"free={len(self._free)}, closed={self._closed})")
+        return (
+            f"HostCache(num_buffers={self.num_buffers}, buffer_bytes={self.buffer_bytes}, "
+            f"free={len(self._free)}, closed={self._closed})"
+        )

@@ -19,6 +19,7 @@ file descriptor, which does release the GIL.
 The thread-pool queue is the fallback when the kernel or a seccomp policy refuses io_uring
 (EPERM, ENOSYS, ENOMEM from the memlock limit). ``os.pwrite``/``os.preadv`` release the GIL.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,11 +32,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Protocol, Tuple
 
-Completion = Tuple[int, int]          # (token, bytes transferred or -errno)
+Completion = Tuple[int, int]  # (token, bytes transferred or -errno)
 
 
 class IOQueue(Protocol):
     """What the flusher and reader need from a queue; see the module docstring for call order."""
+
     kind: str
 
     def submit_write(self, fd: int, view: memoryview, offset: int, token: int) -> None: ...
@@ -67,6 +69,7 @@ def import_liburing(attempts: int = 8):
         for i in range(attempts):
             try:
                 import liburing as L
+
                 if hasattr(L, "io_uring_prep_write") and hasattr(L, "io_uring_peek_cqe"):
                     return L
                 last = f"liburing at {getattr(L, '__file__', '?')} has an unexpected API (need 2024.5.3)"
@@ -78,6 +81,7 @@ def import_liburing(attempts: int = 8):
                 del sys.modules[name]
             try:  # dynamic_import remembers the package as imported; forget it so it runs again
                 import dynamic_import.check as dic
+
                 for path in [p for p in dic.IMPORTER_CALLED if p.rstrip("/").endswith("/liburing")]:
                     del dic.IMPORTER_CALLED[path]
             except (ImportError, AttributeError):  # pragma: no cover - another dynamic_import version
@@ -93,6 +97,7 @@ class UringQueue:
     disabled by sysctl or seccomp, ENOSYS on old kernels, ENOMEM under a low memlock limit), and
     ``OSError(ENOSYS)`` when ``liburing`` cannot be imported.
     """
+
     kind = "io_uring"
 
     def __init__(self, depth: int):
@@ -100,7 +105,7 @@ class UringQueue:
         self._L = L
         self._ring = L.io_uring()
         self._open = False
-        L.io_uring_queue_init(depth, self._ring, 0)      # raises OSError on refusal
+        L.io_uring_queue_init(depth, self._ring, 0)  # raises OSError on refusal
         self._open = True
         self._cqe = L.io_uring_cqe()
         self._poll = select.poll()
@@ -109,7 +114,7 @@ class UringQueue:
 
     def _sqe(self):
         sqe = self._L.io_uring_get_sqe(self._ring)
-        if not sqe:                       # submission ring full: push it to the kernel first
+        if not sqe:  # submission ring full: push it to the kernel first
             self._submit()
             sqe = self._L.io_uring_get_sqe(self._ring)
             if not sqe:
@@ -130,7 +135,7 @@ class UringQueue:
 
     def _submit(self) -> None:
         while self._queued:
-            n = self._L.io_uring_submit(self._ring)   # raises OSError on failure
+            n = self._L.io_uring_submit(self._ring)  # raises OSError on failure
             if n <= 0:
                 raise OSError(errno.EAGAIN, "io_uring_submit accepted nothing")
             self._queued -= n
@@ -152,7 +157,7 @@ class UringQueue:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return out
-            self._poll.poll(max(1, int(remaining * 1000)))   # releases the GIL
+            self._poll.poll(max(1, int(remaining * 1000)))  # releases the GIL
 
     def close(self) -> None:
         if self._open:
@@ -163,11 +168,13 @@ class UringQueue:
 class ThreadQueue:
     """``depth`` operations in flight on a pool of ``min(depth, max_workers)`` threads running
     ``os.pwrite`` / ``os.preadv``. Never refused; slower per operation than io_uring."""
+
     kind = "threads"
 
     def __init__(self, depth: int, max_workers: int = 16):
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(depth, max_workers)),
-                                        thread_name_prefix="ds_dynatrain-io")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(depth, max_workers)), thread_name_prefix="ds_dynatrain-io"
+        )
         self._done: "queue.SimpleQueue[Completion]" = queue.SimpleQueue()
 
     def _run(self, fn: Callable[[], int], token: int) -> None:
@@ -175,7 +182,7 @@ class ThreadQueue:
             n = fn()
         except OSError as e:
             n = -(e.errno or errno.EIO)
-        except BaseException:             # never lose a completion, whatever happened
+        except BaseException:  # never lose a completion, whatever happened
             n = -errno.EIO
         self._done.put((token, n))
 

@@ -12,6 +12,7 @@ When whole items are read, their CRC-32 is checked against the footer and a mism
 :class:`~io_engine.errors.ChecksumMismatchError` naming the file and the item key. A range read
 cannot be checked (the checksum covers the whole item); the footer itself always is.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,12 @@ Range = Tuple[int, int]
 _EMPTY = memoryview(b"")
 
 
-def _read_spans(channel: FileChannel, file_size: int, ranges: Sequence[Range],
-                on_range_done: Optional[Callable[[int, memoryview], None]] = None
-                ) -> List[memoryview]:
+def _read_spans(
+    channel: FileChannel,
+    file_size: int,
+    ranges: Sequence[Range],
+    on_range_done: Optional[Callable[[int, memoryview], None]] = None,
+) -> List[memoryview]:
     """Read ``ranges``; ``on_range_done(i, view)`` is called (on this thread, while later reads
     are still in flight) as soon as every byte of range ``i`` has arrived."""
     cfg = channel.backend.config
@@ -40,14 +44,16 @@ def _read_spans(channel: FileChannel, file_size: int, ranges: Sequence[Range],
     for r in ranges:
         off, length = int(r[0]), int(r[1])
         if off < 0 or length < 0 or off + length > file_size:
-            raise StorageReadError(channel.path, f"range [{off}, {off + length}) lies outside the "
-                                                 f"file of {file_size} bytes", offset=off)
+            raise StorageReadError(
+                channel.path, f"range [{off}, {off + length}) lies outside the file of {file_size} bytes", offset=off
+            )
         lo, hi = (align_down(off, align), align_up(off + length, align)) if length else (off, off)
         spans.append((off, length, lo, hi, total))
         total += hi - lo
     whole = memoryview(alloc_aligned(total)) if total else _EMPTY
-    views = [whole[pos + off - lo:pos + off - lo + length] if length else _EMPTY
-             for off, length, lo, hi, pos in spans]
+    views = [
+        whole[pos + off - lo : pos + off - lo + length] if length else _EMPTY for off, length, lo, hi, pos in spans
+    ]
     for i, (_off, _len, lo, hi, pos) in enumerate(spans):
         starts = range(lo, hi, chunk)
         if on_range_done is None:
@@ -59,14 +65,16 @@ def _read_spans(channel: FileChannel, file_size: int, ranges: Sequence[Range],
             done = _Countdown(len(starts), partial(on_range_done, i, views[i]))
         for s in starts:
             e = min(hi, s + chunk)
-            channel.submit(Op(False, whole[pos + s - lo:pos + e - lo], s,
-                              need=min(e, file_size) - s, on_release=done))
+            channel.submit(
+                Op(False, whole[pos + s - lo : pos + e - lo], s, need=min(e, file_size) - s, on_release=done)
+            )
     channel.drain()
     return views
 
 
 class _Countdown:
     """Calls ``fn`` after ``n`` calls (single-threaded: completions are reaped on one thread)."""
+
     __slots__ = ("n", "fn")
 
     def __init__(self, n: int, fn: Callable[[], None]):
@@ -78,8 +86,9 @@ class _Countdown:
             self.fn()
 
 
-def read_ranges(path: str, ranges: Iterable[Range], *, config: Optional[IOConfig] = None,
-                backend: Optional[IOBackend] = None) -> List[memoryview]:
+def read_ranges(
+    path: str, ranges: Iterable[Range], *, config: Optional[IOConfig] = None, backend: Optional[IOBackend] = None
+) -> List[memoryview]:
     """Read byte ranges ``(offset, length)`` of any file; returns one read-write ``memoryview``
     (format ``'B'``) per range, of exactly ``length`` bytes, in the order given.
 
@@ -99,9 +108,15 @@ class FileReader:
     ``layout`` is the file's :class:`FileLayout`. Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str, *, config: Optional[IOConfig] = None,
-                 backend: Optional[IOBackend] = None, queue_factory: Optional[QueueFactory] = None,
-                 opener=None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        config: Optional[IOConfig] = None,
+        backend: Optional[IOBackend] = None,
+        queue_factory: Optional[QueueFactory] = None,
+        opener=None,
+    ):
         self.path = path
         self.backend = backend or IOBackend(config, queue_factory=queue_factory, opener=opener)
         self.layout: FileLayout = read_footer(path)
@@ -134,8 +149,7 @@ class FileReader:
         Raises :class:`StorageReadError`."""
         return _read_spans(self._ch(), self.layout.file_size, list(ranges))
 
-    def read_items(self, keys: Optional[Iterable[str]] = None, *, verify: bool = True
-                   ) -> Dict[str, memoryview]:
+    def read_items(self, keys: Optional[Iterable[str]] = None, *, verify: bool = True) -> Dict[str, memoryview]:
         """Payloads of ``keys`` (default: all, in file order) as ``key -> memoryview``.
 
         With ``verify`` each payload's CRC-32 is compared with the footer: a mismatch raises
@@ -149,8 +163,12 @@ class FileReader:
         # verification overlaps the reads still in flight instead of following them.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc") as pool:
             crcs = {}
-            views = _read_spans(self._ch(), self.layout.file_size, ranges,
-                                lambda i, v: crcs.__setitem__(i, pool.submit(crc32_update, v)))
+            views = _read_spans(
+                self._ch(),
+                self.layout.file_size,
+                ranges,
+                lambda i, v: crcs.__setitem__(i, pool.submit(crc32_update, v)),
+            )
             for i, m in enumerate(metas):
                 actual = format_checksum(crcs[i].result())
                 if actual != m.checksum:

@@ -18,6 +18,7 @@ The io engine stays free of torch: items are byte views (``bytes``, ``memoryview
 numpy arrays, or ``tensor.numpy()`` from the caller); dtype and shape are taken from numpy arrays
 or given explicitly (e.g. ``"bfloat16"``).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,20 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 from .backend import IOBackend, IOConfig
 from .errors import InvalidItemError, IOEngineError
 from .flusher import Flusher, WriteReport, WriteSession, as_byte_view
-from .format import (KIND_OBJECT, KIND_TENSOR, FileLayout, ItemMeta, ItemSpec, align_up,
-                     crc32_update, encode_footer, encode_header, encode_trailer, format_checksum,
-                     plan_layout)
+from .format import (
+    KIND_OBJECT,
+    KIND_TENSOR,
+    FileLayout,
+    ItemMeta,
+    ItemSpec,
+    align_up,
+    crc32_update,
+    encode_footer,
+    encode_header,
+    encode_trailer,
+    format_checksum,
+    plan_layout,
+)
 from .host_cache import HostBuffer, HostCache
 from .reader import FileReader
 
@@ -42,6 +54,7 @@ class WriteItem:
     """One payload to store. ``data``: a C-contiguous buffer (bytes, memoryview, numpy array...);
     ``kind``: ``"tensor"`` or ``"object"``; ``attrs``: JSON-serializable dict stored in the footer;
     ``dtype``/``shape``: override what is inferred from ``data`` (numpy arrays carry their own)."""
+
     key: str
     data: Any
     kind: str = KIND_TENSOR
@@ -84,13 +97,13 @@ def _describe(item: WriteItem) -> Tuple[ItemSpec, memoryview]:
         raise InvalidItemError(f"item {item.key!r}: data is not a buffer: {e}") from None
     if item.kind == KIND_OBJECT:
         dtype = dtype or "bytes"
-    spec = ItemSpec(key=item.key, nbytes=len(view), kind=item.kind, dtype=dtype, shape=shape,
-                    attrs=item.attrs)
+    spec = ItemSpec(key=item.key, nbytes=len(view), kind=item.kind, dtype=dtype, shape=shape, attrs=item.attrs)
     return spec, view
 
 
 def _numpy_name(fmt: str) -> str:
     import numpy as np
+
     try:
         return np.dtype(fmt).name
     except TypeError:
@@ -99,6 +112,7 @@ def _numpy_name(fmt: str) -> str:
 
 class _Countdown:
     """Calls ``fn`` once ``n`` parties have called it (thread safe)."""
+
     __slots__ = ("_n", "_fn", "_lock")
 
     def __init__(self, n: int, fn: Callable[[], None]):
@@ -122,11 +136,13 @@ class _ChecksumLane:
 
     def add(self, key: str, view: memoryview, done: Callable[[], None]) -> None:
         """Fold ``view`` into ``key``'s CRC; ``done()`` once ``view`` is no longer read."""
+
         def task():
             try:
                 self._crc[key] = crc32_update(view, self._crc.get(key, 0))
             finally:
                 done()
+
         try:
             self._futures.append(self._pool.submit(task))
         except BaseException:
@@ -148,6 +164,7 @@ class _ChecksumLane:
 @dataclass(frozen=True)
 class WriteResult:
     """``layout``: the written file's layout, checksums included; ``report``: the flusher's."""
+
     layout: FileLayout
     report: WriteReport
 
@@ -164,17 +181,26 @@ class SnapshotFileWriter:
     thread); the host cache itself may be shared with other threads.
     """
 
-    def __init__(self, *, host_cache: Optional[HostCache] = None, flusher: Optional[Flusher] = None,
-                 config: Optional[IOConfig] = None, cache_bytes: int = 64 << 20,
-                 acquire_timeout_s: Optional[float] = None):
+    def __init__(
+        self,
+        *,
+        host_cache: Optional[HostCache] = None,
+        flusher: Optional[Flusher] = None,
+        config: Optional[IOConfig] = None,
+        cache_bytes: int = 64 << 20,
+        acquire_timeout_s: Optional[float] = None,
+    ):
         self.flusher = flusher or Flusher(config)
         cfg = self.flusher.config
         self._own_cache = host_cache is None
-        self.cache = host_cache or HostCache(max(cache_bytes, cfg.chunk_bytes), cfg.chunk_bytes,
-                                             alignment=cfg.alignment)
+        self.cache = host_cache or HostCache(
+            max(cache_bytes, cfg.chunk_bytes), cfg.chunk_bytes, alignment=cfg.alignment
+        )
         if self.cache.buffer_bytes % cfg.alignment:
-            raise ValueError(f"host cache buffers ({self.cache.buffer_bytes} bytes) are not a "
-                             f"multiple of the alignment {cfg.alignment}")
+            raise ValueError(
+                f"host cache buffers ({self.cache.buffer_bytes} bytes) are not a "
+                f"multiple of the alignment {cfg.alignment}"
+            )
         self._align = cfg.alignment
         self._zeros = bytes(cfg.alignment)
         self._timeout = acquire_timeout_s or cfg.timeout_s
@@ -186,20 +212,24 @@ class SnapshotFileWriter:
             if buf is not None:
                 return buf
             if session.in_flight:
-                session.reap_one()            # our own writes give buffers back
+                session.reap_one()  # our own writes give buffers back
             else:
                 return self.cache.acquire(timeout=self._timeout)
 
-    def _submit(self, session: WriteSession, buf: HostBuffer, nbytes: int, offset: int,
-                on_release: Optional[Callable[[], None]] = None) -> None:
+    def _submit(
+        self,
+        session: WriteSession,
+        buf: HostBuffer,
+        nbytes: int,
+        offset: int,
+        on_release: Optional[Callable[[], None]] = None,
+    ) -> None:
         padded = align_up(nbytes, self._align)
         if padded > nbytes:
-            buf.view[nbytes:padded] = self._zeros[:padded - nbytes]
-        session.write(buf.view[:padded], offset,
-                      on_release=on_release or partial(self.cache.release, buf))
+            buf.view[nbytes:padded] = self._zeros[: padded - nbytes]
+        session.write(buf.view[:padded], offset, on_release=on_release or partial(self.cache.release, buf))
 
-    def _put_aligned(self, session: WriteSession, src: memoryview, offset: int,
-                     key: Optional[str]) -> None:
+    def _put_aligned(self, session: WriteSession, src: memoryview, offset: int, key: Optional[str]) -> None:
         """Copy ``src`` through the cache to ``offset`` (aligned); its CRC goes to the lane
         under ``key`` (None: not checksummed). A buffer returns to the cache once both its write
         and its checksum are done."""
@@ -209,7 +239,7 @@ class SnapshotFileWriter:
             buf = self._acquire(session)
             release = _Countdown(1 if key is None else 2, partial(self.cache.release, buf))
             try:
-                buf.view[:take] = src[pos:pos + take]
+                buf.view[:take] = src[pos : pos + take]
             except BaseException:
                 self.cache.release(buf)
                 raise
@@ -217,14 +247,19 @@ class SnapshotFileWriter:
                 try:
                     self._lane.add(key, buf.view[:take], release)
                 except BaseException:
-                    release()                 # add() already counted its own party
+                    release()  # add() already counted its own party
                     raise
             self._submit(session, buf, take, offset + pos, release)
             pos += take
 
-    def write(self, path: str, items: Iterable[ItemLike], *,
-              file_attrs: Optional[Mapping[str, Any]] = None,
-              on_captured: Optional[Callable[[], None]] = None) -> WriteResult:
+    def write(
+        self,
+        path: str,
+        items: Iterable[ItemLike],
+        *,
+        file_attrs: Optional[Mapping[str, Any]] = None,
+        on_captured: Optional[Callable[[], None]] = None,
+    ) -> WriteResult:
         """Write ``items`` (``WriteItem`` or ``(key, data[, kind[, attrs]])``) as a new snapshot
         file at ``path`` (replacing any file there), durable (fsynced) on return.
 
@@ -236,15 +271,13 @@ class SnapshotFileWriter:
         :class:`~io_engine.errors.StorageWriteError` (file removed) when storage fails.
         """
         described = [_describe(_to_item(x)) for x in items]
-        layout = plan_layout([s for s, _ in described], alignment=self._align,
-                             file_attrs=file_attrs)
+        layout = plan_layout([s for s, _ in described], alignment=self._align, file_attrs=file_attrs)
         views = {s.key: v for s, v in described}
         session = self.flusher.open(path)
         tail = _TailPacker(self, session, layout.objects_offset)
         try:
             checksums: Dict[str, str] = {}
-            self._put_aligned(session, memoryview(encode_header(layout.file_size, self._align)), 0,
-                              None)
+            self._put_aligned(session, memoryview(encode_header(layout.file_size, self._align)), 0, None)
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
                     self._put_aligned(session, views[m.key], m.offset, m.key)
@@ -254,7 +287,7 @@ class SnapshotFileWriter:
             for m in layout.items:
                 if m.kind == KIND_OBJECT:
                     checksums[m.key] = format_checksum(tail.put(views[m.key]))
-            session.drain()                   # every payload write completed before the footer
+            session.drain()  # every payload write completed before the footer
             crcs = self._lane.results()
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
@@ -262,8 +295,9 @@ class SnapshotFileWriter:
             layout = layout.with_checksums(checksums)
             footer = encode_footer(layout)
             if len(footer) != layout.footer_length:
-                raise IOEngineError(f"{path}: internal error: footer is {len(footer)} bytes, "
-                                    f"planned {layout.footer_length}")
+                raise IOEngineError(
+                    f"{path}: internal error: footer is {len(footer)} bytes, planned {layout.footer_length}"
+                )
             tail.put(footer)
             tail.put(encode_trailer(footer))
             tail.close()
@@ -274,7 +308,7 @@ class SnapshotFileWriter:
             tail.discard()
             session.abort()
             try:
-                self._lane.results()          # every buffer back in the cache before returning
+                self._lane.results()  # every buffer back in the cache before returning
             except Exception:
                 pass
             try:
@@ -314,8 +348,8 @@ class _TailPacker:
             if self._buf is None:
                 self._buf, self._fill = self._w._acquire(self._session), 0
             take = min(len(src) - pos, size - self._fill)
-            dst = self._buf.view[self._fill:self._fill + take]
-            dst[:] = src[pos:pos + take]
+            dst = self._buf.view[self._fill : self._fill + take]
+            dst[:] = src[pos : pos + take]
             crc = crc32_update(dst, crc)
             self._fill += take
             pos += take
@@ -341,19 +375,24 @@ class _TailPacker:
             self._w.cache.release(buf)
 
 
-def write_snapshot_file(path: str, items: Iterable[ItemLike], *,
-                        file_attrs: Optional[Mapping[str, Any]] = None,
-                        host_cache: Optional[HostCache] = None, flusher: Optional[Flusher] = None,
-                        config: Optional[IOConfig] = None) -> FileLayout:
+def write_snapshot_file(
+    path: str,
+    items: Iterable[ItemLike],
+    *,
+    file_attrs: Optional[Mapping[str, Any]] = None,
+    host_cache: Optional[HostCache] = None,
+    flusher: Optional[Flusher] = None,
+    config: Optional[IOConfig] = None,
+) -> FileLayout:
     """One-shot :meth:`SnapshotFileWriter.write`; returns the written :class:`FileLayout`.
     For repeated snapshots keep a :class:`SnapshotFileWriter` (its host cache is reused)."""
     with SnapshotFileWriter(host_cache=host_cache, flusher=flusher, config=config) as w:
         return w.write(path, items, file_attrs=file_attrs).layout
 
 
-def read_snapshot_file(path: str, *, verify: bool = True, config: Optional[IOConfig] = None,
-                       backend: Optional[IOBackend] = None
-                       ) -> Dict[str, Tuple[memoryview, ItemMeta]]:
+def read_snapshot_file(
+    path: str, *, verify: bool = True, config: Optional[IOConfig] = None, backend: Optional[IOBackend] = None
+) -> Dict[str, Tuple[memoryview, ItemMeta]]:
     """Every item of the snapshot file at ``path`` as ``key -> (payload view, footer entry)``.
 
     Payload views are read-write ``memoryview`` s (format ``'B'``) of exactly ``nbytes`` bytes.
@@ -363,4 +402,3 @@ def read_snapshot_file(path: str, *, verify: bool = True, config: Optional[IOCon
     with FileReader(path, config=config, backend=backend) as r:
         views = r.read_items(verify=verify)
         return {k: (v, r.meta(k)) for k, v in views.items()}
-

@@ -10,6 +10,7 @@ appear), which is what lets a writer precompute file offsets.
 Protocol (call order): ``items()`` any number of times while the state is unchanged;
 ``restore(items_by_key)`` with the items read back (tensors as CPU tensors).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,11 +77,9 @@ Item = Any  # TensorItem | ObjectItem
 class StateProvider(Protocol):
     """Turns live state into items and back (see the module docstring for the call order)."""
 
-    def items(self) -> Iterator[Item]:
-        ...
+    def items(self) -> Iterator[Item]: ...
 
-    def restore(self, items: Mapping[str, Any]) -> Any:
-        ...
+    def restore(self, items: Mapping[str, Any]) -> Any: ...
 
 
 class DictStateProvider:
@@ -146,7 +145,7 @@ class CompositeProvider:
     def restore(self, items: Mapping[str, Any]) -> Dict[str, Any]:
         out = {}
         for prefix, child in self.children:
-            sub = {k[len(prefix) + 1:]: v for k, v in items.items() if k.startswith(prefix + "/")}
+            sub = {k[len(prefix) + 1 :]: v for k, v in items.items() if k.startswith(prefix + "/")}
             out[prefix] = child.restore(sub)
         return out
 
@@ -158,8 +157,10 @@ class RNGStateProvider:
         import random
 
         import numpy as np
-        payload, tensors = dumps({"python": random.getstate(), "numpy": np.random.get_state(),
-                                  "torch": torch.get_rng_state()})
+
+        payload, tensors = dumps(
+            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        )
         yield ObjectItem("rng", payload)
         for i, t in enumerate(tensors):
             yield TensorItem(f"rng/t/{i}", t.contiguous())
@@ -168,6 +169,7 @@ class RNGStateProvider:
         import random
 
         import numpy as np
+
         state = loads(bytes(items["rng"]), lambda i: items[f"rng/t/{i}"], key="rng")
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])

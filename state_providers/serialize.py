@@ -26,6 +26,7 @@ an allow-listed plain class            ``{"__object__": ["module:Class", {attrib
 a tensor                               ``{"__tensor__": index}`` (the caller stores the tensor)
 =====================================  ===============================================
 """
+
 from __future__ import annotations
 
 import base64
@@ -118,9 +119,16 @@ def encode(obj: Any, tensors: List[torch.Tensor], key: str = "") -> Any:
         return {"__device__": str(obj)}
     if isinstance(obj, np.ndarray):
         if obj.dtype == object:
-            raise UnrepresentableError(f"{key.lstrip('/') or '<root>'}: numpy array of Python objects cannot be represented")
-        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape),
-                                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode()}}
+            raise UnrepresentableError(
+                f"{key.lstrip('/') or '<root>'}: numpy array of Python objects cannot be represented"
+            )
+        return {
+            "__ndarray__": {
+                "dtype": obj.dtype.str,
+                "shape": list(obj.shape),
+                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode(),
+            }
+        }
     if isinstance(obj, np.generic):
         return {"__npscalar__": [obj.dtype.str, base64.b64encode(obj.tobytes()).decode()]}
     if isinstance(obj, bytes):
@@ -133,8 +141,9 @@ def encode(obj: Any, tensors: List[torch.Tensor], key: str = "") -> Any:
         plain = type(obj) is dict and all(isinstance(k, str) and not k.startswith("__") for k in obj)
         if plain:
             return {k: encode(v, tensors, f"{key}/{k}") for k, v in obj.items()}
-        return {"__dict__": [[encode(k, tensors, f"{key}/<key>"), encode(v, tensors, f"{key}/{k}")]
-                             for k, v in obj.items()]}
+        return {
+            "__dict__": [[encode(k, tensors, f"{key}/<key>"), encode(v, tensors, f"{key}/{k}")] for k, v in obj.items()]
+        }
     allowed = allowed_classes()
     name = _name(type(obj))
     if name in allowed:
@@ -142,8 +151,10 @@ def encode(obj: Any, tensors: List[torch.Tensor], key: str = "") -> Any:
             return {"__enum__": [name, encode(obj.value, tensors, key)]}
         return {"__object__": [name, {k: encode(v, tensors, f"{key}/{k}") for k, v in vars(obj).items()}]}
     raise UnrepresentableError(
-        f"{key.lstrip('/') or '<root>'}: object of type {type(obj).__module__}.{type(obj).__qualname__} cannot be represented "
-        f"in a snapshot without pickle; add it with state_providers.serialize.allow_class if it is plain data")
+        f"{key.lstrip('/') or '<root>'}: object of type {type(obj).__module__}.{type(obj).__qualname__} "
+        "cannot be represented in a snapshot without pickle; add it with "
+        "state_providers.serialize.allow_class if it is plain data"
+    )
 
 
 def decode(tree: Any, tensor_of: Callable[[int], torch.Tensor], key: str = "") -> Any:
@@ -157,7 +168,7 @@ def decode(tree: Any, tensor_of: Callable[[int], torch.Tensor], key: str = "") -
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
-        (tag, val), = tree.items()
+        ((tag, val),) = tree.items()
         if tag.startswith("__"):
             return _decode_tag(tag, val, tensor_of, key)
     return {k: decode(v, tensor_of, f"{key}/{k}") for k, v in tree.items()}
@@ -242,5 +253,16 @@ def equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-__all__ = ["UnrepresentableError", "DecodeError", "TensorSink", "encode", "decode", "dumps", "loads", "allow_class",
-           "allowed_classes", "equal", "OrderedDict"]
+__all__ = [
+    "UnrepresentableError",
+    "DecodeError",
+    "TensorSink",
+    "encode",
+    "decode",
+    "dumps",
+    "loads",
+    "allow_class",
+    "allowed_classes",
+    "equal",
+    "OrderedDict",
+]

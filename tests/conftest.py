@@ -1,5 +1,6 @@
 """Helpers for multi-process tests: every job runs in its own session with a hard timeout, and
 its whole process group is killed when the test ends, passes or not (no stray workers)."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def _env() -> dict:
 
 def _run(cmd: Sequence[str], log_path: str, timeout: float, env: Optional[dict] = None) -> Job:
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or _env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env or _env(), start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -53,14 +55,25 @@ def _run(cmd: Sequence[str], log_path: str, timeout: float, env: Optional[dict] 
     return Job(rc, out)
 
 
-def launch(tmp_path, script: str, nproc: int, config: dict, args: Sequence[str] = (), timeout: float = 180,
-           name: str = "job") -> Job:
+def launch(
+    tmp_path, script: str, nproc: int, config: dict, args: Sequence[str] = (), timeout: float = 180, name: str = "job"
+) -> Job:
     """``dynatrain launch`` a worker script with ``config`` (written to ``tmp_path``)."""
     cfg_path = os.path.join(tmp_path, f"{name}_config.json")
     with open(cfg_path, "w") as f:
         json.dump(config, f)
-    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config", cfg_path,
-           script, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_dynatrain.cli",
+        "launch",
+        "--nproc",
+        str(nproc),
+        "--config",
+        cfg_path,
+        script,
+        *args,
+    ]
     return _run(cmd, os.path.join(tmp_path, f"{name}.log"), timeout)
 
 
@@ -70,20 +83,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_plain(tmp_path, script: str, nproc: int, args: Sequence[str], timeout: float = 180,
-              name: str = "plain") -> List[Job]:
+def run_plain(
+    tmp_path, script: str, nproc: int, args: Sequence[str], timeout: float = 180, name: str = "plain"
+) -> List[Job]:
     """Start ``nproc`` ranks of a plain (torch env://) DeepSpeed script; wait for all."""
     port = free_port()
     procs = []
     logs = []
     for r in range(nproc):
         env = _env()
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         log = open(os.path.join(tmp_path, f"{name}_rank{r}.log"), "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=ROOT, env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,
+            )
+        )
     jobs = []
     try:
         for p in procs:

@@ -1,6 +1,7 @@
 """Faults injected at the io engine's seams (queue factory, opener), shared by the io tests and the
 multi-process snapshot worker, and two small io-test helpers. Every fault here is INJECTED; tests
 say so."""
+
 from __future__ import annotations
 
 import errno
@@ -8,7 +9,7 @@ import os
 
 from io_engine.ioqueue import UringQueue, default_queue_factory
 
-SMALL = dict(chunk_bytes=16 << 10, queue_depth=4)      # many chunks, real back-pressure
+SMALL = dict(chunk_bytes=16 << 10, queue_depth=4)  # many chunks, real back-pressure
 
 
 def uring_available() -> bool:
@@ -71,8 +72,10 @@ class FaultQueue:
 
 def faulty(should_fail, result, seen, should_fail_read=None):
     """A queue factory whose queues are :class:`FaultQueue` s (each appended to ``seen``)."""
+
     def factory(kind, depth):
         q = FaultQueue(default_queue_factory(kind, depth), should_fail, result, should_fail_read)
         seen.append(q)
         return q
+
     return factory

@@ -1,6 +1,7 @@
 """Regions against DeepSpeed's own affine shard description: DeepSpeed's coverage check and
 ``rebuild`` accept our ZeRO maps, DeepSpeed's tensor-parallel maps convert to the regions of
 ``Region.box``, and DeepSpeed's ``plan_transfer`` moves exactly what our planner moves."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -10,13 +11,17 @@ import torch
 from deepspeed.checkpoint.affine import contiguous_split_map
 from deepspeed.checkpoint.affine_transfer import plan_transfer
 
+from ds_dynatrain.planner import plan_transition
 from ds_dynatrain.vps.affine import affine_map_regions, zero_param_affine_map
 from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
-from ds_dynatrain.planner import plan_transition
 from ds_dynatrain.vps.region import Region
 
-PARAMS = (ParamMeta("a", (5, 7), "float32"), ParamMeta("b", (1,), "float32"), ParamMeta("c", (3, 3, 4), "float32"),
-          ParamMeta("d", (11,), "float32"))
+PARAMS = (
+    ParamMeta("a", (5, 7), "float32"),
+    ParamMeta("b", (1,), "float32"),
+    ParamMeta("c", (3, 3, 4), "float32"),
+    ParamMeta("d", (11,), "float32"),
+)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -27,7 +32,7 @@ def test_zero_maps_pass_deepspeeds_checks_and_rebuild(ws, stage):
         amap = zero_param_affine_map(layout, 0, p.key)
         amap.validate_coverage()
         full = torch.arange(p.numel, dtype=torch.float32).reshape(p.shape)
-        shards = {r: full.reshape(-1)[f.start:f.start + f.numel].clone() for r, f in layout.param_fragments(0, p.key)}
+        shards = {r: full.reshape(-1)[f.start : f.start + f.numel].clone() for r, f in layout.param_fragments(0, p.key)}
         assert torch.equal(amap.rebuild(shards), full)
         regions = affine_map_regions(amap)
         assert regions == {r: layout.region(r, p.key) for r, _ in layout.param_fragments(0, p.key)}
@@ -46,8 +51,12 @@ def test_tensor_parallel_maps_convert_to_boxes(shape, sizes, dim):
         start += size
 
 
-VECTORS = (ParamMeta("v", (37,), "float32"), ParamMeta("one", (1,), "float32"), ParamMeta("w", (64,), "float32"),
-           ParamMeta("x", (5,), "float32"))
+VECTORS = (
+    ParamMeta("v", (37,), "float32"),
+    ParamMeta("one", (1,), "float32"),
+    ParamMeta("w", (64,), "float32"),
+    ParamMeta("x", (5,), "float32"),
+)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

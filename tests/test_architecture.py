@@ -6,6 +6,7 @@ The import graph is read from the source with ``ast``, imports inside functions 
 hide cycles from the interpreter, not from this test). The checker itself is tested on small
 graphs first, so a checker that finds nothing cannot pass for a house that is fine.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,8 +36,12 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("top", ("ds_dynatrain.data", "ds_dynatrain.initialize", "ds_dynatrain.prebuild", "ds_dynatrain")),
 ]
 # who may import DeepSpeed (module prefixes), and what of it
-DEEPSPEED_ALLOWED = ("ds_dynatrain.zero", "ds_dynatrain.engine", "ds_dynatrain.checkpoint.snapshot",
-                     "ds_dynatrain.initialize")
+DEEPSPEED_ALLOWED = (
+    "ds_dynatrain.zero",
+    "ds_dynatrain.engine",
+    "ds_dynatrain.checkpoint.snapshot",
+    "ds_dynatrain.initialize",
+)
 DEEPSPEED_PURE = {"ds_dynatrain.vps.affine": ("deepspeed.checkpoint.affine",)}  # DeepSpeed's pure data types
 NO_PROCESS_GROUP = ("ds_dynatrain.vps", "ds_dynatrain.planner")  # planning stays pure
 
@@ -65,7 +70,7 @@ def imports_of(name: str, path: str) -> Set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = name.split(".") if is_pkg else name.split(".")[:-1]
-                parts = parts[:len(parts) - (node.level - 1)]
+                parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
@@ -172,11 +177,15 @@ def test_checker_finds_a_cycle_an_upward_import_and_deepspeed_where_it_does_not_
     assert cycles({"a": {"b"}, "b": set()}) == []
     layers = [("low", ("p.low",)), ("high", ("p.high",))]
     assert upward_imports({"p.low.x": {"p.high.y"}, "p.high.y": {"p.low.x"}}, layers) == [
-        "p.low.x (low) -> p.high.y (high)"]
-    assert forbidden_imports({"ds_dynatrain.elastic.groups": {"deepspeed.comm"},
-                              "ds_dynatrain.vps.affine": {"deepspeed.checkpoint.affine"},
-                              "ds_dynatrain.planner.plan": {"torch.distributed"}}) == [
-        "ds_dynatrain.elastic.groups imports deepspeed.comm", "ds_dynatrain.planner.plan imports torch.distributed"]
+        "p.low.x (low) -> p.high.y (high)"
+    ]
+    assert forbidden_imports(
+        {
+            "ds_dynatrain.elastic.groups": {"deepspeed.comm"},
+            "ds_dynatrain.vps.affine": {"deepspeed.checkpoint.affine"},
+            "ds_dynatrain.planner.plan": {"torch.distributed"},
+        }
+    ) == ["ds_dynatrain.elastic.groups imports deepspeed.comm", "ds_dynatrain.planner.plan imports torch.distributed"]
     with pytest.raises(KeyError, match="in no layer"):
         layer_of("ds_dynatrain_extra.x")
 
@@ -213,8 +222,13 @@ def test_deepspeed_only_in_the_bridge_the_snapshot_engine_and_the_orchestration(
 
 def test_storage_knows_nothing_of_the_plugin(house):
     _, imports, _ = house
-    leaks = [f"{m} imports {n}" for m, names in imports.items() if not m.startswith("ds_dynatrain")
-             for n in names if n.startswith("ds_dynatrain")]
+    leaks = [
+        f"{m} imports {n}"
+        for m, names in imports.items()
+        if not m.startswith("ds_dynatrain")
+        for n in names
+        if n.startswith("ds_dynatrain")
+    ]
     assert leaks == []
 
 
@@ -227,7 +241,12 @@ def test_every_error_class_is_importable_from_the_package(house):
             continue
         mod = importlib.import_module(m)
         for name, obj in vars(mod).items():
-            if (inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == m
-                    and not name.startswith("_") and getattr(root, name, None) is not obj):
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, Exception)
+                and obj.__module__ == m
+                and not name.startswith("_")
+                and getattr(root, name, None) is not obj
+            ):
                 missing.append(f"{m}.{name}")
     assert missing == []

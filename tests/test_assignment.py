@@ -1,15 +1,17 @@
 """Rank assignment: the planner's choice keeps the most elements in place; checked against an
 exhaustive search over every assignment on small cases (an independent oracle)."""
+
 from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.planner import assign_members, assign_members_best, plan_transition
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 
 
 def layout(sizes, ws, rr=False, stage=2):
@@ -35,8 +37,14 @@ def brute_force_best_kept(old, new, members, joiners, must_leave=()):
 
 
 @settings(max_examples=80, deadline=None)
-@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5), old_ws=st.integers(1, 4),
-       new_ws=st.integers(1, 4), rr=st.booleans(), leave_first=st.booleans(), stage=st.sampled_from([2, 3]))
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    old_ws=st.integers(1, 4),
+    new_ws=st.integers(1, 4),
+    rr=st.booleans(),
+    leave_first=st.booleans(),
+    stage=st.sampled_from([2, 3]),
+)
 def test_best_assignment_keeps_the_maximum(sizes, old_ws, new_ws, rr, leave_first, stage):
     old, new = layout(sizes, old_ws, rr, stage), layout(sizes, new_ws, rr, stage)
     members = [f"m{i}" for i in range(old_ws)]
@@ -85,14 +93,41 @@ def test_plan_cli_reports_a_complete_plan(tmp_path, capsys):
     import json
     import subprocess
     import sys
+
     from conftest import ROOT
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-           "vocab_size": 256, "tie_word_embeddings": False}
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    run = subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "plan", "--model-config", str(path), "--from",
-                          "4", "--to", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_dynatrain.cli",
+            "plan",
+            "--model-config",
+            str(path),
+            "--from",
+            "4",
+            "--to",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr
     rep = json.loads(run.stdout.strip().splitlines()[-1])
     n = rep["parameters"]
@@ -103,8 +138,7 @@ def test_plan_cli_reports_a_complete_plan(tmp_path, capsys):
     assert sum(r["bytes_received"] for r in staying) == rep["bytes_moved"]
     assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
     assert sum(r["bytes_kept"] for r in staying) == rep["bytes_kept"]
-    z3 = plan("--model-config", str(path), "--from",
-                         "4", "--to", "3", "--zero-stage", "3", "--json")
+    z3 = plan("--model-config", str(path), "--from", "4", "--to", "3", "--zero-stage", "3", "--json")
     assert z3.returncode == 0, z3.stderr
     rep3 = json.loads(z3.stdout.strip().splitlines()[-1])
     assert rep3["zero_stage"] == 3 and rep3["parameters"] == n
@@ -113,24 +147,21 @@ def test_plan_cli_reports_a_complete_plan(tmp_path, capsys):
     assert sum(r["bytes_received"] for r in staying3) == rep3["bytes_moved"]
     # the rebuild partitions the bf16 working parameters afresh from whole copies
     assert all(r["peak_extra_bytes"] >= 2 * n for r in staying3)
-    bad = plan("--model-config", str(path), "--from",
-                          "4", "--to", "3", "--zero-stage", "0")
+    bad = plan("--model-config", str(path), "--from", "4", "--to", "3", "--zero-stage", "0")
     assert bad.returncode == 2 and "--zero-stage 0" in bad.stderr
-    fp32 = plan("--model-config", str(path), "--from",
-                           "4", "--to", "3", "--dtype", "fp32", "--json")
+    fp32 = plan("--model-config", str(path), "--from", "4", "--to", "3", "--dtype", "fp32", "--json")
     rep32 = json.loads(fp32.stdout.strip().splitlines()[-1])
     assert rep32["bytes_moved"] + rep32["bytes_kept"] == 8 * n  # fp32 training moves the moments only
-    same = plan("--model-config", str(path), "--from",
-                           "3", "--to", "3", "--json")
+    same = plan("--model-config", str(path), "--from", "3", "--to", "3", "--json")
     assert all(r["peak_extra_bytes"] == 0 for r in json.loads(same.stdout.strip().splitlines()[-1])["ranks"])
-    missing = plan("--model-config",
-                              str(tmp_path / "nope.json"), "--from", "2", "--to", "1")
+    missing = plan("--model-config", str(tmp_path / "nope.json"), "--from", "2", "--to", "1")
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
 # ---------------------------------------------------------------------- the next generation's members
 def test_recent_members_taken_back_at_a_grow_when_the_others_stand_by():
     from ds_dynatrain.planner import recent_members
+
     history = [("a", "b", "c", "d"), ("a", "c")]
     # 4 -> 2 left b and d standing by; the grow back to 4 takes the first generation again
     assert recent_members(history, ("a", "c"), ("b", "d"), 4) == ("a", "b", "c", "d")
@@ -142,6 +173,7 @@ def test_recent_members_taken_back_at_a_grow_when_the_others_stand_by():
 
 def test_recent_members_at_a_shrink_hold_only_processes_that_stay():
     from ds_dynatrain.planner import recent_members
+
     history = [("a", "c"), ("a", "b", "c", "d")]
     assert recent_members(history, ("a", "b", "c", "d"), (), 2) == ("a", "c")
     assert recent_members(history, ("a", "b", "c", "d"), (), 2, must_leave=("c",)) is None
@@ -151,6 +183,7 @@ def test_recent_members_at_a_shrink_hold_only_processes_that_stay():
 
 def test_next_members_recalls_standby_before_new_joiners_and_names_joiners_by_rank():
     from ds_dynatrain.planner import next_members
+
     old = layout([10, 7, 3], 2)
     out = next_members(old, ("a", "b"), ("s",), [("a", "b")], 4, (), joiner_name=lambda r: f"new{r}")
     assert set(out[:4]) >= {"a", "b", "s"} and len(out) == 4
@@ -163,6 +196,7 @@ def test_next_members_recalls_standby_before_new_joiners_and_names_joiners_by_ra
 
 def test_next_members_at_a_preemption_leaves_the_preempted_out():
     from ds_dynatrain.planner import next_members
+
     old = layout([10, 7, 3], 3)
     out = next_members(old, ("a", "b", "c"), (), [("a", "b", "c")], 2, ("b",), joiner_name=lambda r: f"new{r}")
     assert sorted(out) == ["a", "c"]

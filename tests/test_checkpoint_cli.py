@@ -6,6 +6,7 @@ own ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` on the DeepSpeed-f
 the ``safetensors`` library (reading what the streaming writer wrote) and ``transformers``
 (``from_pretrained`` of an exported Llama).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,12 +21,19 @@ import zipfile
 
 import pytest
 import torch
-
 from conftest import ROOT, WORKERS, run_plain
 
 CKPTS = [(fmt, stage) for stage in (1, 2, 3) for fmt in ("ours", "torch")]
-TINYLM_PARAMS = {"gain": [1], "embed.weight": [37, 13], "mix.weight": [7, 13], "mix.bias": [7], "norm.weight": [7],
-                 "norm.bias": [7], "head.weight": [37, 7], "head.bias": [37]}
+TINYLM_PARAMS = {
+    "gain": [1],
+    "embed.weight": [37, 13],
+    "mix.weight": [7, 13],
+    "mix.bias": [7],
+    "norm.weight": [7],
+    "norm.bias": [7],
+    "head.weight": [37, 7],
+    "head.bias": [37],
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,14 @@ def tinylm(tmp_path_factory):
     """TinyLM after 3 steps on 2 ranks at ZeRO-1, 2 and 3: ``ours_z<s>/``, ``torch_z<s>/`` (tag
     ``ckpt``, ``latest`` names it) and ``state_z<s>.pt``."""
     out = tmp_path_factory.mktemp("tinylm")
-    jobs = run_plain(out, os.path.join(WORKERS, "migrate_worker.py"), 2,
-                     ["save", "--out", str(out), "--stages", "1,2,3"], timeout=150, name="save")
+    jobs = run_plain(
+        out,
+        os.path.join(WORKERS, "migrate_worker.py"),
+        2,
+        ["save", "--out", str(out), "--stages", "1,2,3"],
+        timeout=150,
+        name="save",
+    )
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     return out
 
@@ -45,14 +59,14 @@ def extras(tmp_path_factory):
     fp32/int64 buffers at ZeRO-2 and 1 (``extras/``, ``extras_z1/``), see ``workers/export_worker.py``."""
     pytest.importorskip("transformers", reason="the Llama checkpoint needs transformers")
     out = tmp_path_factory.mktemp("extras")
-    jobs = run_plain(out, os.path.join(WORKERS, "export_worker.py"), 2, ["--out", str(out)], timeout=150,
-                     name="extras")
+    jobs = run_plain(out, os.path.join(WORKERS, "export_worker.py"), 2, ["--out", str(out)], timeout=150, name="extras")
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     return out
 
 
 def cli(capsys, *argv):
     from ds_dynatrain.cli import main
+
     rc = main([str(a) for a in argv])
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
@@ -75,6 +89,7 @@ def zero_to_fp32(ckpt_dir):
     """DeepSpeed's consolidation. Its ``torch.load(mmap=True)`` refuses the legacy (non-zip) files
     DeepSpeed's own default engine writes; those are loaded without mmap (same bytes)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     real = torch.load
 
     def load(f, *a, **k):
@@ -91,6 +106,7 @@ def zero_to_fp32(ckpt_dir):
 
 
 # --- inspect ------------------------------------------------------------------------------------
+
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
@@ -118,12 +134,14 @@ def test_inspect_reports_world_stage_step_and_parameters(tinylm, capsys, fmt, st
 
 # --- verify -------------------------------------------------------------------------------------
 
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fmt,stage", CKPTS)
 def test_verify_passes_intact_checkpoints(tinylm, capsys, fmt, stage):
     from ds_dynatrain.checkpoint.consolidate import saved_layout
     from ds_dynatrain.checkpoint.saved import SavedCheckpoint
+
     rc, out, err = cli(capsys, "verify", tinylm / f"{fmt}_z{stage}")
     assert rc == 0, err
     assert "is complete and intact" in out and "every element held exactly once" in out
@@ -146,6 +164,7 @@ def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
     serialized skeleton): verify fails, naming the file and the item."""
     from ds_dynatrain.checkpoint.inspect import verify_checkpoint
     from io_engine.format import read_footer
+
     d = copy_ckpt(tinylm / f"ours_z{stage}", tmp_path / "ckpt")
     tried = 0
     for name in sorted(os.listdir(d / "ckpt")):
@@ -172,10 +191,12 @@ def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
 def test_verify_cli_exit_status_on_a_flipped_tensor_byte(tinylm, tmp_path):
     """The installed entry point: status 1 and the file and item on stderr; 2 for bad usage."""
     from io_engine.format import read_footer
+
     d = copy_ckpt(tinylm / "ours_z2", tmp_path / "ckpt")
     path = d / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    item = next(it for it in read_footer(str(path)).items
-                if (it.attrs.get("vps") or {}).get("kind") == "fp32")  # the fp32 master partition
+    item = next(
+        it for it in read_footer(str(path)).items if (it.attrs.get("vps") or {}).get("kind") == "fp32"
+    )  # the fp32 master partition
     flip_byte(path, item.offset + 4 * 17 + 2, 0x40)
     run = [sys.executable, "-m", "ds_dynatrain.cli"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
@@ -183,8 +204,9 @@ def test_verify_cli_exit_status_on_a_flipped_tensor_byte(tinylm, tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"zero_pp_rank_1_mp_rank_00_optim_states.pt: item {item.key} " in p.stderr
     assert "checksum mismatch" in p.stderr and "FAILED" in p.stderr
-    p = subprocess.run(run + ["verify", str(tmp_path / "absent")], capture_output=True, text=True, cwd=ROOT,
-                       env=env, timeout=120)
+    p = subprocess.run(
+        run + ["verify", str(tmp_path / "absent")], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert p.returncode == 2 and "not a directory" in p.stderr
 
 
@@ -192,8 +214,13 @@ def test_verify_cli_exit_status_on_a_flipped_tensor_byte(tinylm, tmp_path):
 @pytest.mark.timeout(200)
 def test_usage_errors_exit_2(tinylm, tmp_path, capsys):
     from ds_dynatrain.cli import main
+
     d = tinylm / "ours_z2"
-    for argv in (["export", d, "--out", tmp_path / "w.safetensors", "--dtype", "fp8"], ["verify"], ["inspect", d, "-x"]):
+    for argv in (
+        ["export", d, "--out", tmp_path / "w.safetensors", "--dtype", "fp8"],
+        ["verify"],
+        ["inspect", d, "-x"],
+    ):
         with pytest.raises(SystemExit) as e:
             main([str(a) for a in argv])
         assert e.value.code == 2
@@ -238,8 +265,11 @@ def test_verify_fails_on_a_partition_too_short_for_its_fragments(tinylm, tmp_pat
     torch.save(sd, d / "ckpt" / name, _use_new_zipfile_serialization=False)
     rc, _out, err = cli(capsys, "verify", d)
     assert rc == 1
-    assert re.search(rf"{name}: partition 2 \(fp32\) has {flat[2].numel()} elements; its fragments .* need "
-                     rf"{flat[2].numel() + 5}", err), err
+    assert re.search(
+        rf"{name}: partition 2 \(fp32\) has {flat[2].numel()} elements; its fragments .* need "
+        rf"{flat[2].numel() + 5}",
+        err,
+    ), err
     rc, _out, err = cli(capsys, "export", d, "--out", tmp_path / "w.safetensors")
     assert rc == 1 and name in err and not os.path.exists(tmp_path / "w.safetensors")
 
@@ -249,6 +279,7 @@ def test_coverage_check_finds_gaps_and_overlaps():
     naming the parameter and the elements."""
     from ds_dynatrain.checkpoint.consolidate import coverage_problems
     from ds_dynatrain.vps.layout import Fragment, ParamMeta, ZeroLayout
+
     good = ZeroLayout(2, ((ParamMeta("a", (5, 3), "float32"), ParamMeta("b", (7,), "float32")),), stage=2)
     assert coverage_problems(good) == []
 
@@ -269,11 +300,13 @@ def test_coverage_check_finds_gaps_and_overlaps():
 
 # --- export -------------------------------------------------------------------------------------
 
+
 def _export(capsys, d, out, *extra):
     rc, stdout, err = cli(capsys, "export", d, "--out", out, *extra)
     assert rc == 0, err
     assert f"wrote {out}" in stdout
     from safetensors.torch import load_file
+
     return load_file(str(out))
 
 
@@ -282,6 +315,7 @@ def _export(capsys, d, out, *extra):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_export_equals_zero_to_fp32_and_the_gathered_state(tinylm, tmp_path, capsys, stage):
     from safetensors import safe_open
+
     ref = zero_to_fp32(tinylm / f"torch_z{stage}")
     state = torch.load(tinylm / f"state_z{stage}.pt")
     ours = _export(capsys, tinylm / f"ours_z{stage}", tmp_path / "ours.safetensors")
@@ -304,8 +338,9 @@ def test_export_equals_zero_to_fp32_and_the_gathered_state(tinylm, tmp_path, cap
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("which", ["tinylm/ours_z2", "tinylm/ours_z3", "extras/llama/ours", "extras/extras/ours",
-                                   "extras/extras_z1/torch"])
+@pytest.mark.parametrize(
+    "which", ["tinylm/ours_z2", "tinylm/ours_z3", "extras/llama/ours", "extras/extras/ours", "extras/extras_z1/torch"]
+)
 def test_export_by_ranges_and_small_chunks_writes_the_same_file(tinylm, extras, tmp_path, capsys, monkeypatch, which):
     """Large tensors of this project's files are left unread when a file is opened and fetched
     by byte range (here every tensor, as if all were large), in chunks (here 7 elements: every
@@ -313,6 +348,7 @@ def test_export_by_ranges_and_small_chunks_writes_the_same_file(tinylm, extras, 
     such files alike."""
     import ds_dynatrain.checkpoint.consolidate as consolidate
     import ds_dynatrain.checkpoint.saved as migrate
+
     root, rest = which.split("/", 1)
     d = (tinylm if root == "tinylm" else extras) / rest
     _export(capsys, d, tmp_path / "whole.safetensors")
@@ -371,6 +407,7 @@ def test_exported_llama_loads_with_transformers(extras, tmp_path, capsys):
     ``from_pretrained`` finds every weight (none missing or unexpected), the master weights
     bitwise, the tie kept."""
     from transformers import LlamaForCausalLM
+
     out = tmp_path / "hf"
     out.mkdir()
     shutil.copy(extras / "llama" / "config.json", out / "config.json")
@@ -389,16 +426,24 @@ def test_exported_llama_loads_with_transformers(extras, tmp_path, capsys):
 
 # --- the writer alone -----------------------------------------------------------------------------
 
+
 def test_safetensors_writer_any_order_any_dtype(tmp_path):
     """Tensors of several dtypes (an empty one too), written piecewise in reverse order, read back
     equal by the safetensors library; an incomplete tensor is refused and leaves no file."""
     from safetensors.torch import load_file
+
     from ds_dynatrain.checkpoint.consolidate import ExportEntry, SafetensorsWriter
     from ds_dynatrain.errors import CheckpointIncompleteError
+
     g = torch.Generator().manual_seed(3)
-    want = {"w": torch.randn(5, 3, generator=g), "h": torch.randn(4, generator=g).bfloat16(),
-            "ids": torch.arange(-3, 6, dtype=torch.int64).reshape(3, 3), "mask": torch.tensor([True, False, True]),
-            "empty": torch.empty(0, 4), "half": torch.randn(2, 2, generator=g).half()}
+    want = {
+        "w": torch.randn(5, 3, generator=g),
+        "h": torch.randn(4, generator=g).bfloat16(),
+        "ids": torch.arange(-3, 6, dtype=torch.int64).reshape(3, 3),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 4),
+        "half": torch.randn(2, 2, generator=g).half(),
+    }
     entries = [ExportEntry(k, v.dtype, tuple(v.shape), "module") for k, v in want.items()]
     path = tmp_path / "t.safetensors"
     w = SafetensorsWriter(str(path), entries, {"format": "pt"})
@@ -406,7 +451,7 @@ def test_safetensors_writer_any_order_any_dtype(tmp_path):
     for k, v in reversed(list(want.items())):
         flat = v.reshape(-1)
         for s in reversed(range(0, flat.numel(), 2)):
-            w.write(k, s, flat[s:s + 2])
+            w.write(k, s, flat[s : s + 2])
     w.commit()
     got = load_file(str(path))
     assert list(got) == list(want)

@@ -1,14 +1,22 @@
 """The ``"dynatrain"`` config section (``ds_dynatrain.config``) and the batch keys of the DeepSpeed
 config (``ds_dynatrain.initialize.resolve_global_batch``; ``initialize()`` itself is not called)."""
+
 import copy
 import json
 import re
 
 import pytest
+from pydantic import ValidationError
 
-from ds_dynatrain.config import DynatrainConfig, ResizeEvent, SnapshotConfig, load_ds_config, parse_section
+from ds_dynatrain.config import (
+    DynatrainConfig,
+    ResizeEvent,
+    SnapshotConfig,
+    load_ds_config,
+    parse_section,
+    resolve_global_batch,
+)
 from ds_dynatrain.errors import ConfigError, DynatrainError
-from ds_dynatrain.config import resolve_global_batch
 
 FULL_SECTION = {
     "enabled": True,
@@ -34,6 +42,7 @@ DS_CONFIG = {
 
 
 # ---------------------------------------------------------------- the section
+
 
 def test_full_section_accepted():
     cfg = parse_section(copy.deepcopy(FULL_SECTION))
@@ -78,12 +87,18 @@ REFUSED = [
     ({"collective_timeout_s": 0}, "dynatrain.collective_timeout_s:"),
     ({"collective_timeout_s": "30"}, "dynatrain.collective_timeout_s:"),
     ({"metrics_path": 3}, "dynatrain.metrics_path:"),
-    ({"resize_schedule": [{"step": 20, "world_size": 3}, {"step": 20, "world_size": 1}]},
-     "resize_schedule steps must increase strictly; got 20 then 20"),
-    ({"resize_schedule": [{"step": 20, "world_size": 3}, {"step": 10, "world_size": 1}]},
-     "resize_schedule steps must increase strictly; got 20 then 10"),
-    ({"resize_schedule": [{"step": 1, "world_size": 3}, {"step": 9, "world_size": 2}, {"step": 4, "world_size": 1}]},
-     "got 9 then 4"),
+    (
+        {"resize_schedule": [{"step": 20, "world_size": 3}, {"step": 20, "world_size": 1}]},
+        "resize_schedule steps must increase strictly; got 20 then 20",
+    ),
+    (
+        {"resize_schedule": [{"step": 20, "world_size": 3}, {"step": 10, "world_size": 1}]},
+        "resize_schedule steps must increase strictly; got 20 then 10",
+    ),
+    (
+        {"resize_schedule": [{"step": 1, "world_size": 3}, {"step": 9, "world_size": 2}, {"step": 4, "world_size": 1}]},
+        "got 9 then 4",
+    ),
     ({"transfer_overlap": "forward"}, "dynatrain.transfer_overlap:"),
     ({"max_inflight_bytes": 16}, "dynatrain.max_inflight_bytes:"),
     ({"max_inflight_bytes": 1.5e9}, "dynatrain.max_inflight_bytes:"),
@@ -120,12 +135,13 @@ def test_section_must_be_an_object(section):
 
 def test_config_is_frozen():
     cfg = parse_section({"max_world_size": 4})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.max_world_size = 8
     assert cfg.max_world_size == 4
 
 
 # ---------------------------------------------------------------- load_ds_config
+
 
 def test_load_strips_section_from_dict():
     config = dict(DS_CONFIG, dynatrain=copy.deepcopy(FULL_SECTION))
@@ -168,7 +184,7 @@ def test_load_unreadable_paths(tmp_path):
     with pytest.raises(ConfigError, match="cannot read DeepSpeed config"):
         load_ds_config(tmp_path)  # a directory
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"train_batch_size\": 16,")
+    bad.write_text('{"train_batch_size": 16,')
     with pytest.raises(ConfigError, match="cannot read DeepSpeed config") as info:
         load_ds_config(bad)
     assert "bad.json" in str(info.value)
@@ -210,24 +226,39 @@ def test_resolve_global_batch(keys, ws, expected):
 
 
 CONTRADICTIONS = [
-    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 2,
-     "train_batch_size 32 != micro batch 2 * gradient_accumulation_steps 4 * world size 2"),
-    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 3}, 2,
-     "train_batch_size 30 != micro batch 3"),
-    ({"train_batch_size": 30, "gradient_accumulation_steps": 4}, 4,
-     "train_batch_size 30 not divisible by gradient_accumulation_steps 4 * world size 4"),
+    (
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+        2,
+        "train_batch_size 32 != micro batch 2 * gradient_accumulation_steps 4 * world size 2",
+    ),
+    (
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 3},
+        2,
+        "train_batch_size 30 != micro batch 3",
+    ),
+    (
+        {"train_batch_size": 30, "gradient_accumulation_steps": 4},
+        4,
+        "train_batch_size 30 not divisible by gradient_accumulation_steps 4 * world size 4",
+    ),
     ({"train_batch_size": 8, "gradient_accumulation_steps": 3}, 1, "not divisible by gradient_accumulation_steps 3"),
     ({"train_batch_size": 10}, 3, "train_batch_size 10 not divisible by world size 3"),
     ({}, 1, "set train_batch_size and train_micro_batch_size_per_gpu"),
     ({"gradient_accumulation_steps": 2}, 1, "set train_batch_size and train_micro_batch_size_per_gpu"),
     ({"train_batch_size": 0, "train_micro_batch_size_per_gpu": 2}, 1, "train_batch_size must be a positive integer"),
-    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": -2}, 1,
-     "train_micro_batch_size_per_gpu must be a positive integer"),
+    (
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": -2},
+        1,
+        "train_micro_batch_size_per_gpu must be a positive integer",
+    ),
     ({"train_batch_size": "16", "train_micro_batch_size_per_gpu": 2}, 1, "train_batch_size must be a positive integer"),
     ({"train_batch_size": 16.0, "train_micro_batch_size_per_gpu": 2}, 1, "train_batch_size must be a positive"),
     ({"train_batch_size": True, "train_micro_batch_size_per_gpu": 1}, 1, "train_batch_size must be a positive"),
-    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 0}, 8,
-     "gradient_accumulation_steps must be a positive integer"),
+    (
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 0},
+        8,
+        "gradient_accumulation_steps must be a positive integer",
+    ),
 ]
 
 

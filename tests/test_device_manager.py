@@ -6,6 +6,7 @@ per-step world sizes in the metrics; the group-reuse flag of every resize agains
 history; each process's open file descriptors, OS threads and RSS after the first and the last
 cycle; the final state of a resized job against a static run with the same global batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, WORKERS, free_port, read_jsonl
 from test_elastic_requests import _close, _finish, _static_final, _steps, _wait_for_step
 
@@ -30,6 +30,7 @@ SCRIPT = os.path.join(WORKERS, "elastic_worker.py")
 
 def _config(metrics: str, **dynatrain) -> dict:
     from workers.common import base_config
+
     cfg = base_config(2, metrics)
     cfg["dynatrain"].update(dynatrain)
     return cfg
@@ -40,8 +41,23 @@ def _launch(tmp_path, name, cfg, steps, launch_args=(), worker_args=(), sleep=0.
     cfg_path.write_text(json.dumps(cfg))
     log = open(tmp_path / f"{name}.log", "w")
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, **(env or {}))
-    cmd = [*prefix, sys.executable, "-m", "ds_dynatrain.cli", *launch_args, "--config", str(cfg_path), SCRIPT,
-           "--out", str(tmp_path), "--steps", str(steps), "--step-sleep", str(sleep), *worker_args]
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "ds_dynatrain.cli",
+        *launch_args,
+        "--config",
+        str(cfg_path),
+        SCRIPT,
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        str(sleep),
+        *worker_args,
+    ]
     job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     return job, log
 
@@ -62,10 +78,18 @@ def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
     of the two (a blocking shrink to 1 while two processes stand by) and a grow to 3: the grow
     takes the standby processes back, still without starting a new one."""
     from ds_dynatrain.elastic.requests import request_resize
+
     port = free_port()
     cfg = _config(str(tmp_path / "cyc.jsonl"), standby=True, log_interval_steps=10)
-    job, log = _launch(tmp_path, "cyc", cfg, 400, ["launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"],
-                       ["--resources"], sleep=0.0)
+    job, log = _launch(
+        tmp_path,
+        "cyc",
+        cfg,
+        400,
+        ["launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"],
+        ["--resources"],
+        sleep=0.0,
+    )
     answers = []
     try:
         _wait_for_step(tmp_path / "cyc.jsonl", 2, job)
@@ -73,8 +97,11 @@ def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
             for ws in (2, 4):
                 answers.append(request_resize("127.0.0.1", port, ws, 120.0))
         answers.append(request_resize("127.0.0.1", port, 2, 120.0))
-        standing = set(re.findall(r"member (g0r\d) left the job after step \d+ .*; it stands by",
-                                  (tmp_path / "cyc.log").read_text())[-2:])
+        standing = set(
+            re.findall(
+                r"member (g0r\d) left the job after step \d+ .*; it stands by", (tmp_path / "cyc.log").read_text()
+            )[-2:]
+        )
         victim = sorted({"g0r0", "g0r1", "g0r2", "g0r3"} - standing)[0]
         os.kill(int((tmp_path / f"pid_{victim}").read_text()), signal.SIGTERM)
         _wait_for_step(tmp_path / "cyc.jsonl", 1, job)
@@ -130,12 +157,17 @@ def two_hosts():
         pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
     try:
         _netns("netns", "add", b)
-        for cmd in (["link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y"],
-                    ["link", "set", f"{tag}x", "netns", a], ["link", "set", f"{tag}y", "netns", b],
-                    ["-n", a, "addr", "add", "10.77.0.1/24", "dev", f"{tag}x"],
-                    ["-n", b, "addr", "add", "10.77.0.2/24", "dev", f"{tag}y"],
-                    ["-n", a, "link", "set", f"{tag}x", "up"], ["-n", b, "link", "set", f"{tag}y", "up"],
-                    ["-n", a, "link", "set", "lo", "up"], ["-n", b, "link", "set", "lo", "up"]):
+        for cmd in (
+            ["link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y"],
+            ["link", "set", f"{tag}x", "netns", a],
+            ["link", "set", f"{tag}y", "netns", b],
+            ["-n", a, "addr", "add", "10.77.0.1/24", "dev", f"{tag}x"],
+            ["-n", b, "addr", "add", "10.77.0.2/24", "dev", f"{tag}y"],
+            ["-n", a, "link", "set", f"{tag}x", "up"],
+            ["-n", b, "link", "set", f"{tag}y", "up"],
+            ["-n", a, "link", "set", "lo", "up"],
+            ["-n", b, "link", "set", "lo", "up"],
+        ):
             r = _netns(*cmd)
             assert r.returncode == 0, (cmd, r.stderr)
         yield {"a": (a, f"{tag}x", "10.77.0.1"), "b": (b, f"{tag}y", "10.77.0.2")}
@@ -165,17 +197,52 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     jrc = None
     try:
         _wait_for_step(tmp_path / "mh.jsonl", 3, a, timeout=180)
-        resize = subprocess.Popen([*in_a, sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", store,
-                                   "--world-size", "3", "--timeout", "150"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        resize = subprocess.Popen(
+            [
+                *in_a,
+                sys.executable,
+                "-m",
+                "ds_dynatrain.cli",
+                "resize",
+                "--store",
+                store,
+                "--world-size",
+                "3",
+                "--timeout",
+                "150",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         time.sleep(1.0)  # queued first; the join comes while it is pending (its joiner takes seconds to start)
-        j, jlog = _launch(tmp_path, "join_b", cfg, 24, ["join", "--nproc", "1", "--store", store], sleep=0.2,
-                          prefix=in_b, env=env_b)
+        j, jlog = _launch(
+            tmp_path, "join_b", cfg, 24, ["join", "--nproc", "1", "--store", store], sleep=0.2, prefix=in_b, env=env_b
+        )
         rout, rerr = resize.communicate(timeout=200)
         _wait_for_step(tmp_path / "mh.jsonl", 12, a, timeout=180)
-        shrink = subprocess.run([*in_b, sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", store,
-                                 "--world-size", "2", "--timeout", "150"], capture_output=True, text=True,
-                                timeout=200, cwd=ROOT, env=dict(env, **env_b))
+        shrink = subprocess.run(
+            [
+                *in_b,
+                sys.executable,
+                "-m",
+                "ds_dynatrain.cli",
+                "resize",
+                "--store",
+                store,
+                "--world-size",
+                "2",
+                "--timeout",
+                "150",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            cwd=ROOT,
+            env=dict(env, **env_b),
+        )
         jrc = _finish(j, jlog, timeout=200)
     finally:
         if resize is not None and resize.poll() is None:
@@ -204,14 +271,29 @@ def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
     the job finishes with status 0. Fault injected at a seam: SIGKILL to the joiner's process."""
     port = free_port()
     cfg = _config(str(tmp_path / "jd.jsonl"))
-    job, log = _launch(tmp_path, "jd", cfg, 40, ["launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"],
-                       sleep=0.2)
+    job, log = _launch(tmp_path, "jd", cfg, 40, ["launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"], sleep=0.2)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     try:
         _wait_for_step(tmp_path / "jd.jsonl", 2, job)
-        req = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
-                                "--world-size", "3", "--timeout", "150"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        req = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ds_dynatrain.cli",
+                "resize",
+                "--store",
+                f"127.0.0.1:{port}",
+                "--world-size",
+                "3",
+                "--timeout",
+                "150",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         deadline = time.monotonic() + 120
         while not (tmp_path / "pid_g1r1").exists() and not (tmp_path / "pid_g1r2").exists():
             assert time.monotonic() < deadline and job.poll() is None, "no joiner started"

@@ -6,6 +6,7 @@ requester's exit status and message; the resize records and per-step world sizes
 the final state of the resized job equals, within reduction noise, a job run at a static world
 size with the same global batch; the launcher's exit status.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, WORKERS, free_port, launch, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
@@ -27,6 +27,7 @@ SCRIPT = os.path.join(WORKERS, "elastic_worker.py")
 
 def _config(metrics: str) -> dict:
     from workers.common import base_config
+
     return base_config(2, metrics)
 
 
@@ -53,18 +54,56 @@ def _start(tmp_path, nproc: int, steps: int, name: str):
     cfg_path.write_text(json.dumps(_config(str(tmp_path / f"{name}.jsonl"))))
     log = open(tmp_path / f"{name}.log", "w")
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", str(nproc), "--config",
-                            str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
-                            "--steps", str(steps), "--step-sleep", "0.2"],
-                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_dynatrain.cli",
+            "launch",
+            "--nproc",
+            str(nproc),
+            "--config",
+            str(cfg_path),
+            "--store",
+            f"127.0.0.1:{port}",
+            SCRIPT,
+            "--out",
+            str(tmp_path),
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     return job, port, log
 
 
 def _request(port: int, world_size: int):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
-                           "--world-size", str(world_size), "--timeout", "120"],
-                          capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_dynatrain.cli",
+            "resize",
+            "--store",
+            f"127.0.0.1:{port}",
+            "--world-size",
+            str(world_size),
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def _finish(job, log, timeout=180):
@@ -81,8 +120,15 @@ def _finish(job, log, timeout=180):
 def _static_final(tmp_path, nproc, steps):
     d = tmp_path / "static"
     d.mkdir()
-    job = launch(d, SCRIPT, nproc, _config(str(d / "static.jsonl")), ["--out", str(d), "--steps", str(steps)],
-                 timeout=180, name="static")
+    job = launch(
+        d,
+        SCRIPT,
+        nproc,
+        _config(str(d / "static.jsonl")),
+        ["--out", str(d), "--steps", str(steps)],
+        timeout=180,
+        name="static",
+    )
     assert job.returncode == 0, job.output[-3000:]
     return torch.load(d / "final.pt"), {r["step"]: r for r in _steps(d / "static.jsonl")}
 
@@ -94,9 +140,25 @@ def _close(a, b, what):
 
 def _request_async(port: int, world_size: int) -> subprocess.Popen:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{port}",
-                             "--world-size", str(world_size), "--timeout", "150"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_dynatrain.cli",
+            "resize",
+            "--store",
+            f"127.0.0.1:{port}",
+            "--world-size",
+            str(world_size),
+            "--timeout",
+            "150",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.mark.timeout(500)
@@ -168,10 +230,32 @@ def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     log = open(tmp_path / "kill.log", "w")
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    job = subprocess.Popen([sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "3", "--config",
-                            str(cfg_path), "--store", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path),
-                            "--steps", "12", "--step-sleep", "0.2"],
-                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_dynatrain.cli",
+            "launch",
+            "--nproc",
+            "3",
+            "--config",
+            str(cfg_path),
+            "--store",
+            f"127.0.0.1:{port}",
+            SCRIPT,
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "12",
+            "--step-sleep",
+            "0.2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         _wait_for_step(tmp_path / "kill.jsonl", 5, job)
         os.kill(int((tmp_path / "pid_g0r2").read_text()), signal.SIGKILL)
@@ -186,14 +270,20 @@ def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
     restored, lost = restores[0]["step"], restores[0]["lost_steps"]
     assert restored >= 4 and restored % 2 == 0 and lost == restores[0]["last_step"] - restored and lost >= 0
     assert f"{lost} step(s) since that snapshot were lost" in out
-    after = [r for r in recs[recs.index(restores[0]):] if r["event"] == "step"]
+    after = [r for r in recs[recs.index(restores[0]) :] if r["event"] == "step"]
     assert [r["step"] for r in after] == list(range(restored + 1, 13)) and {r["world_size"] for r in after} == {2}
     # the oracle: the same snapshot loaded by a static 2-rank job
     d = tmp_path / "oracle"
     d.mkdir()
-    oracle = launch(d, SCRIPT, 2, _config(str(d / "oracle.jsonl")),
-                    ["--out", str(d), "--steps", "12", "--load", f"{snaps}:global_step{restored}"], timeout=200,
-                    name="oracle")
+    oracle = launch(
+        d,
+        SCRIPT,
+        2,
+        _config(str(d / "oracle.jsonl")),
+        ["--out", str(d), "--steps", "12", "--load", f"{snaps}:global_step{restored}"],
+        timeout=200,
+        name="oracle",
+    )
     assert oracle.returncode == 0, oracle.output[-3000:]
     ref = {r["step"]: r for r in _steps(d / "oracle.jsonl")}
     assert after[0]["loss"] == ref[after[0]["step"]]["loss"]

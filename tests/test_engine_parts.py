@@ -1,6 +1,7 @@
 """The engine's pure parts (``ds_dynatrain.engine``): typed records and the README's table of their
 fields, the transition header, how a joiner's wait for the header reports failures, the restore's
 check for a snapshot, and that the library installs no log handler of its own."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +12,16 @@ import sys
 
 import pytest
 
+from ds_dynatrain.cli.readme import readme_with_records, records_markdown
 from ds_dynatrain.engine.header import TransitionHeader, header_failures
 from ds_dynatrain.engine.lifecycle import check_restorable
-from ds_dynatrain.cli.readme import readme_with_records, records_markdown
 from ds_dynatrain.engine.records import RECORDS, JoinRecord, ResizeRecord, StepRecord
-from ds_dynatrain.errors import (CheckpointIncompleteError, LayoutMismatchError, SnapshotNotFoundError,
-                                 TransitionAbortedError)
+from ds_dynatrain.errors import (
+    CheckpointIncompleteError,
+    LayoutMismatchError,
+    SnapshotNotFoundError,
+    TransitionAbortedError,
+)
 from ds_dynatrain.transition.execute import TransitionStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,15 +35,28 @@ def test_resize_record_dict_names_the_fields_as_documented():
     rec.request, rec.hidden_fraction = 4, 0.99
     assert rec.to_dict()["request"] == 4 and rec.to_dict()["hidden_fraction"] == 0.99
     assert StepRecord(step=1, world_size=2, loss=0.5, lr=1e-3).to_dict() == {
-        "event": "step", "step": 1, "world_size": 2, "loss": 0.5, "lr": 1e-3}
+        "event": "step",
+        "step": 1,
+        "world_size": 2,
+        "loss": 0.5,
+        "lr": 1e-3,
+    }
 
 
 def test_a_background_transfer_adds_to_the_record():
     rec = JoinRecord(step=3, generation=2)
-    rec.add_transfer(TransitionStats(bytes_sent=0, bytes_received=400, seconds=0.5, keep_seconds=0.1, messages=3,
-                                     peak_staging_bytes=64), waited_s=0.2, peak_extra_bytes=1000)
-    rec.add_transfer(TransitionStats(bytes_received=100, seconds=0.1, messages=1, peak_staging_bytes=32),
-                     waited_s=0.05, peak_extra_bytes=10)
+    rec.add_transfer(
+        TransitionStats(
+            bytes_sent=0, bytes_received=400, seconds=0.5, keep_seconds=0.1, messages=3, peak_staging_bytes=64
+        ),
+        waited_s=0.2,
+        peak_extra_bytes=1000,
+    )
+    rec.add_transfer(
+        TransitionStats(bytes_received=100, seconds=0.1, messages=1, peak_staging_bytes=32),
+        waited_s=0.05,
+        peak_extra_bytes=10,
+    )
     assert rec.bytes_received == 500 and rec.messages == 4 and rec.peak_staging_bytes == 64
     assert rec.peak_extra_bytes == 1000 and rec.transfer_wait_s == 0.05
     assert rec.transfer_s == pytest.approx(0.5) and rec.keep_s == pytest.approx(0.1)
@@ -52,16 +70,26 @@ def test_every_record_field_is_documented_and_the_readme_table_is_current():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert readme_with_records(readme) == readme, (
-        "README.md's records table is stale: python -m ds_dynatrain.cli.readme README.md")
+        "README.md's records table is stale: python -m ds_dynatrain.cli.readme README.md"
+    )
     assert "| | `hidden_fraction` |" in records_markdown() and "| | `from` |" in records_markdown()
     with pytest.raises(ValueError, match="no records block"):
         readme_with_records("# a README without the block")
 
 
 def test_header_round_trips_and_refuses_a_header_without_a_field():
-    h = TransitionHeader(digest="d", old_layout={}, old_members=["a"], new_members=["a", "b"], kinds=["fp32"],
-                         master_moves=False, max_inflight_bytes=1024, dtype="float32", scalars=[{}],
-                         counters={"global_steps": 3})
+    h = TransitionHeader(
+        digest="d",
+        old_layout={},
+        old_members=["a"],
+        new_members=["a", "b"],
+        kinds=["fp32"],
+        master_moves=False,
+        max_inflight_bytes=1024,
+        dtype="float32",
+        scalars=[{}],
+        counters={"global_steps": 3},
+    )
     assert TransitionHeader.from_dict(h.to_dict()) == h
     d = h.to_dict()
     del d["digest"]
@@ -91,16 +119,25 @@ def test_restore_refuses_a_directory_without_a_snapshot(tmp_path):
 
 
 def test_the_library_installs_no_log_handler():
-    code = ("import logging, ds_dynatrain, ds_dynatrain.cli, ds_dynatrain.engine.build; "
-            "lg = logging.getLogger('ds_dynatrain'); print(len(lg.handlers), lg.propagate)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    code = (
+        "import logging, ds_dynatrain, ds_dynatrain.cli, ds_dynatrain.engine.build; "
+        "lg = logging.getLogger('ds_dynatrain'); print(len(lg.handlers), lg.propagate)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.stdout.split()[-2:] == ["0", "True"]
 
 
 def test_log_to_console_prints_the_plugins_lines_once(capsys):
     import ds_dynatrain
     from ds_dynatrain.log import logger
+
     h = ds_dynatrain.log_to_console()
     try:
         assert ds_dynatrain.log_to_console() is h

@@ -6,6 +6,7 @@ Oracles: collective results (sums of ranks) on the default group and on ``new_gr
 after each switch; the identity of the group object (reused, not rebuilt); torch's own state
 (``is_initialized``, ``get_rank``, ``get_world_size``).
 """
+
 from __future__ import annotations
 
 import time
@@ -15,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
-
 from conftest import free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -25,8 +25,7 @@ def _worker(rank: int, port: int, out):
     from ds_dynatrain.elastic.groups import GroupCache
 
     def connect():
-        return tdist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=30))
+        return tdist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
 
     master = tdist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if rank == 0 else None
     cache = GroupCache(connect, f"m{rank}", "gloo")
@@ -95,5 +94,3 @@ def test_default_group_switches_and_is_reused():
         assert got[r]["sub"] == 2.0 and got[r]["sum2"] == (3.0, 2, r)
     for r in (2, 3):
         assert got[r]["detached"] is False and got[r]["sub_again"] == 5.0
-
-

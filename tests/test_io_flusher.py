@@ -4,6 +4,7 @@ storage failures raise typed errors naming the file and offset and leave no part
 Refusals and faults are INJECTED at the seams ``queue_factory`` / ``opener`` of ``IOBackend``
 (the real io_uring and O_DIRECT work on this machine; the fakes below pretend they do not).
 """
+
 import errno
 import fcntl
 import hashlib
@@ -13,15 +14,20 @@ import time
 
 import numpy as np
 import pytest
+from faults import SMALL, FaultQueue, faulty, refuse_direct_open, refuse_uring, uring_available
 
-from faults import SMALL, uring_available, FaultQueue, faulty, refuse_direct_open, refuse_uring
-
-from io_engine import (BackendUnavailableError, Flusher, HostCache, IOConfig, IOTimeoutError,
-                       ShortWriteError, SnapshotFileWriter, StorageWriteError, read_snapshot_file)
+from io_engine import (
+    BackendUnavailableError,
+    Flusher,
+    HostCache,
+    IOConfig,
+    IOTimeoutError,
+    ShortWriteError,
+    SnapshotFileWriter,
+    StorageWriteError,
+    read_snapshot_file,
+)
 from io_engine.ioqueue import UringQueue, default_queue_factory
-
-
-
 
 
 def _direct_ok(d):
@@ -55,16 +61,20 @@ def fallback_log():
 
 # --- injected refusals and faults --------------------------------------------------------------
 
+
 def is_direct(fd):
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 # --- the items every backend writes ------------------------------------------------------------
 
+
 def mixed_items():
     rng = np.random.default_rng(7)
-    items = [(f"t{n}", rng.integers(0, 256, n, dtype=np.uint8).tobytes())
-             for n in (0, 1, 511, 512, 513, 4095, 4096, 4097, 70001)]
+    items = [
+        (f"t{n}", rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+        for n in (0, 1, 511, 512, 513, 4095, 4096, 4097, 70001)
+    ]
     items.append(("half", rng.standard_normal(1001).astype(np.float16)))
     items.append(("obj", b"x" * 5000, "object", {"vps": "sched"}))
     items.append(("obj0", b"", "object"))
@@ -90,9 +100,14 @@ def test_every_backend_writes_identical_bytes(tmp_path, fallback_log):
         "auto, io_uring refused": (IOConfig(**SMALL), {"queue_factory": refuse_uring}),
         "auto, O_DIRECT refused": (IOConfig(**SMALL), {"opener": refuse_direct_open}),
     }
-    expect = {"io_uring+direct": ("io_uring", True), "threads+direct": ("threads", True),
-              "io_uring+buffered": ("io_uring", False), "threads+buffered": ("threads", False),
-              "auto, io_uring refused": ("threads", True), "auto, O_DIRECT refused": ("io_uring", False)}
+    expect = {
+        "io_uring+direct": ("io_uring", True),
+        "threads+direct": ("threads", True),
+        "io_uring+buffered": ("io_uring", False),
+        "threads+buffered": ("threads", False),
+        "auto, io_uring refused": ("threads", True),
+        "auto, O_DIRECT refused": ("io_uring", False),
+    }
     digests = {}
     for i, (name, (cfg, kw)) in enumerate(cases.items()):
         res, digests[name] = write_with(tmp_path / f"f{i}", cfg, **kw)
@@ -144,13 +159,15 @@ def test_enospc_halfway_raises_typed_error_and_leaves_no_file(tmp_path, engine):
     factory = faulty(lambda fd, off: off >= half, lambda view: -errno.ENOSPC, seen)
     flusher = Flusher(IOConfig(engine=engine, **SMALL), queue_factory=factory)
     cache = HostCache(4 * SMALL["chunk_bytes"], SMALL["chunk_bytes"])
-    with SnapshotFileWriter(flusher=flusher, host_cache=cache) as w, \
-            pytest.raises(StorageWriteError, match=rf"{path} at offset \d+: .*No space left") as ei:
+    with (
+        SnapshotFileWriter(flusher=flusher, host_cache=cache) as w,
+        pytest.raises(StorageWriteError, match=rf"{path} at offset \d+: .*No space left") as ei,
+    ):
         w.write(str(path), mixed_items())
     assert ei.value.errno == errno.ENOSPC and ei.value.offset >= half
     assert seen[0].injected >= 1
-    assert not path.exists()                                  # never a silent partial file
-    assert cache.num_free == cache.num_buffers                # every buffer came back
+    assert not path.exists()  # never a silent partial file
+    assert cache.num_free == cache.num_buffers  # every buffer came back
     cache.close()
 
 
@@ -179,9 +196,10 @@ def test_forced_direct_refused_is_an_error(tmp_path):
 def test_write_file_odd_buffers_and_truncation(tmp_path, direct):
     if direct and not _direct_ok(str(tmp_path)):
         pytest.skip(f"O_DIRECT refused on {tmp_path}")
-    a, b = os.urandom(5000), os.urandom(3)                    # unaligned lengths -> bounce copies
+    a, b = os.urandom(5000), os.urandom(3)  # unaligned lengths -> bounce copies
     rep = Flusher(IOConfig(direct=direct, **SMALL)).write_file(
-        str(tmp_path / "f"), [(a, 0), (memoryview(b), 8192)], logical_size=8195)
+        str(tmp_path / "f"), [(a, 0), (memoryview(b), 8192)], logical_size=8195
+    )
     assert rep.direct is direct and rep.nbytes == 8195
     data = open(tmp_path / "f", "rb").read()
     assert data == a + bytes(8192 - 5000) + b
@@ -196,8 +214,14 @@ def test_write_file_refuses_unaligned_offsets_and_shared_blocks(tmp_path):
 
 
 def test_io_config_validation():
-    for bad in (dict(engine="spdk"), dict(direct="maybe"), dict(queue_depth=0),
-                dict(chunk_bytes=1000), dict(alignment=3000), dict(timeout_s=0)):
+    for bad in (
+        dict(engine="spdk"),
+        dict(direct="maybe"),
+        dict(queue_depth=0),
+        dict(chunk_bytes=1000),
+        dict(alignment=3000),
+        dict(timeout_s=0),
+    ):
         with pytest.raises(ValueError):
             IOConfig(**bad)
 
@@ -205,10 +229,11 @@ def test_io_config_validation():
 def test_hung_storage_times_out_with_a_typed_error(tmp_path):
     """INJECTED: one write never completes. The wait is bounded; the buffer it holds is never
     handed back for reuse (the kernel might still read it)."""
+
     class Swallow(FaultQueue):
         def submit_write(self, fd, view, offset, token):
-            if offset == 20480:                    # the second 16 KiB chunk of item "a"
-                self.injected += 1                 # dropped: its completion never comes
+            if offset == 20480:  # the second 16 KiB chunk of item "a"
+                self.injected += 1  # dropped: its completion never comes
             else:
                 self.inner.submit_write(fd, view, offset, token)
 
@@ -218,8 +243,10 @@ def test_hung_storage_times_out_with_a_typed_error(tmp_path):
     cache = HostCache(4 * SMALL["chunk_bytes"], SMALL["chunk_bytes"])
     flusher = Flusher(IOConfig(timeout_s=0.3, **SMALL), queue_factory=factory)
     t0 = time.monotonic()
-    with SnapshotFileWriter(flusher=flusher, host_cache=cache) as w, \
-            pytest.raises(IOTimeoutError, match=rf"{tmp_path / 'f'}: no completion within 0.3 s"):
+    with (
+        SnapshotFileWriter(flusher=flusher, host_cache=cache) as w,
+        pytest.raises(IOTimeoutError, match=rf"{tmp_path / 'f'}: no completion within 0.3 s"),
+    ):
         w.write(str(tmp_path / "f"), [("a", bytes(40000))])
     assert time.monotonic() - t0 < 5
     assert not (tmp_path / "f").exists()
@@ -232,12 +259,13 @@ def test_uring_wait_releases_the_gil():
     """liburing's io_uring_wait_cqe holds the GIL (a waiting flusher would freeze training, and
     here deadlock); UringQueue.wait must block in poll() instead, letting other threads run."""
     import threading
+
     q = UringQueue(4)
     r, w = os.pipe()
     try:
         buf = bytearray(8)
         q.submit_read(r, memoryview(buf), 0, 1)
-        threading.Timer(0.1, os.write, args=(w, b"ping")).start()   # needs the GIL to run
+        threading.Timer(0.1, os.write, args=(w, b"ping")).start()  # needs the GIL to run
         t0 = time.monotonic()
         got = q.wait(timeout=5)
         assert got == [(1, 4)] and bytes(buf[:4]) == b"ping"

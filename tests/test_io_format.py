@@ -3,6 +3,7 @@
 Each corruption is made on a real file written by the real writer, then read back; the error
 must be the specific one and name the file (and the item key for a payload checksum).
 """
+
 import json
 import os
 import pickle
@@ -12,10 +13,22 @@ import zlib
 import numpy as np
 import pytest
 
-from io_engine import (BadMagicError, ChecksumMismatchError, CorruptFooterError, FileReader,
-                       FileSizeMismatchError, InvalidItemError, ItemSpec, SnapshotFormatError,
-                       TruncatedFileError, UnsupportedVersionError, plan_layout, read_footer,
-                       read_snapshot_file, write_snapshot_file)
+from io_engine import (
+    BadMagicError,
+    ChecksumMismatchError,
+    CorruptFooterError,
+    FileReader,
+    FileSizeMismatchError,
+    InvalidItemError,
+    ItemSpec,
+    SnapshotFormatError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+    plan_layout,
+    read_footer,
+    read_snapshot_file,
+    write_snapshot_file,
+)
 from io_engine import format as fmt
 
 A = fmt.DEFAULT_ALIGNMENT
@@ -23,9 +36,16 @@ A = fmt.DEFAULT_ALIGNMENT
 
 # --- planner (pure) ----------------------------------------------------------------------------
 
+
 def test_plan_places_tensors_aligned_then_objects_packed():
-    specs = [ItemSpec("t0", 1), ItemSpec("o0", 5, kind="object"), ItemSpec("t1", 4097),
-             ItemSpec("t2", 0), ItemSpec("o1", 3, kind="object"), ItemSpec("t3", 4096)]
+    specs = [
+        ItemSpec("t0", 1),
+        ItemSpec("o0", 5, kind="object"),
+        ItemSpec("t1", 4097),
+        ItemSpec("t2", 0),
+        ItemSpec("o1", 3, kind="object"),
+        ItemSpec("t3", 4096),
+    ]
     lay = plan_layout(specs)
     off = {it.key: it.offset for it in lay.items}
     # hand-derived: header block, then t0 (1 B -> 1 block), t1 (2 blocks), t2 (0 B), t3 (1 block)
@@ -33,21 +53,23 @@ def test_plan_places_tensors_aligned_then_objects_packed():
     assert lay.data_offset == A and lay.objects_offset == 5 * A
     assert lay.footer_offset == 5 * A + 8
     assert lay.file_size == lay.footer_offset + lay.footer_length + fmt.TRAILER_SIZE
-    assert [it.key for it in lay.items] == [s.key for s in specs]     # order kept
-    assert plan_layout(specs) == lay                                   # deterministic
+    assert [it.key for it in lay.items] == [s.key for s in specs]  # order kept
+    assert plan_layout(specs) == lay  # deterministic
 
 
 def test_plan_footer_length_is_exact_once_checksums_are_known():
-    specs = [ItemSpec(f"k{i}", i * 1000 + 1, attrs={"vps": f"layer.{i}.weight", "region": [[0, i]]})
-             for i in range(7)]
+    specs = [ItemSpec(f"k{i}", i * 1000 + 1, attrs={"vps": f"layer.{i}.weight", "region": [[0, i]]}) for i in range(7)]
     lay = plan_layout(specs, file_attrs={"step": 12})
     real = lay.with_checksums({s.key: fmt.format_checksum(zlib.crc32(s.key.encode())) for s in specs})
     assert len(fmt.encode_footer(real)) == lay.footer_length
 
 
-@pytest.mark.parametrize("specs,match", [
-    ([ItemSpec("a", 1), ItemSpec("a", 2)], "duplicate item key 'a'"),
-])
+@pytest.mark.parametrize(
+    "specs,match",
+    [
+        ([ItemSpec("a", 1), ItemSpec("a", 2)], "duplicate item key 'a'"),
+    ],
+)
 def test_plan_refuses_duplicates(specs, match):
     with pytest.raises(InvalidItemError, match=match):
         plan_layout(specs)
@@ -62,17 +84,20 @@ def test_item_spec_refusals():
         ItemSpec("w", 1, kind="pickle")
     with pytest.raises(InvalidItemError, match="nbytes"):
         ItemSpec("w", -1)
-    ItemSpec("w", 6, dtype="bfloat16", shape=(3,))            # names numpy lacks are fine
+    ItemSpec("w", 6, dtype="bfloat16", shape=(3,))  # names numpy lacks are fine
 
 
 # --- a written file, then broken in every way ---------------------------------------------------
 
+
 @pytest.fixture
 def snap(tmp_path):
     path = str(tmp_path / "rank0.dsnap")
-    items = [("w", np.arange(3001, dtype=np.float16), "tensor", {"vps": "w/param", "region": [[0, 3001]]}),
-             ("b", np.ones(7, dtype=np.float32)),
-             ("opt", b"serialized optimizer meta", "object", {"vps": "opt"})]
+    items = [
+        ("w", np.arange(3001, dtype=np.float16), "tensor", {"vps": "w/param", "region": [[0, 3001]]}),
+        ("b", np.ones(7, dtype=np.float32)),
+        ("opt", b"serialized optimizer meta", "object", {"vps": "opt"}),
+    ]
     layout = write_snapshot_file(path, items, file_attrs={"step": 5})
     return path, layout
 
@@ -133,10 +158,9 @@ def test_footer_with_valid_checksum_but_overlapping_items_is_refused(snap):
     path, layout = snap
     w = layout.item("w")
     bad = layout.with_checksums({k.key: k.checksum for k in layout.items})
-    items = tuple(fmt.ItemMeta(**{**it.__dict__, "offset": w.offset}) if it.key == "b" else it
-                  for it in bad.items)
+    items = tuple(fmt.ItemMeta(**{**it.__dict__, "offset": w.offset}) if it.key == "b" else it for it in bad.items)
     footer = fmt.encode_footer(fmt.FileLayout(**{**bad.__dict__, "items": items}))
-    footer = footer.ljust(layout.footer_length, b" ")      # JSON allows trailing blanks
+    footer = footer.ljust(layout.footer_length, b" ")  # JSON allows trailing blanks
     assert len(footer) == layout.footer_length
     _patch(path, layout.footer_offset, footer + fmt.encode_trailer(footer))
     with pytest.raises(CorruptFooterError, match="overlap"):
@@ -182,11 +206,11 @@ def test_unsupported_version(snap):
 def test_flipped_payload_byte_names_file_and_key(snap):
     path, layout = snap
     _flip(path, layout.item("w").offset + 1234)
-    read_footer(path)                                # the metadata is still fine
+    read_footer(path)  # the metadata is still fine
     with pytest.raises(ChecksumMismatchError, match=f"{path}.*'w'") as ei:
         read_snapshot_file(path)
     assert ei.value.key == "w" and isinstance(ei.value, SnapshotFormatError)
-    with FileReader(path) as r:                      # other items still read and verify
+    with FileReader(path) as r:  # other items still read and verify
         assert bytes(r.read_item("b")) == np.ones(7, np.float32).tobytes()
 
 

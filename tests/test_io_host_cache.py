@@ -1,12 +1,12 @@
 """The host cache: bounded, aligned, reused across snapshots so host memory stays flat."""
+
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from io_engine import (HostCache, HostCacheError, HostCacheTimeoutError, IOConfig,
-                       SnapshotFileWriter, read_snapshot_file)
+from io_engine import HostCache, HostCacheError, HostCacheTimeoutError, IOConfig, SnapshotFileWriter, read_snapshot_file
 from io_engine.host_cache import buffer_address
 
 KIB = 1 << 10
@@ -31,13 +31,15 @@ def test_fifty_write_cycles_keep_host_memory_flat(tmp_path):
     cfg = IOConfig(chunk_bytes=16 * KIB, queue_depth=4)
     with SnapshotFileWriter(host_cache=cache, config=cfg) as w:
         for i in range(50):
-            items = [(f"t{j}", rng.integers(0, 256, int(n), dtype=np.uint8))
-                     for j, n in enumerate(rng.integers(0, 40 * KIB, 5))]
+            items = [
+                (f"t{j}", rng.integers(0, 256, int(n), dtype=np.uint8))
+                for j, n in enumerate(rng.integers(0, 40 * KIB, 5))
+            ]
             items.append(("o", b"state %d" % i, "object"))
             w.write(str(tmp_path / "f"), items)
             assert (cache.num_buffers, cache.total_bytes, cache.num_free) == (4, 64 * KIB, 4)
-            assert {id(b._mmap) for b in cache._buffers} == ids     # the same buffers, reused
-    assert cache.acquired_total > 50 * 4                           # they really cycled
+            assert {id(b._mmap) for b in cache._buffers} == ids  # the same buffers, reused
+    assert cache.acquired_total > 50 * 4  # they really cycled
     got = read_snapshot_file(str(tmp_path / "f"))
     assert bytes(got["t0"][0]) == items[0][1].tobytes()
     cache.close()
@@ -52,7 +54,7 @@ def test_acquire_beyond_the_bound_times_out():
         assert time.monotonic() - t0 >= 0.05
         assert cache.try_acquire() is None
         threading.Timer(0.05, cache.release, args=(held[0],)).start()
-        assert cache.acquire(timeout=5) is held[0]                  # a release wakes a waiter
+        assert cache.acquire(timeout=5) is held[0]  # a release wakes a waiter
 
 
 def test_release_misuse_is_refused():
@@ -77,8 +79,8 @@ def test_close_is_safe_half_built_and_twice():
     unpinned = []
     with pytest.raises(MemoryError):
         HostCache(64 * KIB, 16 * KIB, pin=pin, unpin=unpinned.append)
-    assert unpinned == [1, 2]                         # what was pinned got unpinned
-    HostCache.__new__(HostCache).close()              # nothing built at all
+    assert unpinned == [1, 2]  # what was pinned got unpinned
+    HostCache.__new__(HostCache).close()  # nothing built at all
     cache = HostCache(32 * KIB, 16 * KIB)
     cache.close()
     cache.close()

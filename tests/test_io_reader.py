@@ -1,33 +1,38 @@
 """The reader: odd sizes round-trip exactly, byte ranges come back exactly as asked, every
 backend reads the same bytes, and refusals (INJECTED at the seams) fall back."""
+
 import errno
 import fcntl
 import os
 
 import numpy as np
 import pytest
+from faults import SMALL, faulty, refuse_direct_open, refuse_uring, uring_available
 
-from faults import SMALL, uring_available, faulty, refuse_direct_open, refuse_uring
-
-from io_engine import (FileReader, IOBackend, IOConfig, StorageReadError, read_ranges,
-                       read_snapshot_file, write_snapshot_file)
-
+from io_engine import (
+    FileReader,
+    IOBackend,
+    IOConfig,
+    StorageReadError,
+    read_ranges,
+    read_snapshot_file,
+    write_snapshot_file,
+)
 
 ODD = (0, 1, 511, 512, 513, 4095, 4096, 4097)
 
 
-
-
-ENGINES = [pytest.param("io_uring", marks=pytest.mark.skipif(not uring_available(),
-                                                             reason="io_uring refused here")),
-           "threads"]
+ENGINES = [
+    pytest.param("io_uring", marks=pytest.mark.skipif(not uring_available(), reason="io_uring refused here")),
+    "threads",
+]
 
 
 @pytest.fixture
 def odd_file(tmp_path):
     rng = np.random.default_rng(1)
     arrays = {f"u8_{n}": rng.integers(0, 256, n, dtype=np.uint8) for n in ODD}
-    arrays["f16_odd"] = rng.standard_normal(2049).astype(np.float16)      # 4098 bytes
+    arrays["f16_odd"] = rng.standard_normal(2049).astype(np.float16)  # 4098 bytes
     arrays["f32_2d"] = rng.standard_normal((3, 5)).astype(np.float32)
     path = str(tmp_path / "odd.dsnap")
     items = [(k, v, "tensor", {"n": int(v.size)}) for k, v in arrays.items()]
@@ -65,13 +70,23 @@ def test_range_reads_return_exactly_the_requested_bytes(tmp_path, engine):
     with open(path, "wb") as f:
         f.write(data)
     rng = np.random.default_rng(3)
-    ranges = [(0, 0), (0, 1), (1, 1), (4095, 2), (4096, 4096), (100_002, 1), (12345, 50_000),
-              (0, 100_003), (7, 0), (40_000, 33_333)]
+    ranges = [
+        (0, 0),
+        (0, 1),
+        (1, 1),
+        (4095, 2),
+        (4096, 4096),
+        (100_002, 1),
+        (12345, 50_000),
+        (0, 100_003),
+        (7, 0),
+        (40_000, 33_333),
+    ]
     ranges += [(int(o), int(rng.integers(0, 100_003 - o))) for o in rng.integers(0, 100_003, 20)]
     views = read_ranges(path, ranges, config=IOConfig(engine=engine, **SMALL))
     assert [len(v) for v in views] == [n for _, n in ranges]
     for (off, n), v in zip(ranges, views):
-        assert bytes(v) == data[off:off + n], (off, n)
+        assert bytes(v) == data[off : off + n], (off, n)
 
 
 def test_item_ranges_of_a_snapshot(odd_file):
@@ -97,8 +112,9 @@ def test_reader_falls_back_when_refused(odd_file):
     """INJECTED: io_uring refused at queue init and O_DIRECT refused at open."""
     path, arrays, _ = odd_file
 
-    backend = IOBackend(IOConfig(**SMALL), queue_factory=lambda k, d: refuse_uring(k, d, errno.EPERM),
-                        opener=refuse_direct_open)
+    backend = IOBackend(
+        IOConfig(**SMALL), queue_factory=lambda k, d: refuse_uring(k, d, errno.EPERM), opener=refuse_direct_open
+    )
     got = read_snapshot_file(path, backend=backend)
     assert bytes(got["u8_4097"][0]) == arrays["u8_4097"].tobytes()
     with FileReader(path, backend=backend) as r:
@@ -111,9 +127,15 @@ def test_reader_direct_refused_on_first_read_retries_buffered(odd_file):
     """INJECTED: reads on an O_DIRECT descriptor complete with EINVAL (as on some file systems)."""
     path, arrays, _ = odd_file
 
-    backend = IOBackend(IOConfig(**SMALL), queue_factory=faulty(
-        lambda fd, off: False, lambda view: -errno.EINVAL, [],
-        should_fail_read=lambda fd, off: bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+    backend = IOBackend(
+        IOConfig(**SMALL),
+        queue_factory=faulty(
+            lambda fd, off: False,
+            lambda view: -errno.EINVAL,
+            [],
+            should_fail_read=lambda fd, off: bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT),
+        ),
+    )
     with FileReader(path, backend=backend) as r:
         views = r.read_items()
         assert r.direct is False

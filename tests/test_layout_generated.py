@@ -12,6 +12,7 @@ or 2. Every rank's fragments (parameter, start, length, offset in the partition)
 ``ZeroLayout.fragments`` must equal where DeepSpeed put each parameter's data in the flat buffer
 (``engine_storage_fragments``), and the partition sizes must agree.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,10 +21,9 @@ import math
 import os
 
 import pytest
+from conftest import WORKERS, run_plain
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-from conftest import WORKERS, run_plain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,8 +34,10 @@ N_CASES = 12
 def generated_models(draw) -> dict:
     """One model description as ``tests/workers/generated_layout_worker.py`` reads it."""
     n = draw(st.integers(3, 8))
-    params = [{"name": f"p{i}", "shape": draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)),
-               "frozen": False} for i in range(n)]
+    params = [
+        {"name": f"p{i}", "shape": draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)), "frozen": False}
+        for i in range(n)
+    ]
     n_groups = draw(st.integers(1, min(3, n)))
     # each group gets one trainable parameter of its own, the others go anywhere (interleaved)
     owner = list(range(n_groups)) + [draw(st.integers(0, n_groups - 1)) for _ in range(n - n_groups)]
@@ -54,20 +56,34 @@ def generated_models(draw) -> dict:
     if draw(st.booleans()):
         of = draw(st.sampled_from(sorted(i for i, p in enumerate(params) if not p["frozen"])))
         tie = {"alias": "tied", "of": of, "position": draw(st.integers(0, n))}
-    return {"stage": draw(st.sampled_from([1, 2])), "dtype": draw(st.sampled_from(["float32", "bfloat16"])),
-            "round_robin": draw(st.booleans()), "parameter_alignment": draw(st.booleans()),
-            "params": params, "tie": tie, "groups": groups}
+    return {
+        "stage": draw(st.sampled_from([1, 2])),
+        "dtype": draw(st.sampled_from(["float32", "bfloat16"])),
+        "round_robin": draw(st.booleans()),
+        "parameter_alignment": draw(st.booleans()),
+        "params": params,
+        "tie": tie,
+        "groups": groups,
+    }
 
 
 def features(case: dict) -> dict:
     """What makes a model awkward for a layout."""
+
     def trainable_numel(g):
         return sum(math.prod(case["params"][i]["shape"]) for i in g if not case["params"][i]["frozen"])
-    return {"stage": case["stage"], "dtype": case["dtype"], "round_robin": case["round_robin"],
-            "parameter_alignment": case["parameter_alignment"], "groups": len(case["groups"]),
-            "tie": case["tie"] is not None, "frozen": any(p["frozen"] for p in case["params"]),
-            "small_group": any(trainable_numel(g) < 4 for g in case["groups"]),
-            "shuffled": any(g != sorted(g) for g in case["groups"])}
+
+    return {
+        "stage": case["stage"],
+        "dtype": case["dtype"],
+        "round_robin": case["round_robin"],
+        "parameter_alignment": case["parameter_alignment"],
+        "groups": len(case["groups"]),
+        "tie": case["tie"] is not None,
+        "frozen": any(p["frozen"] for p in case["params"]),
+        "small_group": any(trainable_numel(g) < 4 for g in case["groups"]),
+        "shuffled": any(g != sorted(g) for g in case["groups"]),
+    }
 
 
 def sample_cases(n: int, pool: int = 300) -> list:
@@ -78,8 +94,14 @@ def sample_cases(n: int, pool: int = 300) -> list:
     over the combinations of settings instead."""
     seen = []
 
-    @settings(derandomize=True, database=None, max_examples=pool, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        derandomize=True,
+        database=None,
+        max_examples=pool,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(generated_models())
     def collect(case):
         if case not in seen:
@@ -104,12 +126,20 @@ def test_sample_covers_the_awkward_cases():
     assert {len(c["groups"]) for c in cases} >= {1, 2, 3}
     assert any(any(p["frozen"] for p in c["params"]) for c in cases)
     assert any(c["tie"] for c in cases)
-    for key, values in (("stage", {1, 2}), ("dtype", {"float32", "bfloat16"}), ("round_robin", {True, False}),
-                        ("parameter_alignment", {True, False})):
+    for key, values in (
+        ("stage", {1, 2}),
+        ("dtype", {"float32", "bfloat16"}),
+        ("round_robin", {True, False}),
+        ("parameter_alignment", {True, False}),
+    ):
         assert {c[key] for c in cases} == values, key
     assert any(features(c)["small_group"] and len(c["groups"]) > 1 for c in cases)  # a group smaller than 4 ranks
-    interleaved = [c for c in cases if len(c["groups"]) > 1 and any(
-        max(g) > min(h) and max(h) > min(g) for g in c["groups"] for h in c["groups"] if g is not h)]
+    interleaved = [
+        c
+        for c in cases
+        if len(c["groups"]) > 1
+        and any(max(g) > min(h) and max(h) > min(g) for g in c["groups"] for h in c["groups"] if g is not h)
+    ]
     assert interleaved
 
 
@@ -121,8 +151,14 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("generated")
     cases = sample_cases(N_CASES)
     (tmp / "cases.json").write_text(json.dumps(cases))
-    jobs = run_plain(tmp, os.path.join(WORKERS, "generated_layout_worker.py"), 4,
-                     [str(tmp / "cases.json"), str(tmp)], timeout=180, name="generated")
+    jobs = run_plain(
+        tmp,
+        os.path.join(WORKERS, "generated_layout_worker.py"),
+        4,
+        [str(tmp / "cases.json"), str(tmp)],
+        timeout=180,
+        name="generated",
+    )
     assert all(j.returncode == 0 for j in jobs), "\n".join(j.output[-3000:] for j in jobs if j.returncode)
     by_ws = {ws: {r: json.loads((tmp / f"ws{ws}_rank{r}.json").read_text()) for r in range(ws)} for ws in range(1, 5)}
     return {c["name"]: c for c in cases}, by_ws

@@ -7,6 +7,7 @@ a unique id (> 0), and each rank's flat partition is the list of the ids it hold
 pieces, the pieces of a sub-group concatenated). A plan is checked by *executing* it on such
 partitions.
 """
+
 import json
 import math
 
@@ -16,14 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_dynatrain.errors import DynatrainError, LayoutMismatchError
-from ds_dynatrain.vps.layout import Fragment, ParamMeta, ZeroLayout, round_robin_order
 from ds_dynatrain.planner import PLAN_FORMAT_VERSION, Plan, Transfer, assign_members, plan_transition
+from ds_dynatrain.vps.layout import Fragment, ParamMeta, ZeroLayout, round_robin_order
 from ds_dynatrain.vps.region import Region
 
 DTYPE_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
 
 # ---------------------------------------------------------------- generated models
+
 
 @st.composite
 def models(draw):
@@ -54,6 +56,7 @@ def member_names(prefix, n):
 
 # ---------------------------------------------------------------- the element-level oracle
 
+
 def element_ids(groups):
     """``{(group, key): ids}``: a unique id per parameter element, numbered from 1 in model order."""
     out, nxt = {}, 1
@@ -65,8 +68,7 @@ def element_ids(groups):
     return out, nxt
 
 
-def oracle_partitions(groups, world_size, round_robin=False, parameter_alignment=False, stage=2,
-                      sub_group_size=10**9):
+def oracle_partitions(groups, world_size, round_robin=False, parameter_alignment=False, stage=2, sub_group_size=10**9):
     """Per partition, a ``(world_size, P)`` array: the ids each rank holds in it (0 = padding).
 
     Written from DeepSpeed's rules (``stage_1_and_2.py``), element by element: round robin puts
@@ -135,6 +137,7 @@ def holder_rank(parts, total_ids):
 
 # ---------------------------------------------------------------- (1) layouts tile every parameter
 
+
 @settings(max_examples=150, deadline=None)
 @given(models(), world_sizes)
 def test_layout_tiles_every_parameter(model, ws):
@@ -158,11 +161,11 @@ def test_layout_tiles_every_parameter(model, ws):
             expected = np.zeros(P, dtype=np.int64)  # this rank's partition rebuilt from its fragments
             for f in (f for f in frags if f.group == b):
                 assert f.numel > 0 and 0 <= f.local and f.local + f.numel <= P
-                assert (expected[f.local:f.local + f.numel] == 0).all(), "fragments overlap"
+                assert (expected[f.local : f.local + f.numel] == 0).all(), "fragments overlap"
                 pid = ids_by_key[f.key]
                 assert 0 <= f.start and f.start + f.numel <= pid.size
-                expected[f.local:f.local + f.numel] = pid[f.start:f.start + f.numel]
-                held[pid[f.start:f.start + f.numel]] += 1
+                expected[f.local : f.local + f.numel] = pid[f.start : f.start + f.numel]
+                held[pid[f.start : f.start + f.numel]] += 1
             # exactly the oracle's partition: no padding inside a fragment, nothing missing
             assert expected.tolist() == parts[b][r].tolist()
     assert (held[1:] == 1).all(), "every element is held by exactly one rank"
@@ -214,7 +217,10 @@ def test_layout_hand_oracle_alignment():
     three = ZeroLayout(3, gb, parameter_alignment=True)
     assert three.partition_numel(0) == 4
     assert [three.fragments(r) for r in range(3)] == [
-        (Fragment(0, "a", 0, 4, 0),), (Fragment(0, "a", 4, 1, 0),), (Fragment(0, "b", 0, 3, 0),)]
+        (Fragment(0, "a", 0, 4, 0),),
+        (Fragment(0, "a", 4, 1, 0),),
+        (Fragment(0, "b", 0, 3, 0),),
+    ]
 
 
 def test_layout_refusals():
@@ -231,28 +237,39 @@ def test_layout_refusals():
         ZeroLayout(2, g).param_fragments(0, "b")
 
 
-@pytest.mark.parametrize("groups", [
-    ((ParamMeta("w", (3,), "float32"), ParamMeta("w", (5,), "float32")),),    # twice in one group
-    ((ParamMeta("w", (3,), "float32"),), (ParamMeta("w", (3,), "float32"),)),  # in two groups
-])
+@pytest.mark.parametrize(
+    "groups",
+    [
+        ((ParamMeta("w", (3,), "float32"), ParamMeta("w", (5,), "float32")),),  # twice in one group
+        ((ParamMeta("w", (3,), "float32"),), (ParamMeta("w", (3,), "float32"),)),  # in two groups
+    ],
+)
 def test_layout_refuses_duplicate_keys(groups):
     """A VPS key names one logical tensor; a repeated key would make the planner route the first
     parameter twice and the second never (a silent wrong result), so the layout refuses it."""
     with pytest.raises(ValueError, match="parameter w appears twice in the layout"):
         ZeroLayout(2, groups)
     with pytest.raises(ValueError, match="appears twice"):
-        ZeroLayout.from_dict({"world_size": 1, "stage": 2, "round_robin": False, "parameter_alignment": False,
-                              "groups": [[p.to_dict() for p in g] for g in groups]})
+        ZeroLayout.from_dict(
+            {
+                "world_size": 1,
+                "stage": 2,
+                "round_robin": False,
+                "parameter_alignment": False,
+                "groups": [[p.to_dict() for p in g] for g in groups],
+            }
+        )
 
 
 # ---------------------------------------------------------------- (2), (3) plans, executed
+
 
 def execute(plan, old_parts, new_shapes):
     """Apply every transfer of ``plan`` to copies of the old partitions; count writes per position."""
     new_parts = [np.zeros(s, dtype=np.int64) for s in new_shapes]
     writes = [np.zeros(s, dtype=np.int64) for s in new_shapes]
     for t in plan.transfers:
-        src = old_parts[t.group][t.src, t.src_offset:t.src_offset + t.numel]
+        src = old_parts[t.group][t.src, t.src_offset : t.src_offset + t.numel]
         assert src.size == t.numel, f"{t} reads past the old partition"
         assert (src > 0).all(), f"{t} carries padding"
         dst = slice(t.dst_offset, t.dst_offset + t.numel)
@@ -284,7 +301,7 @@ def check_plan(groups, kw, old_ws, new_ws, old_members, new_members):
     same_process[1:] = np.array(old_members)[old_rank[1:]] == np.array(new_members)[new_rank[1:]]
     carried_by_keep = np.zeros(total, dtype=bool)
     for t in plan.transfers:
-        carried = old_parts[t.group][t.src, t.src_offset:t.src_offset + t.numel]
+        carried = old_parts[t.group][t.src, t.src_offset : t.src_offset + t.numel]
         assert (old_rank[carried] == t.src).all() and (new_rank[carried] == t.dst).all()
         assert plan.is_keep(t) == (old_members[t.src] == new_members[t.dst])
         if plan.is_keep(t):
@@ -328,13 +345,12 @@ def test_plan_with_any_rank_assignment(model, old_ws, new_ws, names, data):
     """Ranks reassigned arbitrarily (survivors change rank, joiners anywhere): still exact."""
     groups, kw = model
     old_members = tuple(names[:old_ws])
-    new_members = tuple(data.draw(st.permutations(names[:old_ws + new_ws]))[:new_ws])
+    new_members = tuple(data.draw(st.permutations(names[: old_ws + new_ws]))[:new_ws])
     check_plan(groups, kw, old_ws, new_ws, old_members, new_members)
 
 
 def test_plan_same_world_size_is_all_keeps():
-    g = ((ParamMeta("a", (5, 3), "float32"), ParamMeta("b", (7,), "float32")),
-         (ParamMeta("c", (2, 2, 2), "bfloat16"),))
+    g = ((ParamMeta("a", (5, 3), "float32"), ParamMeta("b", (7,), "float32")), (ParamMeta("c", (2, 2, 2), "bfloat16"),))
     members = member_names("m", 3)
     plan = plan_transition(ZeroLayout(3, g, True, True), ZeroLayout(3, g, True, True), members, members)
     assert all(plan.is_keep(t) and t.src == t.dst and t.src_offset == t.dst_offset for t in plan.transfers)
@@ -343,16 +359,17 @@ def test_plan_same_world_size_is_all_keeps():
 
 # ---------------------------------------------------------------- (4) determinism, serialisation
 
+
 @settings(max_examples=100, deadline=None)
 @given(models(), world_sizes, world_sizes, st.data())
 def test_plan_is_deterministic_and_round_trips(model, old_ws, new_ws, data):
     groups, kw = model
     old_members = member_names("m", old_ws)
     new_members = assign_members(old_members, new_ws, member_names("j", max(0, new_ws - old_ws)))
-    plan = plan_transition(ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw),
-                           old_members, new_members)
-    again = plan_transition(ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw),
-                            list(old_members), list(new_members))
+    plan = plan_transition(ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw), old_members, new_members)
+    again = plan_transition(
+        ZeroLayout(old_ws, groups, **kw), ZeroLayout(new_ws, groups, **kw), list(old_members), list(new_members)
+    )
     assert again == plan and again.digest() == plan.digest()
 
     # the same metadata, shuffled and put back in place from fresh objects (as another rank would)
@@ -360,9 +377,11 @@ def test_plan_is_deterministic_and_round_trips(model, old_ws, new_ws, data):
     shuffled = data.draw(st.permutations(flat))
     restored = tuple(
         tuple(ParamMeta.from_dict(d) for gj, _, d in sorted(shuffled, key=lambda x: x[:2]) if gj == gi)
-        for gi in range(len(groups)))
-    other = plan_transition(ZeroLayout(old_ws, restored, **kw), ZeroLayout(new_ws, restored, **kw),
-                            old_members, new_members)
+        for gi in range(len(groups))
+    )
+    other = plan_transition(
+        ZeroLayout(old_ws, restored, **kw), ZeroLayout(new_ws, restored, **kw), old_members, new_members
+    )
     assert other == plan and other.digest() == plan.digest()
 
     # to_dict / from_dict, through JSON text
@@ -403,6 +422,7 @@ def test_plan_refuses_bad_members():
 
 # ---------------------------------------------------------------- (5) hand-derived plans
 
+
 def test_hand_plan_shrink_2_to_1():
     """a: 5 elements, b: 3 (float32, no alignment). World size 2: 8 elements, alignment 2*2 = 4 ->
     8, partitions of 4: rank 0 holds a[0:4]; rank 1 holds a[4] at 0 and b[0:3] at 1..3.
@@ -441,8 +461,9 @@ def test_hand_plan_round_robin_2_to_3():
     Old (ws 2, P 6): r0 = p0[0:3]@0 p2[0:3]@3; r1 = p2[3]@0 p1[0:2]@1.
     New (ws 3, P 4): r0 = p0[0:3]@0 p1[0]@3; r1 = p1[1]@0 p2[0:3]@1; r2 = p2[3]@0."""
     g = ((ParamMeta("p0", (3,), "float32"), ParamMeta("p1", (2,), "float32"), ParamMeta("p2", (2, 2), "float32")),)
-    plan = plan_transition(ZeroLayout(2, g, round_robin=True), ZeroLayout(3, g, round_robin=True),
-                           ("A", "B"), ("A", "B", "C"))
+    plan = plan_transition(
+        ZeroLayout(2, g, round_robin=True), ZeroLayout(3, g, round_robin=True), ("A", "B"), ("A", "B", "C")
+    )
     assert plan.transfers == (
         Transfer(0, 0, 0, 0, 0, 3),  # p0, kept
         Transfer(0, 1, 0, 3, 1, 3),  # p2[0:3]
@@ -457,8 +478,12 @@ def test_hand_plan_alignment_2_to_3_two_groups():
     """Group 0: a 5, b 3 float32 with alignment (ws 2: a@r0 0..4, b@r1 2..4, P 6; ws 3: P 4,
     a[0:4]@r0, a[4]@r1 0, b@r2 0). Group 1: c 1 element (ws 2: P 1, c@r0; ws 3: P 2, c@r0)."""
     g = ((ParamMeta("a", (5,), "float32"), ParamMeta("b", (3,), "float32")), (ParamMeta("c", (1, 1), "float32"),))
-    plan = plan_transition(ZeroLayout(2, g, parameter_alignment=True), ZeroLayout(3, g, parameter_alignment=True),
-                           ("A", "B"), ("A", "B", "C"))
+    plan = plan_transition(
+        ZeroLayout(2, g, parameter_alignment=True),
+        ZeroLayout(3, g, parameter_alignment=True),
+        ("A", "B"),
+        ("A", "B", "C"),
+    )
     assert plan.transfers == (
         Transfer(0, 0, 0, 0, 0, 4),
         Transfer(0, 0, 1, 0, 0, 1),
@@ -469,12 +494,16 @@ def test_hand_plan_alignment_2_to_3_two_groups():
 
 # ---------------------------------------------------------------- assign_members
 
-@pytest.mark.parametrize("old, ws, joiners, expected", [
-    (("a", "b", "c", "d"), 2, (), ("a", "b")),
-    (("a", "b"), 4, ("x", "y"), ("a", "b", "x", "y")),
-    (("a", "b", "c"), 3, (), ("a", "b", "c")),
-    (("a",), 1, (), ("a",)),
-])
+
+@pytest.mark.parametrize(
+    "old, ws, joiners, expected",
+    [
+        (("a", "b", "c", "d"), 2, (), ("a", "b")),
+        (("a", "b"), 4, ("x", "y"), ("a", "b", "x", "y")),
+        (("a", "b", "c"), 3, (), ("a", "b", "c")),
+        (("a",), 1, (), ("a",)),
+    ],
+)
 def test_assign_members(old, ws, joiners, expected):
     assert assign_members(old, ws, joiners) == expected
 
@@ -486,6 +515,7 @@ def test_assign_members_refuses(old, ws, joiners):
 
 
 # ---------------------------------------------------------------- (6) layouts of different models
+
 
 @settings(max_examples=100, deadline=None)
 @given(models(), world_sizes, world_sizes, st.data())
@@ -507,8 +537,12 @@ def test_mismatch_names_first_differing_parameter(model, old_ws, new_ws, data):
     first = groups[picked[0][0]][picked[0][1]].key
     for a, b in ((groups, other), (other, groups)):
         with pytest.raises(LayoutMismatchError) as info:
-            plan_transition(ZeroLayout(old_ws, a, **kw), ZeroLayout(new_ws, b, **kw),
-                            member_names("m", old_ws), member_names("n", new_ws))
+            plan_transition(
+                ZeroLayout(old_ws, a, **kw),
+                ZeroLayout(new_ws, b, **kw),
+                member_names("m", old_ws),
+                member_names("n", new_ws),
+            )
         msg = str(info.value)
         assert f"parameter group {picked[0][0]}:" in msg
         assert f"{first} " in msg or msg.endswith(first), msg
@@ -525,8 +559,11 @@ def test_mismatch_refusals_by_hand():
     def plan(g1, g2, **kw):
         return plan_transition(ZeroLayout(2, g1, **kw), ZeroLayout(1, g2), ("m0", "m1"), ("m0",))
 
-    with pytest.raises(LayoutMismatchError, match=r"parameter group 0: layer.0.bias \[4\] float32 differs from "
-                                                  r"layer.0.bias \[5\] float32"):
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"parameter group 0: layer.0.bias \[4\] float32 differs from "
+        r"layer.0.bias \[5\] float32",
+    ):
         plan(((a, b, c),), ((a, ParamMeta("layer.0.bias", (5,), "float32"), ParamMeta("x", (1,), "float32")),))
     with pytest.raises(LayoutMismatchError, match="parameter group 0: parameter layer.1.weight is present in only one"):
         plan(((a, b, c),), ((a, b),))
@@ -543,8 +580,11 @@ def test_scalars_of_new_partitions_come_from_the_first_old_partition_of_their_gr
     """Stage 3 cuts sub-groups anew at each world size: new partition j of parameter group g takes
     the scalars (Adam's step) of the first old partition of g, whatever the cut."""
     from ds_dynatrain.planner import scalars_for
-    groups = (tuple(ParamMeta(f"a{i}", (6,), "float32") for i in range(4)),
-              tuple(ParamMeta(f"b{i}", (6,), "float32") for i in range(3)))
+
+    groups = (
+        tuple(ParamMeta(f"a{i}", (6,), "float32") for i in range(4)),
+        tuple(ParamMeta(f"b{i}", (6,), "float32") for i in range(3)),
+    )
     old = ZeroLayout(2, groups, stage=3, sub_group_size=6)
     new = old.with_world_size(3)
     plan = plan_transition(old, new, ("m0", "m1"), ("m0", "m1", "j2"))
@@ -556,7 +596,8 @@ def test_scalars_of_new_partitions_come_from_the_first_old_partition_of_their_gr
     assert {new.partition_group(b) for b in range(new.num_partitions)} == {0, 1}
     # stages 1/2: a partition is a parameter group
     z2 = ZeroLayout(2, groups)
-    assert scalars_for(plan_transition(z2, z2.with_world_size(1), ("m0", "m1"), ("m1",)),
-                       [{"step": 3}, {"step": 4}]) == [{"step": 3}, {"step": 4}]
+    assert scalars_for(
+        plan_transition(z2, z2.with_world_size(1), ("m0", "m1"), ("m1",)), [{"step": 3}, {"step": 4}]
+    ) == [{"step": 3}, {"step": 4}]
     with pytest.raises(ValueError, match="scalar sets"):
         scalars_for(plan, scalars[:1])

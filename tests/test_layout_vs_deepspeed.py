@@ -13,13 +13,13 @@ DeepSpeed 0.19.8 links ``_hp_mapping`` in the original parameter order even when
 ``round_robin_gradients`` lays the flat buffer out in round-robin order (without parameter
 alignment), so for that case ``_hp_mapping`` disagrees with the data; the test pins that too.
 """
+
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-
 from conftest import WORKERS, run_plain
 
 pytestmark = pytest.mark.multiprocess
@@ -27,8 +27,9 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_layout_equals_deepspeed(tmp_path, world_size):
-    jobs = run_plain(tmp_path, os.path.join(WORKERS, "layout_worker.py"), world_size, [str(tmp_path)],
-                     timeout=180, name="layout")
+    jobs = run_plain(
+        tmp_path, os.path.join(WORKERS, "layout_worker.py"), world_size, [str(tmp_path)], timeout=180, name="layout"
+    )
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     seen_cases = set()
     for rank in range(world_size):

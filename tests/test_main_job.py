@@ -6,13 +6,13 @@ with the shipped ZeRO-2 and ZeRO-3 configs (``configs/zero2_elastic.json``,
 Oracle: the same job run without resizes (``--static``): identical world-size-independent inputs,
 so the losses may differ only by floating-point reduction order.
 """
+
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-
 from conftest import ROOT, launch, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
@@ -39,8 +39,9 @@ def job_config(tmp_path, name, config="zero2_elastic.json"):
 def main_job(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main_job")
     el = launch(tmp, SCRIPT, 2, job_config(tmp, "elastic", request.param), ARGS, timeout=240, name="elastic")
-    st = launch(tmp, SCRIPT, 2, job_config(tmp, "static", request.param), ARGS + ["--static"], timeout=240,
-                name="static")
+    st = launch(
+        tmp, SCRIPT, 2, job_config(tmp, "static", request.param), ARGS + ["--static"], timeout=240, name="static"
+    )
     return tmp, el, st
 
 
@@ -64,6 +65,7 @@ def test_job_resizes_three_times_and_finishes(main_job):
     # 3 -> 1: two of the three members leave; which ones is the planner's choice (the rank
     # assignment that keeps the most optimizer state in place), one of them the joiner of step 3
     import re
+
     joiner = re.findall(r"agent: starting joiner (g1r\d)", el.output)
     left = re.findall(r"member (g\d+r\d+) left the job after step 6", el.output)
     assert len(joiner) == 1 and len(set(left)) == 2 and set(left) <= {"g0r0", "g0r1", joiner[0]}, (joiner, left)
@@ -99,8 +101,15 @@ def test_job_ending_before_a_scheduled_grow_finishes(tmp_path):
     cfg = job_config(tmp_path, "short")
     cfg["dynatrain"]["resize_schedule"] = [{"step": 6, "world_size": 3}]
     cfg["dynatrain"]["spawn_lookahead_steps"] = 3
-    job = launch(tmp_path, SCRIPT, 2, cfg, ["--steps", "4", "--layers", "1", "--hidden", "64", "--seq-len", "32"],
-                 timeout=180, name="short")
+    job = launch(
+        tmp_path,
+        SCRIPT,
+        2,
+        cfg,
+        ["--steps", "4", "--layers", "1", "--hidden", "64", "--seq-len", "32"],
+        timeout=180,
+        name="short",
+    )
     assert job.returncode == 0, job.output[-4000:]
     # the joiner is named after the rank the planner gives it (rank 1: old rank 1 moves to rank 2)
     assert "agent: starting joiner g1r1" in job.output

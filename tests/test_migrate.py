@@ -13,6 +13,7 @@ jobs at 3 and 2 (from 4), 4 (from 2) and 1 (from 3) load each into a fresh engin
 * broken directories (a missing rank file, a truncated DeepSpeed file) are refused on every rank
   with an error naming the file, and the engine's state is unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import WORKERS, read_jsonl, run_plain
 
 pytestmark = pytest.mark.multiprocess
@@ -46,8 +46,7 @@ def migrated(tmp_path_factory):
     for ws, stages in SAVES.items():
         out = tmp / f"save{ws}"
         out.mkdir()
-        _ok(run_plain(tmp, SCRIPT, ws, ["save", "--out", str(out), "--stages", stages], timeout=240,
-                      name=f"save{ws}"))
+        _ok(run_plain(tmp, SCRIPT, ws, ["save", "--out", str(out), "--stages", stages], timeout=240, name=f"save{ws}"))
     # broken copies of the 4-rank ZeRO-2 checkpoints
     broken = tmp / "broken"
     missing = broken / "missing"
@@ -64,6 +63,7 @@ def migrated(tmp_path_factory):
     shutil.copytree(tmp / "save2" / "ours_z2", flipped)
     victim = flipped / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     from io_engine.format import read_footer
+
     item = max(read_footer(str(victim)).items, key=lambda m: m.nbytes)
     data = bytearray(victim.read_bytes())
     data[item.offset + 5] ^= 0xFF
@@ -71,8 +71,7 @@ def migrated(tmp_path_factory):
     for ws, (src, stages, cross) in LOADS.items():
         out = tmp / f"load{ws}"
         out.mkdir()
-        args = ["load", "--out", str(out), "--stages", stages, "--load-from", str(tmp / f"save{src}"),
-                "--cross", cross]
+        args = ["load", "--out", str(out), "--stages", stages, "--load-from", str(tmp / f"save{src}"), "--cross", cross]
         if ws == 3:
             args += ["--broken", f"missing={missing},truncated={truncated}"]
         if ws == 2:
@@ -99,8 +98,11 @@ def _tag(saved, loaded, fmt):
     return f"z{saved}_{fmt}" if saved == loaded else f"z{saved}_into{loaded}_{fmt}"
 
 
-@pytest.mark.parametrize("ws, src, saved, loaded, fmt", CASES,
-                         ids=[f"{s}to{w}-zero{a}" + (f"into{b}" if a != b else "") + f"-{f}" for w, s, a, b, f in CASES])
+@pytest.mark.parametrize(
+    "ws, src, saved, loaded, fmt",
+    CASES,
+    ids=[f"{s}to{w}-zero{a}" + (f"into{b}" if a != b else "") + f"-{f}" for w, s, a, b, f in CASES],
+)
 def test_loaded_state_is_bitwise_the_saved_state(migrated, ws, src, saved, loaded, fmt):
     before = torch.load(migrated / f"save{src}" / f"state_z{saved}.pt")
     after = torch.load(migrated / f"load{ws}" / f"state_{_tag(saved, loaded, fmt)}.pt")
@@ -118,12 +120,20 @@ def test_loaded_state_is_bitwise_the_saved_state(migrated, ws, src, saved, loade
         assert "universal_checkpoint_info" in client["keys"]  # the client state comes back
 
 
-@pytest.mark.parametrize("ws, src, saved, loaded, fmt", CASES,
-                         ids=[f"{s}to{w}-zero{a}" + (f"into{b}" if a != b else "") + f"-{f}" for w, s, a, b, f in CASES])
+@pytest.mark.parametrize(
+    "ws, src, saved, loaded, fmt",
+    CASES,
+    ids=[f"{s}to{w}-zero{a}" + (f"into{b}" if a != b else "") + f"-{f}" for w, s, a, b, f in CASES],
+)
 def test_losses_after_the_load_follow_the_uninterrupted_run(migrated, ws, src, saved, loaded, fmt):
-    ref = {r["step"]: r for r in read_jsonl(migrated / f"save{src}" / f"metrics_z{saved}.jsonl") if r["event"] == "step"}
-    got = {r["step"]: r for r in read_jsonl(migrated / f"load{ws}" / f"metrics_{_tag(saved, loaded, fmt)}.jsonl")
-           if r["event"] == "step"}
+    ref = {
+        r["step"]: r for r in read_jsonl(migrated / f"save{src}" / f"metrics_z{saved}.jsonl") if r["event"] == "step"
+    }
+    got = {
+        r["step"]: r
+        for r in read_jsonl(migrated / f"load{ws}" / f"metrics_{_tag(saved, loaded, fmt)}.jsonl")
+        if r["event"] == "step"
+    }
     assert sorted(got) == [4, 5] and all(r["world_size"] == ws for r in got.values())
     # only the reduction order differs (1-4 ranks, ZeRO-1/2/3); a lost moment, a wrong LR or a
     # step counter off by one moves these losses by > 1e-3 on this model
@@ -132,10 +142,13 @@ def test_losses_after_the_load_follow_the_uninterrupted_run(migrated, ws, src, s
         assert got[s]["lr"] == pytest.approx(ref[s]["lr"], rel=1e-12)
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("missing", "zero_pp_rank_2_mp_rank_00_optim_states.pt: missing"),
-    ("truncated", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("missing", "zero_pp_rank_2_mp_rank_00_optim_states.pt: missing"),
+        ("truncated", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ],
+)
 def test_broken_checkpoint_refused_on_every_rank_and_nothing_changes(migrated, name, needle):
     for rank in range(3):
         r = json.loads((migrated / "load3" / f"broken_{name}_rank{rank}.json").read_text())
@@ -150,24 +163,31 @@ def test_damaged_file_at_the_saving_world_size_fails_every_rank(migrated):
     for rank in range(2):
         r = json.loads((migrated / "load2" / f"broken_flipped_rank{rank}.json").read_text())
         assert r["error"] and r["error"].startswith("CheckpointIncompleteError"), r
-        assert "rank 1: ChecksumMismatchError" in r["error"] and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["error"]
+        assert (
+            "rank 1: ChecksumMismatchError" in r["error"] and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["error"]
+        )
 
 
 def test_checkpoint_of_another_model_refused_before_loading(migrated):
     """The saved parameters are checked against the model's before any partition is read; the
     first differing parameter is named (in-process: no engine needed for the check)."""
+    from workers.common import TinyLM
+
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
     from ds_dynatrain.errors import LayoutMismatchError
     from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
-    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
-    from workers.common import TinyLM
+
     for fmt in ("ours", "torch"):
         saved = SavedCheckpoint(str(migrated / "save4" / f"{fmt}_z2"), "ckpt")
         try:
             same = (tuple(ParamMeta(n, tuple(p.shape), "float32") for n, p in TinyLM().named_parameters()),)
             assert saved.layout_for(ZeroLayout(3, same)).world_size == 4
             other = (tuple(ParamMeta(n, tuple(p.shape), "float32") for n, p in TinyLM(width=14).named_parameters()),)
-            with pytest.raises(LayoutMismatchError, match=r"embed.weight is \[37, 13\] in the checkpoint and "
-                                                          r"\[37, 14\] in the model"):
+            with pytest.raises(
+                LayoutMismatchError,
+                match=r"embed.weight is \[37, 13\] in the checkpoint and "
+                r"\[37, 14\] in the model",
+            ):
                 saved.layout_for(ZeroLayout(3, other))
             fewer = (same[0][:-1],)
             with pytest.raises(LayoutMismatchError, match="checkpoint parameter head.bias"):
@@ -179,6 +199,7 @@ def test_checkpoint_of_another_model_refused_before_loading(migrated):
 def test_incomplete_directory_names_every_problem_file(migrated, tmp_path):
     from ds_dynatrain.checkpoint.saved import SavedCheckpoint
     from ds_dynatrain.errors import CheckpointIncompleteError
+
     d = tmp_path / "ck"
     shutil.copytree(migrated / "save4" / "ours_z3", d)
     os.remove(d / "ckpt" / "zero_pp_rank_3_mp_rank_00_model_states.pt")

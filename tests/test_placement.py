@@ -1,6 +1,7 @@
 """Joiner placement and the launch environment (``ds_dynatrain.elastic``): the pure choice of a
 node by free slots, the same choice read from a real ``TCPStore``, and the contract of the
 environment variables a worker starts with."""
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,9 @@ def test_placement_reads_live_agents_and_members_from_the_store(store):
     for node, slots in ((0, 2), (1, 2), (2, 4)):
         store.set(NODE_KEY.format(node), json.dumps({"slots": slots}))
         store.set(NODE_ALIVE_KEY.format(node), json.dumps({"alive": 1, "time": time.time()}))
-    store.set(NODE_DONE_KEY.format(1), "0")                       # node 1's agent finished
+    store.set(NODE_DONE_KEY.format(1), "0")  # node 1's agent finished
     store.set(NODE_ALIVE_KEY.format(2), json.dumps({"alive": 3, "time": time.time() - HEARTBEAT_LOST_S - 5}))
-    assert live_nodes(store) == {0: 2}                            # node 2's heartbeat is lost
+    assert live_nodes(store) == {0: 2}  # node 2's heartbeat is lost
     store.set(NODE_ALIVE_KEY.format(2), json.dumps({"alive": 3, "time": time.time()}))
     for m, node in (("a", 0), ("b", 2), ("c", 2), ("d", 2)):
         store.set(MEMBER_NODE_KEY.format(m), str(node))

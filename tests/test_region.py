@@ -1,5 +1,6 @@
 """Regions (``ds_dynatrain.vps.region``) against plain Python sets of element indices, and boxes against
 numpy indexing of ``np.arange(numel).reshape(shape)``."""
+
 import math
 
 import numpy as np
@@ -33,6 +34,7 @@ def runs(elems):
 
 # ---------------------------------------------------------------- construction
 
+
 @settings(max_examples=150, deadline=None)
 @given(interval_list)
 def test_from_intervals_normalises(ivs):
@@ -44,21 +46,25 @@ def test_from_intervals_normalises(ivs):
     assert hash(Region.from_dict(r.to_dict())) == hash(r)
 
 
-@pytest.mark.parametrize("intervals", [
-    ((3, 2),),                 # reversed
-    ((2, 2),),                 # empty
-    ((-1, 2),),                # negative
-    ((4, 6), (0, 2)),          # unsorted
-    ((0, 4), (2, 6)),          # overlapping
-    ((0, 4), (4, 6)),          # adjacent: must be merged
-    ((0, 4), (5, 6), (5, 9)),  # duplicate start
-    ((0, 4), (0, 4)),          # duplicate
-])
+@pytest.mark.parametrize(
+    "intervals",
+    [
+        ((3, 2),),  # reversed
+        ((2, 2),),  # empty
+        ((-1, 2),),  # negative
+        ((4, 6), (0, 2)),  # unsorted
+        ((0, 4), (2, 6)),  # overlapping
+        ((0, 4), (4, 6)),  # adjacent: must be merged
+        ((0, 4), (5, 6), (5, 9)),  # duplicate start
+        ((0, 4), (0, 4)),  # duplicate
+    ],
+)
 def test_constructor_refuses_unnormalised(intervals):
     with pytest.raises(ValueError):
         Region(intervals)
     assert Region.from_intervals([iv for iv in intervals if iv[0] >= 0]).intervals == runs(
-        elements(iv for iv in intervals if iv[0] >= 0))
+        elements(iv for iv in intervals if iv[0] >= 0)
+    )
 
 
 def test_from_intervals_refuses_negative():
@@ -75,13 +81,18 @@ def test_full_and_empty():
 
 # ---------------------------------------------------------------- set algebra
 
+
 @settings(max_examples=250, deadline=None)
 @given(interval_list, interval_list)
 def test_set_operations_match_python_sets(a_ivs, b_ivs):
     a, b = Region.from_intervals(a_ivs), Region.from_intervals(b_ivs)
     sa, sb = elements(a_ivs), elements(b_ivs)
-    for result, oracle in ((a.union(b), sa | sb), (a.intersection(b), sa & sb), (a.difference(b), sa - sb),
-                           (b.difference(a), sb - sa)):
+    for result, oracle in (
+        (a.union(b), sa | sb),
+        (a.intersection(b), sa & sb),
+        (a.difference(b), sa - sb),
+        (b.difference(a), sb - sa),
+    ):
         # the result is normalised (re-validated by the constructor) and covers exactly the oracle set
         assert Region(result.intervals) == result
         assert result.intervals == runs(oracle)
@@ -103,6 +114,7 @@ def test_set_identities(x, y, z):
 
 
 # ---------------------------------------------------------------- boxes
+
 
 @st.composite
 def boxes(draw):
@@ -141,12 +153,15 @@ def test_box_hand_cases():
     assert Region.box((3, 4), (1, 1), (0, 2)) == Region()
 
 
-@pytest.mark.parametrize("shape, starts, sizes", [
-    ((3, 4), (0, 3), (1, 2)),   # past the end of dimension 1
-    ((3, 4), (-1, 0), (1, 1)),  # negative start
-    ((3, 4), (0, 0), (1, -1)),  # negative size
-    ((3, 4), (0,), (1,)),       # rank mismatch
-])
+@pytest.mark.parametrize(
+    "shape, starts, sizes",
+    [
+        ((3, 4), (0, 3), (1, 2)),  # past the end of dimension 1
+        ((3, 4), (-1, 0), (1, 1)),  # negative start
+        ((3, 4), (0, 0), (1, -1)),  # negative size
+        ((3, 4), (0,), (1,)),  # rank mismatch
+    ],
+)
 def test_box_refusals(shape, starts, sizes):
     with pytest.raises(ValueError):
         Region.box(shape, starts, sizes)

@@ -18,6 +18,7 @@ Oracles:
     the frozen embedding bitwise as initialised and still frozen, and rank 0's loss scaler;
 (c) losses, LRs, skipped steps and loss scales follow a static run with the same global batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,22 +26,21 @@ import os
 
 import pytest
 import torch
-
 from conftest import WORKERS, launch, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 9
-RESIZES = {3: 3, 6: 2}          # bf16 runs: engine.resize after step 3 (2 -> 3) and step 6 (3 -> 2)
+RESIZES = {3: 3, 6: 2}  # bf16 runs: engine.resize after step 3 (2 -> 3) and step 6 (3 -> 2)
 FP16_STEPS = 13
-FP16_RESIZES = {5: 3, 9: 2}     # fp16 run: the config's resize_schedule
+FP16_RESIZES = {5: 3, 9: 2}  # fp16 run: the config's resize_schedule
 # fp16: a 2**16 initial scale overflows at once (steps 1-3 are skipped, the scale falls to 2**13),
 # one missing hysteresis makes every overflow halve the scale, and a window of 3 clean steps
 # raises it again (step 7, then an overflow at step 8; step 12): both resizes happen at a scale
 # that is not the initial one, and the raise after the second resize is due only if the scaler's
 # ``cur_iter`` and ``last_overflow_iter`` were carried (a fresh scaler raises it at step 13).
 FP16 = {"enabled": True, "initial_scale_power": 16, "hysteresis": 1, "loss_scale_window": 3, "min_loss_scale": 1}
-INITIAL_SCALE = 2.0 ** 16
+INITIAL_SCALE = 2.0**16
 # Only the order of floating-point reductions differs between a resized and a static run: gradients
 # are reduced in bf16/fp16 over 2 or 3 ranks and 3 or 2 accumulation steps. Measured on this model,
 # 9 steps: a static run at 3 ranks differs from one at 2 ranks by up to 3.2e-3 (bf16, loss about 6.5),
@@ -66,6 +66,7 @@ def _tensors(state):
 
 def _cfg(stage: int, precision: str, metrics: str) -> dict:
     from workers.common import base_config
+
     cfg = base_config(stage, metrics)
     if stage == 3:
         cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE
@@ -92,8 +93,11 @@ def _run(tmp, name, stage, precision, nproc, steps, resizes, schedule):
 
 # every stage and both low precisions (ZeRO-2 bf16 is the geometry of ZeRO-1 bf16 with ZeRO-2's
 # gradient partitioning, which the fp16 run covers; dropped to keep the suite short)
-@pytest.fixture(scope="module", params=[(1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
-                ids=["zero1-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
+    ids=["zero1-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"],
+)
 def runs(request, tmp_path_factory):
     stage, precision = request.param
     tmp = tmp_path_factory.mktemp(f"zero{stage}_{precision}")
@@ -101,8 +105,14 @@ def runs(request, tmp_path_factory):
     steps, resizes = (FP16_STEPS, FP16_RESIZES) if fp16 else (STEPS, RESIZES)
     elastic = _run(tmp, "elastic", stage, precision, 2, steps, resizes, schedule=fp16)
     static = _run(tmp, "static", stage, precision, 2, steps, {}, schedule=False)
-    return {"stage": stage, "precision": precision, "steps": steps, "resizes": resizes, "elastic": elastic,
-            "static": static}
+    return {
+        "stage": stage,
+        "precision": precision,
+        "steps": steps,
+        "resizes": resizes,
+        "elastic": elastic,
+        "static": static,
+    }
 
 
 def _facts(out, tag):
@@ -122,8 +132,11 @@ def test_state_bitwise_equal_across_every_resize(runs):
     out = runs["elastic"]
     for before_tag, after_tag, _ in _tags(runs):
         before, after = torch.load(out / f"{before_tag}.pt"), torch.load(out / f"{after_tag}.pt")
-        assert set(_tensors(before)) == set(_tensors(after)) == {
-            "gain", "tok.weight", "proj.weight", "proj.bias", "mix.weight", "mix.bias", "norm.weight", "norm.bias"}
+        assert (
+            set(_tensors(before))
+            == set(_tensors(after))
+            == {"gain", "tok.weight", "proj.weight", "proj.bias", "mix.weight", "mix.bias", "norm.weight", "norm.bias"}
+        )
         for name in _tensors(before):
             for kind in ("fp32", "exp_avg", "exp_avg_sq", "param"):
                 x, y = before[name][kind], after[name][kind]
@@ -138,9 +151,21 @@ def test_state_bitwise_equal_across_every_resize(runs):
 
 def test_groups_keep_their_parameters_and_hyperparameters(runs):
     from workers.groups_worker import GROUP_HPARAMS, group_of
+
     out = runs["elastic"]
-    expected = {n: group_of(n) for n in ("gain", "tok.weight", "proj.weight", "proj.bias", "mix.weight", "mix.bias",
-                                         "norm.weight", "norm.bias")}
+    expected = {
+        n: group_of(n)
+        for n in (
+            "gain",
+            "tok.weight",
+            "proj.weight",
+            "proj.bias",
+            "mix.weight",
+            "mix.bias",
+            "norm.weight",
+            "norm.bias",
+        )
+    }
     assert set(expected.values()) == {0, 1}
     for before_tag, after_tag, new_ws in _tags(runs):
         before, after = _facts(out, before_tag), _facts(out, after_tag)
@@ -154,10 +179,12 @@ def test_groups_keep_their_parameters_and_hyperparameters(runs):
                 assert f["hparams"][g]["betas"] == hp["betas"], where
             # the LR schedule scales both groups' own LRs: their ratio stays the client's
             assert f["hparams"][1]["lr"] * GROUP_HPARAMS[0]["lr"] == pytest.approx(
-                f["hparams"][0]["lr"] * GROUP_HPARAMS[1]["lr"], rel=1e-12), where
+                f["hparams"][0]["lr"] * GROUP_HPARAMS[1]["lr"], rel=1e-12
+            ), where
             assert f["hparams"] == ref["hparams"], where
-            assert f["returned_hparams"] == [{k: h[k] for k in ("lr", "weight_decay", "betas")}
-                                             for h in f["hparams"]], where
+            assert f["returned_hparams"] == [
+                {k: h[k] for k in ("lr", "weight_decay", "betas")} for h in f["hparams"]
+            ], where
             assert f["returned_is_engine_optimizer"], where
             # each group's Adam state sits on that group's own fp32 partition(s); at stage 3 on every
             # sub-group that sub_group_to_group_id maps to the group (membership above: the sub-groups
@@ -186,8 +213,9 @@ def test_tied_and_frozen_parameters_survive(runs):
             assert torch.equal(f["tied_working"], facts[0]["tied_working"]), f"{where}: tied weight differs from rank 0"
             if gathered is not None:
                 assert torch.equal(f["tied_working"].float(), gathered["tok.weight"]["param"]), where
-            assert f["frozen"].dtype == dtype and torch.equal(f["frozen"], frozen0), \
+            assert f["frozen"].dtype == dtype and torch.equal(f["frozen"], frozen0), (
                 f"{where}: frozen embedding changed"
+            )
             assert not f["frozen_requires_grad"] and not f["frozen_in_optimizer"], where
             joiner_seen |= tag.startswith("after_") and rank >= 2
     assert joiner_seen, "no joiner reported"
@@ -196,7 +224,7 @@ def test_tied_and_frozen_parameters_survive(runs):
 def test_loss_scaler_state_carried_to_every_rank(runs):
     out = runs["elastic"]
     fp16 = runs["precision"] == "fp16"
-    for before_tag, after_tag, new_ws in _tags(runs):
+    for before_tag, after_tag, _new_ws in _tags(runs):
         before, after = _facts(out, before_tag), _facts(out, after_tag)
         ref = before[0]["scaler"]
         assert before[0]["scaler_class"] == ("DynamicLossScaler" if fp16 else "LossScaler")
@@ -232,19 +260,24 @@ def test_losses_follow_static_run(runs):
     if runs["precision"] == "fp16":
         scales = [r["loss_scale"] for r in st_steps]
         last_resize = max(runs["resizes"])
-        assert any(scales[s] != scales[s - 1] for s in range(last_resize, steps)), \
+        assert any(scales[s] != scales[s - 1] for s in range(last_resize, steps)), (
             "the test needs a scale change after the last resize"
+        )
 
 
 def test_fp16_schedule_accepted_at_every_zero_stage():
     """fp16 resizes carry the loss scaler at stages 1, 2 and 3 (the zero2-fp16 and zero3-fp16 runs
     above); only a stage without partitions is refused."""
-    from ds_dynatrain.config import ConfigError, DynatrainConfig
-    from ds_dynatrain.config import check_elastic_config
+    from ds_dynatrain.config import ConfigError, DynatrainConfig, check_elastic_config
+
     dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
     for stage in (1, 2, 3):
-        cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-               "fp16": {"enabled": True}}
+        cfg = {
+            "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage},
+            "fp16": {"enabled": True},
+        }
         assert check_elastic_config(cfg, dt_cfg, 2, elastic=True) == (4, 2)
     cfg["zero_optimization"]["stage"] = 0
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage 1, 2 or 3 \(stage 0"):
@@ -254,10 +287,14 @@ def test_fp16_schedule_accepted_at_every_zero_stage():
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
 def test_schedule_with_offload_refused(key):
     """Offloaded optimizer state or parameters are not moved by a resize: refused at start, fp16 or not."""
-    from ds_dynatrain.config import ConfigError, DynatrainConfig
-    from ds_dynatrain.config import check_elastic_config
+    from ds_dynatrain.config import ConfigError, DynatrainConfig, check_elastic_config
+
     dt_cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 1}])
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
-           "zero_optimization": {"stage": 3, key: {"device": "cpu"}}}
+    cfg = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 3, key: {"device": "cpu"}},
+    }
     with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}\.device='cpu': offloaded state is not moved"):
         check_elastic_config(cfg, dt_cfg, 2, elastic=True)

@@ -7,6 +7,7 @@ Oracles:
     ``ds_to_universal`` -> ``load_checkpoint`` with ``load_universal`` at the new world size;
 (c) the losses of the resized run equal those of a static run with the same global batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,14 +16,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import WORKERS, launch, read_jsonl, run_plain
 
 pytestmark = pytest.mark.multiprocess
 
-SCHEDULE = {2: 1, 4: 2, 6: 3, 9: 2}   # 2->1, 1->2, 2->3, 3->2
+SCHEDULE = {2: 1, 4: 2, 6: 3, 9: 2}  # 2->1, 1->2, 2->3, 3->2
 STEPS = 14
-ORACLE_AT = (2, 4, 6, 9)               # every transition checked against DeepSpeed's route (ZeRO-2)
+ORACLE_AT = (2, 4, 6, 9)  # every transition checked against DeepSpeed's route (ZeRO-2)
 # ZeRO-1 shares ZeRO-2's partition layout and transition code: checked on the transition with a
 # joiner (2 -> 3) only, each conversion and load of DeepSpeed's route costing about 10 s
 ORACLE_AT_ZERO1 = (6,)
@@ -46,18 +46,41 @@ def runs(request, tmp_path_factory):
     stage = request.param
     tmp = tmp_path_factory.mktemp(f"zero{stage}")
     from workers.common import base_config
+
     out_el, out_st = tmp / "elastic", tmp / "static"
     out_el.mkdir()
     out_st.mkdir()
     script = os.path.join(WORKERS, "resize_worker.py")
-    el = launch(tmp, script, 2, base_config(stage, str(out_el / "metrics.jsonl")),
-                ["--out", str(out_el), "--steps", str(STEPS), "--refuse-at", "1",
-                 "--resize", ",".join(f"{s}:{w}" for s, w in SCHEDULE.items()),
-                 "--ds-ckpt-at", ",".join(map(str, ORACLE_AT if stage == 2 else ORACLE_AT_ZERO1))], timeout=240,
-                name="elastic")
+    el = launch(
+        tmp,
+        script,
+        2,
+        base_config(stage, str(out_el / "metrics.jsonl")),
+        [
+            "--out",
+            str(out_el),
+            "--steps",
+            str(STEPS),
+            "--refuse-at",
+            "1",
+            "--resize",
+            ",".join(f"{s}:{w}" for s, w in SCHEDULE.items()),
+            "--ds-ckpt-at",
+            ",".join(map(str, ORACLE_AT if stage == 2 else ORACLE_AT_ZERO1)),
+        ],
+        timeout=240,
+        name="elastic",
+    )
     assert el.returncode == 0, el.output[-5000:]
-    st = launch(tmp, script, 2, base_config(stage, str(out_st / "metrics.jsonl")),
-                ["--out", str(out_st), "--steps", str(STEPS)], timeout=240, name="static")
+    st = launch(
+        tmp,
+        script,
+        2,
+        base_config(stage, str(out_st / "metrics.jsonl")),
+        ["--out", str(out_st), "--steps", str(STEPS)],
+        timeout=240,
+        name="static",
+    )
     assert st.returncode == 0, st.output[-5000:]
     return stage, tmp, out_el, out_st
 
@@ -78,18 +101,47 @@ def test_state_matches_deepspeed_universal_route(runs):
         new_ws = SCHEDULE[step]
         ckpt = out / f"ds_ckpt_{step}"
         uni = tmp / f"universal_{step}"
-        conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(ckpt / f"global_step{step}"), "--output_folder", str(uni / f"global_step{step}"),
-                               "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                              capture_output=True, text=True, timeout=180)
+        conv = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(ckpt / f"global_step{step}"),
+                "--output_folder",
+                str(uni / f"global_step{step}"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
-        from workers.common import base_config
         import json
+
+        from workers.common import base_config
+
         cfg_path = tmp / f"universal_{step}.json"
         cfg_path.write_text(json.dumps(base_config(stage)))
-        jobs = run_plain(tmp, os.path.join(WORKERS, "universal_worker.py"), new_ws,
-                         ["--config", str(cfg_path), "--load-dir", str(uni), "--tag", f"global_step{step}",
-                          "--out", str(tmp / f"universal_{step}.pt")], name=f"universal_{step}")
+        jobs = run_plain(
+            tmp,
+            os.path.join(WORKERS, "universal_worker.py"),
+            new_ws,
+            [
+                "--config",
+                str(cfg_path),
+                "--load-dir",
+                str(uni),
+                "--tag",
+                f"global_step{step}",
+                "--out",
+                str(tmp / f"universal_{step}.pt"),
+            ],
+            name=f"universal_{step}",
+        )
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
         oracle = torch.load(tmp / f"universal_{step}.pt")
         ours = torch.load(out / f"after_{step}.pt")
@@ -118,6 +170,7 @@ def test_losses_follow_static_run(runs):
 def test_refused_resizes_change_nothing(runs):
     _stage, _tmp, out, _ = runs
     import json
+
     r = json.loads((out / "refusals.json").read_text())
     assert r["world_size"] == 2 and r["state_unchanged"] is True
     zero, five, ninety_nine = r["errors"]
@@ -133,11 +186,19 @@ def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):
     the resize returns); the moments follow in chunks of a few hundred bytes (a
     ``max_inflight_bytes`` far below the state size), waited for inside the resize."""
     from workers.common import base_config
+
     cfg = base_config(2, str(tmp_path / "metrics.jsonl"))
     cfg["bf16"] = {"enabled": True}
     cfg["dynatrain"].update(max_inflight_bytes=1024, transfer_overlap="none")
-    job = launch(tmp_path, os.path.join(WORKERS, "resize_worker.py"), 2, cfg,
-                 ["--out", str(tmp_path), "--steps", "6", "--resize", "2:1,4:2"], timeout=200, name="bf16")
+    job = launch(
+        tmp_path,
+        os.path.join(WORKERS, "resize_worker.py"),
+        2,
+        cfg,
+        ["--out", str(tmp_path), "--steps", "6", "--resize", "2:1,4:2"],
+        timeout=200,
+        name="bf16",
+    )
     assert job.returncode == 0, job.output[-5000:]
     for step in (2, 4):
         before, after = torch.load(tmp_path / f"before_{step}.pt"), torch.load(tmp_path / f"after_{step}.pt")
@@ -153,20 +214,31 @@ def test_joiner_with_another_model_is_refused_before_any_byte_moves(tmp_path):
     of 13) is refused when the ranks agree on the plan: the joiner names the first differing
     parameter, every survivor reports it, no byte of the plan has moved, and nothing hangs."""
     from workers.common import base_config
+
     cfg = base_config(2, str(tmp_path / "metrics.jsonl"))
-    job = launch(tmp_path, os.path.join(WORKERS, "resize_worker.py"), 2, cfg,
-                 ["--out", str(tmp_path), "--steps", "4", "--resize", "2:3", "--joiner-width", "14"],
-                 timeout=200, name="mismatch")
+    job = launch(
+        tmp_path,
+        os.path.join(WORKERS, "resize_worker.py"),
+        2,
+        cfg,
+        ["--out", str(tmp_path), "--steps", "4", "--resize", "2:3", "--joiner-width", "14"],
+        timeout=200,
+        name="mismatch",
+    )
     assert job.returncode != 0
     out = job.output
     first = "parameter group 0: embed.weight [37, 13] float32 differs from embed.weight [37, 14] float32"
     assert "LayoutMismatchError" in out and first in out, out[-4000:]
     import re
+
     # the joiner's own LayoutMismatchError and each survivor's TransitionAbortedError, all naming it
     # (whitespace around the colon allowed: the processes' tracebacks share one pipe and a line may
     # arrive in pieces)
-    reports = re.findall(r"(LayoutMismatchError|TransitionAbortedError)\s*:\s*transition refused before any byte "
-                         r"moved: rank \d: layout mismatch: " + re.escape(first), out)
+    reports = re.findall(
+        r"(LayoutMismatchError|TransitionAbortedError)\s*:\s*transition refused before any byte "
+        r"moved: rank \d: layout mismatch: " + re.escape(first),
+        out,
+    )
     assert sorted(set(reports)) == ["LayoutMismatchError", "TransitionAbortedError"] and len(reports) >= 3, out[-4000:]
     assert "MiB moved" not in out
     assert not any(r["event"] == "resize" for r in read_jsonl(tmp_path / "metrics.jsonl"))

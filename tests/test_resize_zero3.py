@@ -11,19 +11,19 @@ Oracles:
     resize equals, bitwise, the state gathered right after it on the new world;
 (b) the losses of the resized run follow those of a static run with the same global batch.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-
 from conftest import WORKERS, launch, read_jsonl
 from test_resize_state import _tensors
 
 pytestmark = pytest.mark.multiprocess
 
-SCHEDULE = {2: 3, 5: 2, 7: 1}   # 2->3 (a joiner), 3->2 (a leaver), 2->1
+SCHEDULE = {2: 3, 5: 2, 7: 1}  # 2->3 (a joiner), 3->2 (a leaver), 2->1
 STEPS = 9
 SUB_GROUP_SIZE = 40
 
@@ -40,6 +40,7 @@ def assert_same_state(a, b, what):
 
 def zero3_config(metrics_path, dtype):
     from workers.common import base_config
+
     cfg = base_config(3, metrics_path)
     cfg["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE
     if dtype == "bf16":
@@ -55,27 +56,54 @@ def runs(request, tmp_path_factory):
     out_el.mkdir()
     out_st.mkdir()
     script = os.path.join(WORKERS, "resize_worker.py")
-    el = launch(tmp, script, 2, zero3_config(str(out_el / "metrics.jsonl"), dtype),
-                ["--out", str(out_el), "--steps", str(STEPS),
-                 "--resize", ",".join(f"{s}:{w}" for s, w in SCHEDULE.items())], timeout=240, name="elastic")
+    el = launch(
+        tmp,
+        script,
+        2,
+        zero3_config(str(out_el / "metrics.jsonl"), dtype),
+        ["--out", str(out_el), "--steps", str(STEPS), "--resize", ",".join(f"{s}:{w}" for s, w in SCHEDULE.items())],
+        timeout=240,
+        name="elastic",
+    )
     assert el.returncode == 0, el.output[-5000:]
-    st = launch(tmp, script, 2, zero3_config(str(out_st / "metrics.jsonl"), dtype),
-                ["--out", str(out_st), "--steps", str(STEPS)], timeout=240, name="static")
+    st = launch(
+        tmp,
+        script,
+        2,
+        zero3_config(str(out_st / "metrics.jsonl"), dtype),
+        ["--out", str(out_st), "--steps", str(STEPS)],
+        timeout=240,
+        name="static",
+    )
     assert st.returncode == 0, st.output[-5000:]
     return dtype, out_el, out_st
 
 
 def test_zero3_sub_groups_change_with_the_world_size():
     """The schedule really moves elements across sub-group boundaries (else (a) would be weaker)."""
-    from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
     from workers.common import TinyLM
+
+    from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
+
     groups = (tuple(ParamMeta(n, tuple(p.shape), "float32") for n, p in TinyLM().named_parameters()),)
     layouts = {ws: ZeroLayout(ws, groups, stage=3, sub_group_size=SUB_GROUP_SIZE) for ws in (1, 2, 3)}
     keys = {ws: [lay.partition_keys(b) for b in range(lay.num_partitions)] for ws, lay in layouts.items()}
-    assert keys[1] == keys[2] == [("gain", "embed.weight"), ("mix.weight",),
-                                  ("mix.bias", "norm.weight", "norm.bias", "head.weight"), ("head.bias",)]
-    assert keys[3] == [("gain", "embed.weight"), ("mix.weight", "mix.bias", "norm.weight", "norm.bias"),
-                       ("head.weight",), ("head.bias",)]
+    assert (
+        keys[1]
+        == keys[2]
+        == [
+            ("gain", "embed.weight"),
+            ("mix.weight",),
+            ("mix.bias", "norm.weight", "norm.bias", "head.weight"),
+            ("head.bias",),
+        ]
+    )
+    assert keys[3] == [
+        ("gain", "embed.weight"),
+        ("mix.weight", "mix.bias", "norm.weight", "norm.bias"),
+        ("head.weight",),
+        ("head.bias",),
+    ]
 
 
 def test_zero3_state_bitwise_equal_across_every_resize(runs):

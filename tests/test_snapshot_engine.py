@@ -1,5 +1,6 @@
 """The asynchronous snapshot engine on its own (one process, a real TCPStore, real files):
 capture semantics, crash consistency under SIGKILL, and flat host memory over many snapshots."""
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ import time
 import pytest
 import torch
 import torch.distributed as tdist
+from conftest import ROOT
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from conftest import ROOT
 from ds_dynatrain.checkpoint.snapshot import SnapshotCheckpointEngine
 from io_engine import read_latest
 from state_providers.serialize import equal
@@ -42,8 +43,13 @@ def save(engine, d, tag, state):
 
 def state_of(n=1 << 20, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, generator=g), "h": torch.randn(3, 5, generator=g).to(torch.bfloat16),
-            "odd": torch.ones(513, dtype=torch.float16), "step": 7, "lr": [1e-3, (0.9, 0.95)]}
+    return {
+        "w": torch.randn(n, generator=g),
+        "h": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "odd": torch.ones(513, dtype=torch.float16),
+        "step": 7,
+        "lr": [1e-3, (0.9, 0.95)],
+    }
 
 
 def test_mutation_after_capture_never_reaches_the_file(store, tmp_path):
@@ -80,7 +86,10 @@ def test_fifty_snapshots_keep_host_memory_flat(store, tmp_path):
             rss.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     engine.wait()
     assert sorted(x.name for x in tmp_path.iterdir() if not x.name.startswith(".")) == [
-        "global_step49", "global_step50", "latest"]
+        "global_step49",
+        "global_step50",
+        "latest",
+    ]
     loaded = engine.load(str(tmp_path / "global_step50" / "state.pt"))
     assert torch.equal(loaded["w"], state["w"])
     # after warm-up, 40 more snapshots of 1 MiB each may not grow the process by more than 16 MiB
@@ -119,8 +128,13 @@ def test_process_killed_during_flush_leaves_latest_loadable(store, tmp_path):
     script = tmp_path / "kill_me.py"
     script.write_text(KILL_SCRIPT.format(root=ROOT))
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(store.port)], stdout=subprocess.PIPE,
-                         text=True, env=env, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(store.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""

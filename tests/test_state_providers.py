@@ -1,5 +1,6 @@
 """State providers and the allow-listed serialization: round trips, refusals at save time, and
 loading that refuses anything outside the allow-list (never runs code)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from state_providers import (CompositeProvider, DictStateProvider, ObjectItem, RNGStateProvider, TensorItem,
-                             UnrepresentableError)
+from state_providers import (
+    CompositeProvider,
+    DictStateProvider,
+    ObjectItem,
+    RNGStateProvider,
+    TensorItem,
+    UnrepresentableError,
+)
 from state_providers.serialize import DecodeError, dumps, equal, loads
 
 
@@ -22,21 +29,29 @@ def _as_read_back(items):
 def deepspeed_like_state():
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+
     fp32 = torch.randn(11)
     return {
         "module": OrderedDict([("w", torch.randn(3, 5)), ("b", torch.zeros(5, dtype=torch.bfloat16))]),
         "optimizer": {
-            "loss_scaler": DynamicLossScaler(2.0 ** 16, 1000, 1.0, False, True),
+            "loss_scaler": DynamicLossScaler(2.0**16, 1000, 1.0, False, True),
             "zero_stage": ZeroStageEnum.gradients,
-            "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(11)}},
-                                     "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]},
+            "base_optimizer_state": {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(11)}},
+                "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}],
+            },
             "single_partition_of_fp32_groups": [fp32],
             "partition_count": [2],
         },
         "param_shapes": [OrderedDict([("w", torch.Size([3, 5]))])],
         "lr_scheduler": {"last_batch_iteration": 7, "warmup": float("inf"), "bad": float("nan")},
-        "global_steps": 7, "ds_version": "0.19.8", "dtype": torch.bfloat16, "rng": random.getstate(),
-        "np_rng": np.random.get_state(), "odd": np.arange(7, dtype=np.float16), "flag": np.bool_(True),
+        "global_steps": 7,
+        "ds_version": "0.19.8",
+        "dtype": torch.bfloat16,
+        "rng": random.getstate(),
+        "np_rng": np.random.get_state(),
+        "odd": np.arange(7, dtype=np.float16),
+        "flag": np.bool_(True),
     }
 
 
@@ -47,11 +62,15 @@ def test_dict_state_round_trips_exactly():
     tensors = [i for i in items if isinstance(i, TensorItem)]
     assert len(tensors) == 5
     assert {t.attrs["path"] for t in tensors} == {
-        "module/w", "module/b", "optimizer/base_optimizer_state/state/0/step",
-        "optimizer/base_optimizer_state/state/0/exp_avg", "optimizer/single_partition_of_fp32_groups/0"}
+        "module/w",
+        "module/b",
+        "optimizer/base_optimizer_state/state/0/step",
+        "optimizer/base_optimizer_state/state/0/exp_avg",
+        "optimizer/single_partition_of_fp32_groups/0",
+    }
     back = DictStateProvider.rebuild(_as_read_back(items))
     assert equal(st, back)
-    assert back["optimizer"]["loss_scaler"].cur_scale == 2.0 ** 16
+    assert back["optimizer"]["loss_scaler"].cur_scale == 2.0**16
     assert back["optimizer"]["base_optimizer_state"]["param_groups"][0]["betas"] == (0.9, 0.95)
     assert 0 in back["optimizer"]["base_optimizer_state"]["state"]
 
@@ -67,18 +86,22 @@ def test_tensor_items_are_zero_copy_views():
 def test_unrepresentable_object_is_refused_at_save_naming_its_key():
     class Custom:
         pass
+
     with pytest.raises(UnrepresentableError, match=r"optimizer/hook: object of type .*Custom"):
         DictStateProvider({"optimizer": {"hook": Custom()}})
     with pytest.raises(UnrepresentableError, match="x/f"):
         DictStateProvider({"x": {"f": lambda: 0}})
 
 
-@pytest.mark.parametrize("payload, what", [
-    ({"__object__": ["os:system", {}]}, "not on the allow-list"),
-    ({"__enum__": ["subprocess:Popen", 1]}, "not on the allow-list"),
-    ({"__frobnicate__": 1}, "unknown tag"),
-    ({"__dtype__": "not_a_dtype"}, "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    "payload, what",
+    [
+        ({"__object__": ["os:system", {}]}, "not on the allow-list"),
+        ({"__enum__": ["subprocess:Popen", 1]}, "not on the allow-list"),
+        ({"__frobnicate__": 1}, "unknown tag"),
+        ({"__dtype__": "not_a_dtype"}, "unknown dtype"),
+    ],
+)
 def test_loading_refuses_classes_and_tags_outside_the_allow_list(payload, what):
     with pytest.raises(DecodeError, match=what):
         loads(json.dumps(payload).encode(), lambda i: None)
@@ -102,12 +125,18 @@ def test_composite_prefixes_and_restores_children():
 
 def test_rng_state_round_trips():
     prov = RNGStateProvider()
-    torch.manual_seed(5); random.seed(5); np.random.seed(5)
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
     items = _as_read_back(prov.items())
     expected = (torch.rand(3), random.random(), np.random.rand())
-    torch.manual_seed(9); random.seed(9); np.random.seed(9)
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
     prov.restore(items)
-    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+    assert (
+        torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+    )
 
 
 def test_dumps_is_deterministic():

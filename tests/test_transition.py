@@ -1,21 +1,21 @@
 """The transition engine (``ds_dynatrain.transition``): the XOR pairing schedule and the chunking
 of streams (pure), and real multi-process transitions between world sizes 1-4 over gloo, checked
 element by element against the values the new layout must hold."""
+
 import json
 import os
 import random
 
 import pytest
 import torch
+from conftest import WORKERS, run_plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.planner import assign_members, plan_transition
 from ds_dynatrain.transition.execute import transition_ranks
 from ds_dynatrain.transition.schedule import Stream, next_pow2, pair_schedule, peer_at
-
-from conftest import WORKERS, run_plain
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 
 
 @pytest.mark.parametrize("n", range(1, 65))
@@ -38,13 +38,16 @@ def test_schedule_covers_every_sender_receiver_of_plans():
     once by the receiver, in the same step; nothing is met that the plan does not hold."""
     rnd = random.Random(5)
     for _ in range(80):
-        groups = ((ParamMeta("a", (rnd.randint(1, 90), 7), "float32"), ParamMeta("b", (1,), "float32")),
-                  (ParamMeta("c", (rnd.randint(1, 60),), "float32"),))
+        groups = (
+            (ParamMeta("a", (rnd.randint(1, 90), 7), "float32"), ParamMeta("b", (1,), "float32")),
+            (ParamMeta("c", (rnd.randint(1, 60),), "float32"),),
+        )
         a, b = rnd.randint(1, 12), rnd.randint(1, 12)
         old = ZeroLayout(a, groups, False, False, 2)
         olds = tuple(f"m{i}" for i in range(a))
-        plan = plan_transition(old, old.with_world_size(b), olds,
-                               assign_members(olds, b, tuple(f"j{i}" for i in range(max(0, b - a)))))
+        plan = plan_transition(
+            old, old.with_world_size(b), olds, assign_members(olds, b, tuple(f"j{i}" for i in range(max(0, b - a))))
+        )
         ranks = transition_ranks(plan)
         n = len(ranks)
         sent, received = {}, {}  # (sender, receiver) -> steps in which each side handled it
@@ -77,7 +80,7 @@ def test_chunks_cover_the_stream_within_the_bound(sizes, limit):
     stream = Stream(parts, ("k",), [T(o, n) for o, n in zip(offs, sizes)], "src")
     chunks = stream.chunks(limit)
     assert chunks[0][0] == 0 and chunks[-1][1] == stream.numel
-    for (a0, b0), (a1, _) in zip(chunks, chunks[1:]):
+    for (_a0, b0), (a1, _) in zip(chunks, chunks[1:]):
         assert b0 == a1
     for a, b in chunks:
         assert 0 < b - a <= limit
@@ -89,8 +92,13 @@ def test_chunks_cover_the_stream_within_the_bound(sizes, limit):
 
 
 def test_transitions_between_1_and_4_processes(tmp_path):
-    jobs = run_plain(tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4,
-                     ["--mode", "all", "--out", str(tmp_path)], timeout=200)
+    jobs = run_plain(
+        tmp_path,
+        os.path.join(WORKERS, "transition_worker.py"),
+        4,
+        ["--mode", "all", "--out", str(tmp_path)],
+        timeout=200,
+    )
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-3000:]
     by_case = {}
     for r in range(4):
@@ -112,9 +120,13 @@ def test_transitions_between_1_and_4_processes(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
-    jobs = run_plain(tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4,
-                     ["--mode", "die", "--victim", "1", "--out", str(tmp_path)] + (["--background"] if background else []),
-                     timeout=90)
+    jobs = run_plain(
+        tmp_path,
+        os.path.join(WORKERS, "transition_worker.py"),
+        4,
+        ["--mode", "die", "--victim", "1", "--out", str(tmp_path)] + (["--background"] if background else []),
+        timeout=90,
+    )
     assert jobs[1].returncode == 17  # the victim vanished as injected
     with open(tmp_path / "rank0.json") as f:
         res = json.load(f)[0]
@@ -125,13 +137,14 @@ def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
 
 def test_flat_in_place_reuses_the_buffer_the_parameters_live_in():
     from ds_dynatrain.zero.rebuild import flat_in_place
+
     old = torch.arange(1.0, 25.0)
     old[10:12] = 0  # padding after the first parameter, as DeepSpeed lays it out
-    old[20:] = 0    # tail padding of the old world size
+    old[20:] = 0  # tail padding of the old world size
     a, b = old[0:10].view(2, 5), old[12:20]
     flat = flat_in_place([a, b], 11, [2, 0])
     want = torch.cat([a.reshape(-1), torch.zeros(2), b, torch.zeros(2)])
     assert flat is not None and flat.data_ptr() == old.data_ptr() and torch.equal(flat, want)
-    assert flat_in_place([b, a], 4, [0, 2]) is None   # another order: DeepSpeed must copy
+    assert flat_in_place([b, a], 4, [0, 2]) is None  # another order: DeepSpeed must copy
     assert flat_in_place([a, b], 13, [2, 0]) is None  # the buffer is too short for the new padding
     assert flat_in_place([a.clone(), b], 4, [2, 0]) is None

@@ -1,6 +1,7 @@
 """The step-boundary vote (``ds_dynatrain.engine.vote``): every rank's vote encoded, the vectors
 summed as the all-reduce sums them (float64, in a shuffled order), and the sum decoded exactly, at
 64, 1,024 and 4,096 simulated ranks. The oracle is the set of ranks that voted."""
+
 from __future__ import annotations
 
 import random
@@ -28,10 +29,18 @@ def test_preemptions_and_standby_marks_survive_the_sum_exactly(world_size):
     preempted = {world_size - 1, world_size * 15 // 16} | set(rng.sample(range(world_size), min(5, world_size)))
     n_standby = max(1, world_size // 8)
     gone = frozenset(rng.sample(range(n_standby), min(3, n_standby)) + [n_standby - 1])
-    votes = [StepVote(loss_sum=0.5, loss_count=2, preempted=r in preempted, ready=r % 3 == 0,
-                      failed=r == world_size // 2,
-                      request=(7, world_size + 2) if r == 0 else None, standby_gone=gone if r == 0 else frozenset())
-             for r in range(world_size)]
+    votes = [
+        StepVote(
+            loss_sum=0.5,
+            loss_count=2,
+            preempted=r in preempted,
+            ready=r % 3 == 0,
+            failed=r == world_size // 2,
+            request=(7, world_size + 2) if r == 0 else None,
+            standby_gone=gone if r == 0 else frozenset(),
+        )
+        for r in range(world_size)
+    ]
     t = tally(votes, world_size, n_standby)
     assert t.preempted == frozenset(preempted)
     assert t.standby_gone == gone
@@ -45,7 +54,7 @@ def test_rank_60_of_64_is_not_lost():
     """A single float64 bitmask rounds 2**60 + 2**3 to 2**60: the preemption of rank 3 vanished."""
     votes = [StepVote(preempted=r in (3, 60)) for r in range(64)]
     assert tally(votes, 64, 0).preempted == frozenset({3, 60})
-    assert float(2 ** 60) + float(2 ** 3) == float(2 ** 60)  # what the old encoding did
+    assert float(2**60) + float(2**3) == float(2**60)  # what the old encoding did
 
 
 def test_no_request_no_marks():

@@ -35,6 +35,7 @@ temporary name, synced, renamed).
 
 Geometry is in elements, as in :mod:`ds_dynatrain.layout`; bytes appear only in the writer.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,10 +57,22 @@ CHUNK_ELEMENTS = 1 << 24  # elements read and written at a time (64 MiB of fp32)
 
 # torch dtype -> safetensors dtype name (the format's spelling)
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
 }
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -76,14 +89,17 @@ def saved_layout(saved: SavedCheckpoint) -> ZeroLayout:
         CheckpointIncompleteError: the model-state file has no ``param_shapes``.
     """
     dtype = saved.working_dtype()
-    groups = tuple(tuple(ParamMeta(str(n), tuple(int(d) for d in shape), dtype) for n, shape in g.items())
-                   for g in (saved.model_state.get("param_shapes") or []) if len(g))
+    groups = tuple(
+        tuple(ParamMeta(str(n), tuple(int(d) for d in shape), dtype) for n, shape in g.items())
+        for g in (saved.model_state.get("param_shapes") or [])
+        if len(g)
+    )
     if not groups:
         raise CheckpointIncompleteError(f"{saved.model_file.path}: no param_shapes (not a ZeRO checkpoint)")
     z = saved.ds_config.get("zero_optimization") or {}
     if saved.stage == 3:
         # each saved group is one sub-group, already cut: no further cut (see layout_from_metadata)
-        return ZeroLayout(saved.world_size, groups, stage=3, sub_group_size=2 ** 62)
+        return ZeroLayout(saved.world_size, groups, stage=3, sub_group_size=2**62)
     # param_shapes lists each group in its flat order, round robin already applied
     return ZeroLayout(saved.world_size, groups, False, bool(z.get("parameter_alignment", False)), saved.stage)
 
@@ -103,8 +119,10 @@ def coverage_problems(layout: ZeroLayout) -> List[str]:
         for b, ivs in local.items():
             ivs.sort()
             if ivs and ivs[-1][1] > layout.partition_numel(b):
-                problems.append(f"rank {r}: fragment of {ivs[-1][2]} ends at element {ivs[-1][1]} of partition {b}, "
-                                f"which has {layout.partition_numel(b)}")
+                problems.append(
+                    f"rank {r}: fragment of {ivs[-1][2]} ends at element {ivs[-1][1]} of partition {b}, "
+                    f"which has {layout.partition_numel(b)}"
+                )
             for (_, a1, ak), (b0, _, bk) in zip(ivs, ivs[1:]):
                 if b0 < a1:
                     problems.append(f"rank {r}: fragments of {ak} and {bk} overlap in partition {b}")
@@ -116,18 +134,22 @@ def coverage_problems(layout: ZeroLayout) -> List[str]:
                 if s > cursor:
                     problems.append(f"parameter {p.key} {list(p.shape)}: elements [{cursor}, {s}) held by no rank")
                 elif s < cursor:
-                    problems.append(f"parameter {p.key} {list(p.shape)}: elements [{s}, {min(cursor, e)}) held "
-                                    f"twice (again by rank {r})")
+                    problems.append(
+                        f"parameter {p.key} {list(p.shape)}: elements [{s}, {min(cursor, e)}) held "
+                        f"twice (again by rank {r})"
+                    )
                 cursor = max(cursor, e)
             if cursor < p.numel:
                 problems.append(f"parameter {p.key} {list(p.shape)}: elements [{cursor}, {p.numel}) held by no rank")
             elif cursor > p.numel:
-                problems.append(f"parameter {p.key} {list(p.shape)}: fragments reach element {cursor}, past its "
-                                f"{p.numel} elements")
+                problems.append(
+                    f"parameter {p.key} {list(p.shape)}: fragments reach element {cursor}, past its {p.numel} elements"
+                )
     return problems
 
 
 # --- what the file holds ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ExportEntry:
@@ -185,10 +207,12 @@ def plan_entries(saved: SavedCheckpoint, layout: ZeroLayout, dtype: torch.dtype)
                 continue
             frag = (ms.get("frozen_param_fragments") or {}).get(name)
             if frag is None:
-                raise CheckpointIncompleteError(f"{saved.model_file.path}: frozen parameter {name} has no saved "
-                                                "fragments")
-            entries[name] = ExportEntry(name, _out_dtype(frag.dtype, dtype), tuple(int(d) for d in shape),
-                                        "zero3_frozen")
+                raise CheckpointIncompleteError(
+                    f"{saved.model_file.path}: frozen parameter {name} has no saved fragments"
+                )
+            entries[name] = ExportEntry(
+                name, _out_dtype(frag.dtype, dtype), tuple(int(d) for d in shape), "zero3_frozen"
+            )
     else:
         # ZeRO-1/2 hold every parameter whole in ``module``: the frozen ones are those the
         # optimizer does not hold (ZeRO-1 files have no frozen_param_shapes)
@@ -285,8 +309,10 @@ class SafetensorsWriter:
         if wrong:
             self.abort()
             e = wrong[0]
-            raise CheckpointIncompleteError(f"tensor {e.name}: {self.written[e.name]} of its {e.numel} elements were "
-                                            f"written ({len(wrong)} tensors incomplete); nothing was exported")
+            raise CheckpointIncompleteError(
+                f"tensor {e.name}: {self.written[e.name]} of its {e.numel} elements were "
+                f"written ({len(wrong)} tensors incomplete); nothing was exported"
+            )
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -305,6 +331,7 @@ class SafetensorsWriter:
 
 # --- reading the sources -------------------------------------------------------------------------
 
+
 def _chunks(numel: int) -> Iterable[Tuple[int, int]]:
     for c in range(0, numel, CHUNK_ELEMENTS):
         yield c, min(CHUNK_ELEMENTS, numel - c)
@@ -320,8 +347,9 @@ def _copy_whole(f: SavedFile, src, writer: SafetensorsWriter, names: List[str]) 
             writer.write(name, c, buf)
 
 
-def _write_trainable(saved: SavedCheckpoint, layout: ZeroLayout, writer: SafetensorsWriter,
-                     targets: Dict[str, List[str]]) -> None:
+def _write_trainable(
+    saved: SavedCheckpoint, layout: ZeroLayout, writer: SafetensorsWriter, targets: Dict[str, List[str]]
+) -> None:
     """Every rank's fp32 master fragments, one optimizer file at a time."""
     for r in range(saved.world_size):
         path = os.path.join(saved.dir, OPTIM_FILE.format(r))
@@ -329,8 +357,9 @@ def _write_trainable(saved: SavedCheckpoint, layout: ZeroLayout, writer: Safeten
         try:
             parts = partitions_of(f.tree, saved.stage)
             if len(parts.tensors) != layout.num_partitions:
-                raise LayoutMismatchError(f"{path}: {len(parts.tensors)} partitions, the saved layout has "
-                                          f"{layout.num_partitions}")
+                raise LayoutMismatchError(
+                    f"{path}: {len(parts.tensors)} partitions, the saved layout has {layout.num_partitions}"
+                )
             for fr in layout.fragments(r):
                 src = parts.tensors[fr.group].get("fp32")
                 if src is None:
@@ -344,8 +373,9 @@ def _write_trainable(saved: SavedCheckpoint, layout: ZeroLayout, writer: Safeten
             f.close()
 
 
-def _write_zero3_frozen(saved: SavedCheckpoint, entries: List[ExportEntry], writer: SafetensorsWriter,
-                        targets: Dict[str, List[str]]) -> None:
+def _write_zero3_frozen(
+    saved: SavedCheckpoint, entries: List[ExportEntry], writer: SafetensorsWriter, targets: Dict[str, List[str]]
+) -> None:
     """ZeRO-3 frozen parameters: rank ``r``'s model-state file holds elements
     ``[r * P, min((r + 1) * P, numel))`` of each, ``P = ceil(numel / world_size)`` (padded)."""
     frozen = [e for e in entries if e.source == "zero3_frozen"]
@@ -390,8 +420,9 @@ class ExportStats:
     step: int
 
 
-def export_safetensors(load_dir: str, out_path: str, dtype: torch.dtype = torch.float32,
-                       tag: Optional[str] = None) -> ExportStats:
+def export_safetensors(
+    load_dir: str, out_path: str, dtype: torch.dtype = torch.float32, tag: Optional[str] = None
+) -> ExportStats:
     """Write the consolidated weights of the checkpoint ``load_dir/tag`` (``tag`` None: the one
     ``latest`` names) to the safetensors file ``out_path``; floating-point tensors in ``dtype``.
 
@@ -413,8 +444,13 @@ def export_safetensors(load_dir: str, out_path: str, dtype: torch.dtype = torch.
         targets: Dict[str, List[str]] = defaultdict(list)  # source name -> names its bytes go to
         for e in entries:
             targets[e.of or e.name].append(e.name)
-        meta = {"format": "pt", "producer": "ds_dynatrain", "step": str(saved.step),
-                "saved_world_size": str(saved.world_size), "zero_stage": str(saved.stage)}
+        meta = {
+            "format": "pt",
+            "producer": "ds_dynatrain",
+            "step": str(saved.step),
+            "saved_world_size": str(saved.world_size),
+            "zero_stage": str(saved.stage),
+        }
         writer = SafetensorsWriter(out_path, entries, meta)
         module = saved.model_state.get("module") or {}
         for e in entries:
@@ -430,10 +466,28 @@ def export_safetensors(load_dir: str, out_path: str, dtype: torch.dtype = torch.
         raise
     finally:
         saved.close()
-    return ExportStats(out_path, len(entries), sum(e.numel for e in entries), size,
-                       str(dtype).replace("torch.", ""), time.perf_counter() - t0, saved.world_size, saved.stage,
-                       saved.step)
+    return ExportStats(
+        out_path,
+        len(entries),
+        sum(e.numel for e in entries),
+        size,
+        str(dtype).replace("torch.", ""),
+        time.perf_counter() - t0,
+        saved.world_size,
+        saved.stage,
+        saved.step,
+    )
 
 
-__all__ = ["CHUNK_ELEMENTS", "EXPORT_DTYPES", "ExportEntry", "ExportStats", "SafetensorsWriter", "coverage_problems",
-           "export_safetensors", "place", "plan_entries", "saved_layout"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "EXPORT_DTYPES",
+    "ExportEntry",
+    "ExportStats",
+    "SafetensorsWriter",
+    "coverage_problems",
+    "export_safetensors",
+    "place",
+    "plan_entries",
+    "saved_layout",
+]

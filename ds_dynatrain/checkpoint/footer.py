@@ -16,6 +16,7 @@ the torch optimizer's ``step`` is a scalar and gets none). Stage 3 (``DeepSpeedZ
 ``optimizer_state_dict/fp32_flat_groups/<g>`` and
 ``optimizer_state_dict/optimizer_state_dict/state/<g>/<state>``.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,10 @@ from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequenc
 from ..vps.layout import ZeroLayout
 
 VPS_ATTR = "vps"
-PATTERN = re.compile(r"optimizer_state_dict/(?:(?:single_partition_of_fp32_groups|fp32_flat_groups)/(\d+)|"
-                     r"(?:base_optimizer_state|optimizer_state_dict)/(?:state/)?(\d+)/(\w+))")
+PATTERN = re.compile(
+    r"optimizer_state_dict/(?:(?:single_partition_of_fp32_groups|fp32_flat_groups)/(\d+)|"
+    r"(?:base_optimizer_state|optimizer_state_dict)/(?:state/)?(\d+)/(\w+))"
+)
 
 
 def expected_fragments(layout: ZeroLayout, rank: int) -> Dict[int, List[list]]:
@@ -55,9 +58,16 @@ class VPSAttributes:
         if m is None or m.group(3) == "step":
             return {}
         g = int(m.group(1) if m.group(1) is not None else m.group(2))
-        return {VPS_ATTR: {"kind": "fp32" if m.group(1) is not None else m.group(3), "group": g, "rank": self.rank,
-                           "world_size": self.layout.world_size, "stage": self.layout.stage,
-                           "fragments": self._by_group.get(g, [])}}
+        return {
+            VPS_ATTR: {
+                "kind": "fp32" if m.group(1) is not None else m.group(3),
+                "group": g,
+                "rank": self.rank,
+                "world_size": self.layout.world_size,
+                "stage": self.layout.stage,
+                "fragments": self._by_group.get(g, []),
+            }
+        }
 
 
 class FragmentMismatch(NamedTuple):
@@ -71,8 +81,9 @@ class FragmentMismatch(NamedTuple):
     want: list
 
 
-def fragment_mismatches(items: Iterable, layout: ZeroLayout, rank: int,
-                        kinds: Optional[Sequence[str]] = None) -> Iterator[FragmentMismatch]:
+def fragment_mismatches(
+    items: Iterable, layout: ZeroLayout, rank: int, kinds: Optional[Sequence[str]] = None
+) -> Iterator[FragmentMismatch]:
     """The footer ``items`` (``io_engine`` item metadata with ``key`` and ``attrs``) of rank
     ``rank``'s file whose recorded fragments are not those of ``layout`` (a partition index the
     layout does not have counts as a mismatch). ``kinds``: only items of these state kinds."""

@@ -20,6 +20,7 @@ world size, ZeRO stage, step, the parameters and the bytes each rank wrote.
 
 Every problem is collected and reported (file, item, parameter), not only the first.
 """
+
 from __future__ import annotations
 
 import glob
@@ -31,11 +32,19 @@ from ..errors import CheckpointIncompleteError
 from ..vps.layout import ZeroLayout
 from .consolidate import coverage_problems, plan_entries, saved_layout
 from .footer import fragment_mismatches
-from .saved import (MODEL_FILE, MODEL_FILE_ZERO3, OPTIM_FILE, SavedCheckpoint, SavedFile,
-                      is_snapshot_file, partitions_of, resolve_tag)
+from .saved import (
+    MODEL_FILE,
+    MODEL_FILE_ZERO3,
+    OPTIM_FILE,
+    SavedCheckpoint,
+    SavedFile,
+    is_snapshot_file,
+    partitions_of,
+    resolve_tag,
+)
 
 VERIFY_BATCH_BYTES = 256 << 20  # bytes of items read (and checksummed) at a time by verify
-FORMAT_OURS = "dynatrain"       # this project's snapshot format
+FORMAT_OURS = "dynatrain"  # this project's snapshot format
 FORMAT_DEEPSPEED = "deepspeed"  # DeepSpeed's torch.save format
 
 
@@ -63,12 +72,16 @@ def inspect_report(load_dir: str, tag: Optional[str] = None) -> dict:
         CheckpointIncompleteError: missing or damaged files (the model-state file is read).
     """
     import torch
+
     saved = SavedCheckpoint(load_dir, tag)
     try:
         ms = saved.model_state
         layout = saved_layout(saved)
-        params = [{"name": p.key, "shape": list(p.shape), "numel": p.numel, "trainable": True}
-                  for g in layout.groups for p in g]
+        params = [
+            {"name": p.key, "shape": list(p.shape), "numel": p.numel, "trainable": True}
+            for g in layout.groups
+            for p in g
+        ]
         buffers = set(ms.get("buffer_names") or [])
         # frozen parameters as export finds them (ZeRO-1 files have no frozen_param_shapes)
         for e in plan_entries(saved, layout, torch.float32):
@@ -78,25 +91,37 @@ def inspect_report(load_dir: str, tag: Optional[str] = None) -> dict:
         ranks = []
         for r in range(saved.world_size):
             files = _files_of_rank(saved, r)
-            ranks.append({"rank": r, "bytes": sum(os.path.getsize(f) for f in files),
-                          "files": [os.path.basename(f) for f in files]})
+            ranks.append(
+                {
+                    "rank": r,
+                    "bytes": sum(os.path.getsize(f) for f in files),
+                    "files": [os.path.basename(f) for f in files],
+                }
+            )
         return {
-            "dir": saved.dir, "tag": saved.tag,
+            "dir": saved.dir,
+            "tag": saved.tag,
             "format": "mixed" if len(formats) > 1 else (FORMAT_OURS if formats.pop() else FORMAT_DEEPSPEED),
-            "world_size": saved.world_size, "zero_stage": saved.stage, "step": saved.step,
-            "global_samples": int(ms.get("global_samples", 0) or 0), "working_dtype": saved.working_dtype(),
+            "world_size": saved.world_size,
+            "zero_stage": saved.stage,
+            "step": saved.step,
+            "global_samples": int(ms.get("global_samples", 0) or 0),
+            "working_dtype": saved.working_dtype(),
             "ds_version": str(ms.get("ds_version", "")),
-            "parameters": params, "num_parameters": sum(p["numel"] for p in params),
+            "parameters": params,
+            "num_parameters": sum(p["numel"] for p in params),
             "num_trainable": sum(p["numel"] for p in params if p["trainable"]),
             "tied": {str(a): str(s) for a, s in (ms.get("shared_params") or {}).items()},
             "buffers": [str(b) for b in (ms.get("buffer_names") or [])],
-            "ranks": ranks, "total_bytes": sum(r["bytes"] for r in ranks),
+            "ranks": ranks,
+            "total_bytes": sum(r["bytes"] for r in ranks),
         }
     finally:
         saved.close()
 
 
 # --- verify -----------------------------------------------------------------------------------
+
 
 @dataclass
 class VerifyReport:
@@ -119,6 +144,7 @@ def _check_items(path: str, rep: VerifyReport):
     unreadable); problems go to ``rep`` (one per damaged item)."""
     from io_engine import FileReader
     from io_engine.errors import ChecksumMismatchError, IOEngineError
+
     name = os.path.basename(path)
     try:
         reader = FileReader(path)
@@ -150,14 +176,17 @@ def _check_items(path: str, rep: VerifyReport):
                     reader.read_item(m.key, verify=True)
                 except ChecksumMismatchError as err:
                     what = (m.attrs or {}).get("path")
-                    rep.problems.append(f"{name}: item {m.key}{f' ({what})' if what else ''}, {m.kind} of "
-                                        f"{m.nbytes} bytes at offset {m.offset}: checksum mismatch (footer "
-                                        f"{err.expected}, data {err.actual})")
+                    rep.problems.append(
+                        f"{name}: item {m.key}{f' ({what})' if what else ''}, {m.kind} of "
+                        f"{m.nbytes} bytes at offset {m.offset}: checksum mismatch (footer "
+                        f"{err.expected}, data {err.actual})"
+                    )
     return items
 
 
-def _check_partitions(saved: SavedCheckpoint, layout: ZeroLayout, rank: int, f: SavedFile, footer: list,
-                      rep: VerifyReport) -> None:
+def _check_partitions(
+    saved: SavedCheckpoint, layout: ZeroLayout, rank: int, f: SavedFile, footer: list, rep: VerifyReport
+) -> None:
     """Rank ``rank``'s partitions against the saved layout (count, lengths, and the fragments the
     ``footer`` items of this project's file record)."""
     name = os.path.basename(f.path)
@@ -182,11 +211,15 @@ def _check_partitions(saved: SavedCheckpoint, layout: ZeroLayout, rank: int, f: 
         for kind, t in kinds.items():
             if not ends[b] <= t.numel() <= n:
                 first = expected[b][0][0] if expected[b] else "?"
-                rep.problems.append(f"{name}: partition {b} ({kind}) has {t.numel()} elements; its fragments "
-                                    f"({first}, ...) need {ends[b]} and the layout allows at most {n}")
+                rep.problems.append(
+                    f"{name}: partition {b} ({kind}) has {t.numel()} elements; its fragments "
+                    f"({first}, ...) need {ends[b]} and the layout allows at most {n}"
+                )
     for bad in fragment_mismatches(footer, layout, rank):
-        rep.problems.append(f"{name}: item {bad.item} ({bad.kind}, partition {bad.partition}) records fragments "
-                            f"other than the saved layout's (first {bad.got}, layout {bad.want})")
+        rep.problems.append(
+            f"{name}: item {bad.item} ({bad.kind}, partition {bad.partition}) records fragments "
+            f"other than the saved layout's (first {bad.got}, layout {bad.want})"
+        )
 
 
 def verify_checkpoint(load_dir: str, tag: Optional[str] = None) -> VerifyReport:
@@ -230,14 +263,23 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
     try:
         layout: Optional[ZeroLayout] = saved_layout(saved)
     except (CheckpointIncompleteError, ValueError) as err:  # no param_shapes, or impossible ones
-        rep.problems.append(f"{os.path.basename(saved.model_file.path)}: no usable parameter metadata ({err}); "
-                            "only the checksums were checked")
+        rep.problems.append(
+            f"{os.path.basename(saved.model_file.path)}: no usable parameter metadata ({err}); "
+            "only the checksums were checked"
+        )
         layout = None
     ours = [p for p in saved.files if is_snapshot_file(p)]
-    fmt = ("dynatrain snapshot" if len(ours) == len(saved.files) else
-           "DeepSpeed torch.save" if not ours else "mixed dynatrain snapshot and DeepSpeed torch.save")
-    rep.notes.append(f"checkpoint {saved.dir}: {saved.world_size} ranks, ZeRO-{saved.stage}, step {saved.step}, "
-                     f"{fmt} format, {len(saved.files)} files")
+    fmt = (
+        "dynatrain snapshot"
+        if len(ours) == len(saved.files)
+        else "DeepSpeed torch.save"
+        if not ours
+        else "mixed dynatrain snapshot and DeepSpeed torch.save"
+    )
+    rep.notes.append(
+        f"checkpoint {saved.dir}: {saved.world_size} ranks, ZeRO-{saved.stage}, step {saved.step}, "
+        f"{fmt} format, {len(saved.files)} files"
+    )
     items = 0
     for path in saved.files:
         name = os.path.basename(path)
@@ -257,8 +299,10 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
             rep.problems.append(str(err))
             continue
         if path not in ours:
-            rep.notes.append(f"{name}: loaded with torch.load(weights_only=True); checksums not available "
-                             "(DeepSpeed's torch.save format has none)")
+            rep.notes.append(
+                f"{name}: loaded with torch.load(weights_only=True); checksums not available "
+                "(DeepSpeed's torch.save format has none)"
+            )
         try:
             if not isinstance(f.tree, dict):
                 rep.problems.append(f"{name}: holds a {type(f.tree).__name__}, not a DeepSpeed state dict")
@@ -278,8 +322,10 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
     if layout is not None and not cover:
         nparams = sum(len(g) for g in layout.groups)
         numel = sum(p.numel for g in layout.groups for p in g)
-        rep.notes.append(f"coverage: {nparams} parameters, {numel:,} elements, every element held exactly once by "
-                         f"the fragments of {saved.world_size} ranks")
+        rep.notes.append(
+            f"coverage: {nparams} parameters, {numel:,} elements, every element held exactly once by "
+            f"the fragments of {saved.world_size} ranks"
+        )
     if ours:
         rep.notes.append(f"{items} items checksummed (CRC-32)")
     else:
@@ -289,7 +335,5 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
 def _rank_of(name: str) -> int:
     """The rank in ``zero_pp_rank_<r>_...``; 0 for ``mp_rank_00_model_states.pt``."""
     if name.startswith("zero_pp_rank_"):
-        return int(name[len("zero_pp_rank_"):].split("_", 1)[0])
+        return int(name[len("zero_pp_rank_") :].split("_", 1)[0])
     return 0
-
-

@@ -11,6 +11,7 @@ ranges per file) from this project's files, through ``torch.load(mmap=True, weig
 more than its own new partitions. Every rank agrees that its reads succeeded before anything is
 installed.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,9 +49,14 @@ class LoadStats:
     stage: int
 
 
-def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                   load_lr_scheduler_states: bool = True,
-                   saved: Optional["SavedCheckpoint"] = None) -> Tuple[str, dict, LoadStats]:
+def load_resharded(
+    engine,
+    load_dir: str,
+    tag: Optional[str] = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    saved: Optional["SavedCheckpoint"] = None,
+) -> Tuple[str, dict, LoadStats]:
     """Load a ZeRO checkpoint saved at any world size and ZeRO stage into ``engine``.
 
     Collective (the final parameter all-gather at ZeRO-1/2): every rank of the engine calls it,
@@ -93,10 +99,16 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
                 for tr in by_src[src]:
                     for k in kinds:
                         if k not in parts.tensors[tr.group]:
-                            raise CheckpointIncompleteError(f"{OPTIM_FILE.format(src)}: partition {tr.group} has "
-                                                            f"no {k}")
-                        requests.append((parts.tensors[tr.group][k], tr.src_offset,
-                                         dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel)))
+                            raise CheckpointIncompleteError(
+                                f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}"
+                            )
+                        requests.append(
+                            (
+                                parts.tensors[tr.group][k],
+                                tr.src_offset,
+                                dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel),
+                            )
+                        )
                 nbytes += saved.optim(src).read_into(requests)
             scalars0 = partitions_of(saved.optim(0).tree, saved.stage).scalars
         except (CheckpointIncompleteError, LayoutMismatchError) as err:
@@ -108,8 +120,9 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
         order = sorted(dests)
         install_master(engine, [dests[b]["fp32"] for b in order])
         if load_optimizer_states:
-            install_optimizer_state(engine, [{k: dests[b][k] for k in MOMENTS} for b in order],
-                                    scalars_for(plan, scalars0))
+            install_optimizer_state(
+                engine, [{k: dests[b][k] for k in MOMENTS} for b in order], scalars_for(plan, scalars0)
+            )
         zopt = zero_optimizer_of(engine)
         tg = time.perf_counter()
         with torch.no_grad():
@@ -124,8 +137,18 @@ def load_resharded(engine, load_dir: str, tag: Optional[str] = None, load_optimi
         install_s = time.perf_counter() - t
     finally:
         saved.close()
-    stats = LoadStats(nbytes, time.perf_counter() - t0, plan_s, read_s, install_s, gather_s, saved.world_size,
-                      saved.stage, ws, live.stage)
+    stats = LoadStats(
+        nbytes,
+        time.perf_counter() - t0,
+        plan_s,
+        read_s,
+        install_s,
+        gather_s,
+        saved.world_size,
+        saved.stage,
+        ws,
+        live.stage,
+    )
     # as DeepSpeed's load_checkpoint: the path of the model-state file it loaded
     return saved.model_file.path, client, stats
 
@@ -145,8 +168,9 @@ def _load_frozen(engine, saved: SavedCheckpoint) -> None:
             if not p.requires_grad:
                 src = module_sd.get(name)
                 if src is None or numel_of(src) != p.numel():
-                    raise LayoutMismatchError(f"frozen parameter {name} {list(p.shape)} is not in the checkpoint's "
-                                              f"module state")
+                    raise LayoutMismatchError(
+                        f"frozen parameter {name} {list(p.shape)} is not in the checkpoint's module state"
+                    )
                 targets.append((src, p))
     for name, b in engine.module.named_buffers():
         src = module_sd.get(name)
@@ -176,16 +200,33 @@ def _load_non_tensor_state(engine, saved: SavedCheckpoint, optimizer: bool, sche
         # the hyper-parameters of each group as saved (the LR the scheduler set last, betas, ...)
         live = engine.optimizer.optimizer.param_groups
         if len(groups) != len(live):
-            raise LayoutMismatchError(f"the checkpoint has {len(groups)} optimizer parameter groups, the model "
-                                      f"{len(live)}")
+            raise LayoutMismatchError(
+                f"the checkpoint has {len(groups)} optimizer parameter groups, the model {len(live)}"
+            )
         for g, h in zip(live, groups):
             g.update({k: v for k, v in h.items() if k != "params"})
     if optimizer:
         scaler, sent = getattr(engine.optimizer, "loss_scaler", None), osd.get("loss_scaler")
         if scaler is not None and sent is not None and type(scaler).__name__ == type(sent).__name__:
             scaler.__dict__.update(vars(sent))
-    own = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-           "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-           "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-           "ds_version"}
+    own = {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+    }
     return {k: v for k, v in ms.items() if k not in own}

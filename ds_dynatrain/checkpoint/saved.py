@@ -14,6 +14,7 @@ project's files, against the fragments each partition's footer item records). Be
 read, every file of the saving world is checked present and complete
 (:class:`~ds_dynatrain.errors.CheckpointIncompleteError` lists every missing or damaged file).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
 
 OPTIM_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-MODEL_FILE = "mp_rank_00_model_states.pt"              # ZeRO-1/2: one, written by rank 0
+MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one, written by rank 0
 MODEL_FILE_ZERO3 = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
 EAGER_BYTES = 64 << 10  # tensors up to this size are read with the skeleton (scalars, small states)
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,6 +40,7 @@ def safe_globals() -> list:
     """Types DeepSpeed puts in its checkpoint dicts, allowed for ``weights_only`` loading (loading
     never executes code from a file)."""
     from state_providers.serialize import allowed_classes
+
     return list(allowed_classes().values())
 
 
@@ -63,13 +65,14 @@ def _reason(err: BaseException, path: str) -> str:
     pickle raises a bare ``EOFError``), without repeating ``path``."""
     text = str(err).strip()
     if text.startswith(path):
-        text = text[len(path):].lstrip(": ")
+        text = text[len(path) :].lstrip(": ")
     return f"{type(err).__name__}: {text}" if text else f"{type(err).__name__} (the file ends early or is corrupt)"
 
 
 def is_snapshot_file(path: str) -> bool:
     """Whether ``path`` is in this project's snapshot format (by its magic bytes)."""
     from io_engine.format import MAGIC
+
     with open(path, "rb") as f:
         return f.read(len(MAGIC)) == MAGIC
 
@@ -118,6 +121,7 @@ class SavedFile:
             from io_engine import FileReader
             from io_engine.errors import IOEngineError
             from state_providers.serialize import loads
+
             try:
                 self._reader = FileReader(path)
                 metas = {m.key: m for m in self._reader.layout.items}
@@ -160,8 +164,10 @@ class SavedFile:
             for s, off, d in refs:
                 es = torch.empty((), dtype=s.dtype).element_size()
                 if off < 0 or (off + d.numel()) * es > s.nbytes:
-                    raise CheckpointIncompleteError(f"{self.path}: item {s.key} has {s.nbytes} bytes, a read of "
-                                                    f"elements [{off}, {off + d.numel()}) lies outside it")
+                    raise CheckpointIncompleteError(
+                        f"{self.path}: item {s.key} has {s.nbytes} bytes, a read of "
+                        f"elements [{off}, {off + d.numel()}) lies outside it"
+                    )
                 ranges.append((s.offset + off * es, d.numel() * es))
             views = self._reader.read_ranges(ranges)
             for (s, _off, d), v in zip(refs, views):
@@ -173,9 +179,11 @@ class SavedFile:
                 continue
             flat = s.reshape(-1)
             if off < 0 or off + d.numel() > flat.numel():
-                raise CheckpointIncompleteError(f"{self.path}: a tensor of {flat.numel()} elements, a read of "
-                                                f"elements [{off}, {off + d.numel()}) lies outside it")
-            d.copy_(flat[off:off + d.numel()])
+                raise CheckpointIncompleteError(
+                    f"{self.path}: a tensor of {flat.numel()} elements, a read of "
+                    f"elements [{off}, {off + d.numel()}) lies outside it"
+                )
+            d.copy_(flat[off : off + d.numel()])
             done += d.numel() * d.element_size()
         return done
 
@@ -266,8 +274,9 @@ class SavedCheckpoint:
         if not os.path.isfile(first):
             first = os.path.join(self.dir, MODEL_FILE_ZERO3.format(0))
         if not os.path.isfile(first):
-            raise CheckpointIncompleteError(f"{self.dir}: missing model-state file ({MODEL_FILE} or "
-                                            f"{MODEL_FILE_ZERO3.format(0)})")
+            raise CheckpointIncompleteError(
+                f"{self.dir}: missing model-state file ({MODEL_FILE} or {MODEL_FILE_ZERO3.format(0)})"
+            )
         self.model_file = SavedFile(first)
         self.model_state = self.model_file.tree
         try:
@@ -278,8 +287,10 @@ class SavedCheckpoint:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointIncompleteError(f"{first}: not a DeepSpeed model-state file ({err!r})") from None
         if self.stage not in (1, 2, 3):
-            raise CheckpointIncompleteError(f"{self.dir}: saved at ZeRO stage {self.stage}; only ZeRO-1/2/3 "
-                                            "partitions can be loaded onto another world size")
+            raise CheckpointIncompleteError(
+                f"{self.dir}: saved at ZeRO stage {self.stage}; only ZeRO-1/2/3 "
+                "partitions can be loaded onto another world size"
+            )
         self.files = self.expected_files()
         self.check_complete()
         self._optim: Dict[int, SavedFile] = {}
@@ -299,6 +310,7 @@ class SavedCheckpoint:
         """
         from io_engine.errors import IOEngineError
         from io_engine.format import read_footer
+
         problems = []
         for path in self.files:
             name = os.path.basename(path)
@@ -320,7 +332,8 @@ class SavedCheckpoint:
         if problems:
             raise CheckpointIncompleteError(
                 f"checkpoint {self.dir} (saved by {self.world_size} ranks at ZeRO stage {self.stage}) is incomplete: "
-                + "; ".join(problems))
+                + "; ".join(problems)
+            )
 
     def optim(self, rank: int) -> SavedFile:
         """The optimizer-state file of saving rank ``rank`` (opened once)."""
@@ -353,11 +366,14 @@ class SavedCheckpoint:
             LayoutMismatchError: the partitions do not fit the metadata.
         """
         dtype = self.working_dtype()
-        groups = tuple(tuple(ParamMeta(str(n), tuple(int(d) for d in shape), dtype) for n, shape in g.items())
-                       for g in (self.model_state.get("param_shapes") or []) if len(g))
+        groups = tuple(
+            tuple(ParamMeta(str(n), tuple(int(d) for d in shape), dtype) for n, shape in g.items())
+            for g in (self.model_state.get("param_shapes") or [])
+            if len(g)
+        )
         z = self.ds_config.get("zero_optimization") or {}
         if self.stage == 3:
-            layout = ZeroLayout(self.world_size, groups, stage=3, sub_group_size=2 ** 62)
+            layout = ZeroLayout(self.world_size, groups, stage=3, sub_group_size=2**62)
         else:
             layout = ZeroLayout(self.world_size, groups, False, bool(z.get("parameter_alignment", False)), self.stage)
         self._check_sizes(layout)
@@ -379,25 +395,36 @@ class SavedCheckpoint:
         for gi, params in enumerate(live.groups):
             for p in params:
                 if p.key not in saved:
-                    raise LayoutMismatchError(f"parameter group {gi}: parameter {p.key} {list(p.shape)} of the model "
-                                              f"is not in the checkpoint {self.dir}")
+                    raise LayoutMismatchError(
+                        f"parameter group {gi}: parameter {p.key} {list(p.shape)} of the model "
+                        f"is not in the checkpoint {self.dir}"
+                    )
                 if saved[p.key] != tuple(p.shape):
-                    raise LayoutMismatchError(f"parameter group {gi}: {p.key} is {list(saved[p.key])} in the checkpoint "
-                                              f"and {list(p.shape)} in the model")
+                    raise LayoutMismatchError(
+                        f"parameter group {gi}: {p.key} is {list(saved[p.key])} in the checkpoint "
+                        f"and {list(p.shape)} in the model"
+                    )
         live_keys = {p.key for g in live.groups for p in g}
         extra = [n for n in saved if n not in live_keys]
         if extra:
-            raise LayoutMismatchError(f"checkpoint parameter {extra[0]} {list(saved[extra[0]])} is not a trainable "
-                                      f"parameter of the model")
+            raise LayoutMismatchError(
+                f"checkpoint parameter {extra[0]} {list(saved[extra[0]])} is not a trainable parameter of the model"
+            )
         dtype = self.working_dtype()
         groups = tuple(tuple(ParamMeta(p.key, p.shape, dtype) for p in g) for g in live.groups)
         z = self.ds_config.get("zero_optimization") or {}
         if self.stage == 3:
-            layout = ZeroLayout(self.world_size, groups, stage=3,
-                                sub_group_size=int(z.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+            layout = ZeroLayout(
+                self.world_size, groups, stage=3, sub_group_size=int(z.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+            )
         else:
-            layout = ZeroLayout(self.world_size, groups, bool(z.get("round_robin_gradients", False)),
-                                bool(z.get("parameter_alignment", False)), self.stage)
+            layout = ZeroLayout(
+                self.world_size,
+                groups,
+                bool(z.get("round_robin_gradients", False)),
+                bool(z.get("parameter_alignment", False)),
+                self.stage,
+            )
         self._check_sizes(layout)
         return layout
 
@@ -405,8 +432,10 @@ class SavedCheckpoint:
         for r in range(self.world_size):
             parts = partitions_of(self.optim(r).tree, self.stage)
             if len(parts.tensors) != layout.num_partitions:
-                raise LayoutMismatchError(f"{OPTIM_FILE.format(r)} holds {len(parts.tensors)} partitions, the model's "
-                                          f"layout at {self.world_size} ranks has {layout.num_partitions}")
+                raise LayoutMismatchError(
+                    f"{OPTIM_FILE.format(r)} holds {len(parts.tensors)} partitions, the model's "
+                    f"layout at {self.world_size} ranks has {layout.num_partitions}"
+                )
             ends = defaultdict(int)
             for f in layout.fragments(r):
                 ends[f.group] = max(ends[f.group], f.local + f.numel)
@@ -414,21 +443,23 @@ class SavedCheckpoint:
                 n = layout.partition_numel(b)
                 for kind, t in kinds.items():
                     if not ends[b] <= numel_of(t) <= n:
-                        raise LayoutMismatchError(f"{OPTIM_FILE.format(r)}: partition {b} ({kind}) has {numel_of(t)} "
-                                                  f"elements; the model's layout needs {ends[b]} to {n}")
+                        raise LayoutMismatchError(
+                            f"{OPTIM_FILE.format(r)}: partition {b} ({kind}) has {numel_of(t)} "
+                            f"elements; the model's layout needs {ends[b]} to {n}"
+                        )
             if self.optim(r).ours:
                 self._check_footer_fragments(r, layout)
 
     def _check_footer_fragments(self, rank: int, layout: ZeroLayout) -> None:
         """This project's snapshots record each partition's fragments; they must be the layout's."""
         for bad in fragment_mismatches(self.optim(rank)._reader.layout.items, layout, rank, kinds=("fp32",)):
-            raise LayoutMismatchError(f"{OPTIM_FILE.format(rank)}: partition {bad.partition} holds fragments "
-                                      f"other than the rebuilt layout's (first {bad.got} vs {bad.want})")
+            raise LayoutMismatchError(
+                f"{OPTIM_FILE.format(rank)}: partition {bad.partition} holds fragments "
+                f"other than the rebuilt layout's (first {bad.got} vs {bad.want})"
+            )
 
     def close(self) -> None:
         for f in self._optim.values():
             f.close()
         self._optim.clear()
         self.model_file.close()
-
-

@@ -28,6 +28,7 @@ Loading reads this engine's files (``io_engine`` reader, checksums verified) and
 written by DeepSpeed's default engine, ``torch.load(weights_only=True)`` with DeepSpeed's own types
 allow-listed: loading never executes code from a file.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,6 +82,7 @@ def _write_items(provider: DictStateProvider, ready=None):
     """``io_engine`` write items for a provider's items: tensors as uint8 numpy views (no copy on
     CPU; device tensors staged through pinned memory on a side stream), objects as bytes."""
     from io_engine import WriteItem
+
     out = []
     for it in provider.items():
         if isinstance(it, TensorItem):
@@ -99,7 +101,7 @@ class _FileJob:
     captured: threading.Event = field(default_factory=threading.Event)
     persisted: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-    ready: Any = None             # a CUDA event recorded at save time when the state is on a GPU
+    ready: Any = None  # a CUDA event recorded at save time when the state is on a GPU
     seconds: float = 0.0
     nbytes: int = 0
 
@@ -107,8 +109,8 @@ class _FileJob:
 @dataclass
 class _Snapshot:
     info: CheckpointCommitInfo
-    key: str                      # store prefix of this snapshot's agreement
-    token: str = ""               # unique name of this attempt's temporary directory
+    key: str  # store prefix of this snapshot's agreement
+    token: str = ""  # unique name of this attempt's temporary directory
     jobs: List[_FileJob] = field(default_factory=list)
     committed: bool = False
 
@@ -139,9 +141,17 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         asynchronous: False writes inside ``save``/``commit``.
     """
 
-    def __init__(self, store_address=None, rank: int = 0, world_size: int = 1, generation: int = 0,
-                 keep_last: Optional[int] = None, timeout_s: float = 300.0, cache_bytes: int = 256 << 20,
-                 asynchronous: bool = True):
+    def __init__(
+        self,
+        store_address=None,
+        rank: int = 0,
+        world_size: int = 1,
+        generation: int = 0,
+        keep_last: Optional[int] = None,
+        timeout_s: float = 300.0,
+        cache_bytes: int = 256 << 20,
+        asynchronous: bool = True,
+    ):
         super().__init__(None)
         self.name = ENGINE_NAME
         self.store_address = store_address
@@ -174,19 +184,22 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         st = self._stores.get(tid)
         if st is None:
             host, port = self.store_address
-            st = self._stores[tid] = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                                                timeout=timedelta(seconds=self.timeout_s))
+            st = self._stores[tid] = torch.distributed.TCPStore(
+                host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
+            )
         return st
 
     # ---------------------------------------------------------------- worker
     def _ensure_worker(self):
         if self._writer is None:
             from io_engine.ioqueue import import_liburing
+
             try:
                 import_liburing()  # in the training thread, before the worker needs it
             except OSError:
                 pass  # the io backend falls back to a thread pool and says so once
             from io_engine import SnapshotFileWriter
+
             self._writer = SnapshotFileWriter(cache_bytes=self._cache_bytes)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dynatrain-snapshot", daemon=True)
@@ -207,9 +220,12 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         try:
             os.makedirs(os.path.dirname(job.path), exist_ok=True)
-            res = self._writer.write(job.path, _write_items(job.provider, job.ready), on_captured=job.captured.set,
-                                     file_attrs={"producer": "ds_dynatrain", "rank": self.rank,
-                                                 "world_size": self.world_size})
+            res = self._writer.write(
+                job.path,
+                _write_items(job.provider, job.ready),
+                on_captured=job.captured.set,
+                file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
+            )
             job.nbytes = res.layout.file_size
         except (OSError, IOEngineError) as err:
             job.error = err
@@ -251,8 +267,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             if snap.info.save_latest:
                 write_atomic(os.path.join(snap.info.save_dir, LATEST), snap.info.tag.encode())
             if self.keep_last is not None:
-                prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag],
-                                pattern=PRUNABLE_TAG)
+                prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag], pattern=PRUNABLE_TAG)
             st.set(f"{snap.key}/outcome", "ok")
         except OSError as err:
             st.set(f"{snap.key}/outcome", f"failed: publishing on rank 0: {err}")
@@ -280,7 +295,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         final = os.path.abspath(snap.final_dir)
         p = os.path.abspath(path)
         if p == final or p.startswith(final + os.sep):
-            return snap.tmp_dir + p[len(final):]
+            return snap.tmp_dir + p[len(final) :]
         return path
 
     def makedirs(self, path, exist_ok=False):
@@ -320,6 +335,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             head = f.read(len(_FORMAT_MAGIC))
         if head == _FORMAT_MAGIC:
             from io_engine import read_snapshot_file
+
             raw = read_snapshot_file(path)
             items = {}
             for key, (view, meta) in raw.items():
@@ -364,16 +380,20 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         try:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
-            raise SnapshotWriteError(f"snapshot {snap.final_dir}: no outcome within {self.timeout_s:.0f} s "
-                                     f"({err}); 'latest' still names {read_latest(snap.info.save_dir)!r}") from None
+            raise SnapshotWriteError(
+                f"snapshot {snap.final_dir}: no outcome within {self.timeout_s:.0f} s "
+                f"({err}); 'latest' still names {read_latest(snap.info.save_dir)!r}"
+            ) from None
         outcome = self.store.get(key).decode()
         for j in snap.jobs:
             self.stats["persist_s"] += j.seconds
             self.stats["bytes"] += j.nbytes
         if outcome != "ok":
-            raise SnapshotWriteError(f"snapshot {snap.final_dir} was not committed, a write failed "
-                                     f"({outcome.removeprefix('failed: ')}); 'latest' still names "
-                                     f"{read_latest(snap.info.save_dir)!r}")
+            raise SnapshotWriteError(
+                f"snapshot {snap.final_dir} was not committed, a write failed "
+                f"({outcome.removeprefix('failed: ')}); 'latest' still names "
+                f"{read_latest(snap.info.save_dir)!r}"
+            )
 
     def close(self) -> None:
         """Finish pending work (bounded by ``timeout_s``), stop the worker, free the host cache.

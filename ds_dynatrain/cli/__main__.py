@@ -1,4 +1,5 @@
 """``python -m ds_dynatrain.cli``: the ``dynatrain`` command."""
+
 import sys
 
 from .main import main

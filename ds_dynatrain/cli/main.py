@@ -12,6 +12,7 @@
     dynatrain verify CKPT_DIR [--tag T]
     dynatrain export CKPT_DIR --out model.safetensors [--dtype fp32|bf16] [--tag T]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,18 @@ from ..log import log_to_console
 
 def _cmd_launch(a) -> int:
     from ..elastic.launch import launch
+
     try:
-        return launch(a.script, a.script_args, a.nproc, a.config, a.store, nnodes=getattr(a, "nnodes", 1),
-                      node_rank=getattr(a, "node_rank", 0), join=a.command == "join")
+        return launch(
+            a.script,
+            a.script_args,
+            a.nproc,
+            a.config,
+            a.store,
+            nnodes=getattr(a, "nnodes", 1),
+            node_rank=getattr(a, "node_rank", 0),
+            join=a.command == "join",
+        )
     except ConfigError as err:
         print(f"dynatrain {a.command}: {err}", file=sys.stderr)
         return 2
@@ -35,6 +45,7 @@ def _cmd_launch(a) -> int:
 
 def _cmd_resize(a) -> int:
     from ..elastic.requests import request_resize
+
     host, _, port = a.store.rpartition(":")
     if not host or not port.isdigit():
         print(f"dynatrain resize: --store {a.store!r}: expected HOST:PORT", file=sys.stderr)
@@ -53,6 +64,7 @@ def _cmd_resize(a) -> int:
 
 def _cmd_plot(a) -> int:
     from .plot import plot_losses
+
     try:
         plot_losses(a.metrics, a.out, static_path=a.static, title=a.title)
     except (OSError, ValueError, KeyError) as err:
@@ -67,9 +79,11 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def _cmd_plan(a) -> int:
     from .plan import plan_report, print_report
+
     try:
-        rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, DTYPE_NAMES.get(a.dtype, a.dtype),
-                          a.assignment)
+        rep = plan_report(
+            a.model_config, a.zero_stage, a.from_ws, a.to_ws, DTYPE_NAMES.get(a.dtype, a.dtype), a.assignment
+        )
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
         return 2
@@ -80,6 +94,7 @@ def _cmd_plan(a) -> int:
 def _cmd_inspect(a) -> int:
     from ..checkpoint.inspect import inspect_report
     from .report import print_inspect
+
     if not os.path.isdir(a.dir):
         print(f"dynatrain inspect: {a.dir}: not a directory", file=sys.stderr)
         return 2
@@ -95,6 +110,7 @@ def _cmd_inspect(a) -> int:
 def _cmd_verify(a) -> int:
     from ..checkpoint.inspect import verify_checkpoint
     from .report import print_verify
+
     if not os.path.isdir(a.dir):
         print(f"dynatrain verify: {a.dir}: not a directory", file=sys.stderr)
         return 2
@@ -105,6 +121,7 @@ def _cmd_verify(a) -> int:
 
 def _cmd_export(a) -> int:
     from ..checkpoint.consolidate import EXPORT_DTYPES, export_safetensors
+
     if not os.path.isdir(a.dir):
         print(f"dynatrain export: {a.dir}: not a directory", file=sys.stderr)
         return 2
@@ -120,8 +137,10 @@ def _cmd_export(a) -> int:
     except OSError as err:
         print(f"dynatrain export: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
-          f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s")
+    print(
+        f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
+        f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s"
+    )
     return 0
 
 
@@ -134,18 +153,26 @@ def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing "
-                                "and resilience snapshots.")
+    p = argparse.ArgumentParser(
+        prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing and resilience snapshots."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
     lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
     lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
     lp.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store")
-    lp.add_argument("--store", default=None, help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
-                    "on several hosts an address of node 0 and a fixed port)")
-    _job_arguments(lp, "DeepSpeed JSON config, with an optional \"dynatrain\" section",
-                   "training script; it receives its arguments plus --deepspeed_config CONFIG")
+    lp.add_argument(
+        "--store",
+        default=None,
+        help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
+        "on several hosts an address of node 0 and a fixed port)",
+    )
+    _job_arguments(
+        lp,
+        'DeepSpeed JSON config, with an optional "dynatrain" section',
+        "training script; it receives its arguments plus --deepspeed_config CONFIG",
+    )
 
     jp = sub.add_parser("join", help="add this host's workers to a running job (a grow, served at a step boundary)")
     jp.add_argument("--store", required=True, help="HOST:PORT of the job's store")
@@ -163,10 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3; default 2)")
     qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
     qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
-    qp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", *DTYPE_NAMES],
-                    help="working dtype of the parameters (default bfloat16; fp32 training moves no master)")
-    qp.add_argument("--assignment", default="best", choices=["best", "keep"],
-                    help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r")
+    qp.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32", *DTYPE_NAMES],
+        help="working dtype of the parameters (default bfloat16; fp32 training moves no master)",
+    )
+    qp.add_argument(
+        "--assignment",
+        default="best",
+        choices=["best", "keep"],
+        help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r",
+    )
     qp.add_argument("--json", action="store_true", help="one JSON object")
     qp.set_defaults(func=_cmd_plan)
 
@@ -184,8 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--json", action="store_true", help="one JSON object")
     ip.set_defaults(func=_cmd_inspect)
 
-    vp = sub.add_parser("verify", help="check a checkpoint complete and intact: every file, checksum and fragment "
-                        "(exit status 0: intact, 1: not)")
+    vp = sub.add_parser(
+        "verify",
+        help="check a checkpoint complete and intact: every file, checksum and fragment "
+        "(exit status 0: intact, 1: not)",
+    )
     vp.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
     vp.add_argument("--tag", default=None, help=tag_help)
     vp.set_defaults(func=_cmd_verify)
@@ -193,8 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     ep = sub.add_parser("export", help="write the consolidated full weights as one safetensors file")
     ep.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
     ep.add_argument("--out", required=True, help="safetensors file to write (e.g. model.safetensors)")
-    ep.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="dtype of the floating-point tensors (integer buffers keep theirs)")
+    ep.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="dtype of the floating-point tensors (integer buffers keep theirs)",
+    )
     ep.add_argument("--tag", default=None, help=tag_help)
     ep.set_defaults(func=_cmd_export)
     return p
@@ -208,4 +250,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
         return 2
     return a.func(a)
-

@@ -1,11 +1,11 @@
 """``dynatrain plan``: the transition plan of a Hugging Face model between two world sizes, from
 metadata alone (the model is built on the meta device; no process starts, no memory is used)."""
+
 from __future__ import annotations
 
 import json
 import os
 import time
-
 
 from ..errors import ConfigError
 from ..planner.assignment import assign_members, assign_members_best
@@ -18,8 +18,9 @@ STATE_BYTES_PER_ELEMENT = {"bfloat16": 12, "float16": 12, "float32": 8}
 MAX_INFLIGHT_BYTES = 256 << 20  # the default bound of bytes in flight (dynatrain.max_inflight_bytes)
 
 
-def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
-                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> ZeroLayout:
+def model_layout(
+    model_config: str, world_size: int, stage: int, dtype: str, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+) -> ZeroLayout:
     """The ZeRO layout of the causal LM described by a Hugging Face config file (one group).
 
     Raises:
@@ -31,7 +32,7 @@ def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as err:  # pragma: no cover - the examples extra
-        raise ConfigError(f"dynatrain plan needs transformers (pip install 'ds_dynatrain[examples]'): {err}")
+        raise ConfigError(f"dynatrain plan needs transformers (pip install 'ds_dynatrain[examples]'): {err}") from None
     if not os.path.isfile(model_config):
         raise ConfigError(f"--model-config {model_config!r}: no such file (a Hugging Face config.json)")
     try:
@@ -44,8 +45,9 @@ def model_layout(model_config: str, world_size: int, stage: int, dtype: str,
     return ZeroLayout(world_size, (metas,), stage=stage, sub_group_size=sub_group_size)
 
 
-def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16",
-                assignment: str = "best") -> dict:
+def plan_report(
+    model_config: str, stage: int, old_ws: int, new_ws: int, dtype: str = "bfloat16", assignment: str = "best"
+) -> dict:
     """Per-rank and total bytes of the transition: the fp32 master and two Adam moments in
     bf16/fp16 training, the two moments in fp32 training (the master is not moved), bytes.
 
@@ -76,17 +78,36 @@ def plan_report(model_config: str, stage: int, old_ws: int, new_ws: int, dtype: 
         kept = sum(t.numel for t in plan.keeps_of(m)) * b
         part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
         peak = 0 if old_ws == new_ws else part + min(recv + sent, MAX_INFLIGHT_BYTES) + whole
-        ranks.append({"rank": r, "member": m, "bytes_kept": kept, "bytes_sent": sent, "bytes_received": recv,
-                      "peak_extra_bytes": peak})
+        ranks.append(
+            {
+                "rank": r,
+                "member": m,
+                "bytes_kept": kept,
+                "bytes_sent": sent,
+                "bytes_received": recv,
+                "peak_extra_bytes": peak,
+            }
+        )
     for m in plan.leavers:
         sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
-        ranks.append({"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0,
-                      "peak_extra_bytes": 0})
-    return {"model_config": model_config, "zero_stage": stage, "from": old_ws, "to": new_ws, "assignment": assignment,
-            "dtype": dtype, "bytes_per_element": b,
-            "parameters": sum(p.numel for p in old.groups[0]), "bytes_moved": plan.numel_moved * b,
-            "bytes_kept": plan.numel_kept * b, "plan_seconds": seconds, "transfers": len(plan.transfers),
-            "ranks": ranks}
+        ranks.append(
+            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0, "peak_extra_bytes": 0}
+        )
+    return {
+        "model_config": model_config,
+        "zero_stage": stage,
+        "from": old_ws,
+        "to": new_ws,
+        "assignment": assignment,
+        "dtype": dtype,
+        "bytes_per_element": b,
+        "parameters": sum(p.numel for p in old.groups[0]),
+        "bytes_moved": plan.numel_moved * b,
+        "bytes_kept": plan.numel_kept * b,
+        "plan_seconds": seconds,
+        "transfers": len(plan.transfers),
+        "ranks": ranks,
+    }
 
 
 def print_report(rep: dict, as_json: bool) -> None:
@@ -94,13 +115,19 @@ def print_report(rep: dict, as_json: bool) -> None:
         print(json.dumps(rep))
         return
     gib = 1 << 30
-    print(f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {rep['from']} -> {rep['to']} ranks, "
-          f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers")
+    print(
+        f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {rep['from']} -> {rep['to']} ranks, "
+        f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers"
+    )
     print(f"{'rank':>5} {'member':>7} {'kept GiB':>9} {'sent GiB':>9} {'recv GiB':>9} {'peak extra GiB':>15}")
     for r in rep["ranks"]:
         rank = "leave" if r["rank"] is None else str(r["rank"])
-        print(f"{rank:>5} {r['member']:>7} {r['bytes_kept'] / gib:>9.2f} {r['bytes_sent'] / gib:>9.2f} "
-              f"{r['bytes_received'] / gib:>9.2f} {r['peak_extra_bytes'] / gib:>15.2f}")
+        print(
+            f"{rank:>5} {r['member']:>7} {r['bytes_kept'] / gib:>9.2f} {r['bytes_sent'] / gib:>9.2f} "
+            f"{r['bytes_received'] / gib:>9.2f} {r['peak_extra_bytes'] / gib:>15.2f}"
+        )
     total = rep["bytes_moved"] + rep["bytes_kept"]
-    print(f"total: {rep['bytes_moved'] / gib:.1f} GiB moved, {rep['bytes_kept'] / gib:.1f} GiB kept in place "
-          f"({100 * rep['bytes_kept'] / total:.1f} %)")
+    print(
+        f"total: {rep['bytes_moved'] / gib:.1f} GiB moved, {rep['bytes_kept'] / gib:.1f} GiB kept in place "
+        f"({100 * rep['bytes_kept'] / total:.1f} %)"
+    )

@@ -1,4 +1,5 @@
 """Loss-against-step plot of a metrics file, resizes marked (matplotlib, the ``examples`` extra)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,12 @@ def read_metrics(path: str) -> List[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_losses(metrics_path: str, out_path: str, static_path: Optional[str] = None,
-                title: str = "Loss of an elastic DeepSpeed ZeRO job") -> None:
+def plot_losses(
+    metrics_path: str,
+    out_path: str,
+    static_path: Optional[str] = None,
+    title: str = "Loss of an elastic DeepSpeed ZeRO job",
+) -> None:
     """Write a PNG: loss per step of the elastic run (and of the static run, if given), with a
     vertical line and a label ``old → new`` at every resize.
 
@@ -19,6 +24,7 @@ def plot_losses(metrics_path: str, out_path: str, static_path: Optional[str] = N
         ImportError: matplotlib is not installed (``pip install ds_dynatrain[examples]``).
     """
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -27,10 +33,22 @@ def plot_losses(metrics_path: str, out_path: str, static_path: Optional[str] = N
     fig, ax = plt.subplots(figsize=(9, 5))
     if static_path:
         st = [r for r in read_metrics(static_path) if r["event"] == "step"]
-        ax.plot([r["step"] for r in st], [r["loss"] for r in st], color="0.6", lw=2.5,
-                label=f"static run (world size {st[0]['world_size'] if st else '?'})")
-    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="C0", lw=1.2, marker=".", ms=3,
-            label="elastic run")
+        ax.plot(
+            [r["step"] for r in st],
+            [r["loss"] for r in st],
+            color="0.6",
+            lw=2.5,
+            label=f"static run (world size {st[0]['world_size'] if st else '?'})",
+        )
+    ax.plot(
+        [r["step"] for r in steps],
+        [r["loss"] for r in steps],
+        color="C0",
+        lw=1.2,
+        marker=".",
+        ms=3,
+        label="elastic run",
+    )
     ymax = max((r["loss"] for r in steps), default=1.0)
     for r in recs:
         if r["event"] == "resize":

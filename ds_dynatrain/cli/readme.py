@@ -1,5 +1,6 @@
 """The README's table of record fields, generated from the record classes
 (``python -m ds_dynatrain.cli.readme README.md`` rewrites it in place; without a file it prints it)."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """The printed reports of ``dynatrain inspect`` and ``dynatrain verify``."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,11 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(rep))
         return
-    fmt = {FORMAT_OURS: "dynatrain snapshot (checksummed)", FORMAT_DEEPSPEED: "DeepSpeed torch.save (no checksums)",
-           "mixed": "mixed (dynatrain and DeepSpeed files)"}[rep["format"]]
+    fmt = {
+        FORMAT_OURS: "dynatrain snapshot (checksummed)",
+        FORMAT_DEEPSPEED: "DeepSpeed torch.save (no checksums)",
+        "mixed": "mixed (dynatrain and DeepSpeed files)",
+    }[rep["format"]]
     print(f"checkpoint   {rep['dir']}")
     print(f"format       {fmt}")
     print(f"world size   {rep['world_size']}")
@@ -21,8 +25,10 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     print(f"step         {rep['step']} ({rep['global_samples']:,} samples)")
     print(f"dtype        {rep['working_dtype']} (working), fp32 master")
     ntrain = sum(1 for p in rep["parameters"] if p["trainable"])
-    print(f"parameters   {rep['num_parameters']:,} elements in {len(rep['parameters'])} tensors "
-          f"({rep['num_trainable']:,} trainable in {ntrain})")
+    print(
+        f"parameters   {rep['num_parameters']:,} elements in {len(rep['parameters'])} tensors "
+        f"({rep['num_trainable']:,} trainable in {ntrain})"
+    )
     width = max([len(p["name"]) for p in rep["parameters"]] + [4])
     print(f"  {'name':<{width}}  {'shape':<16} {'elements':>14}")
     for p in rep["parameters"]:

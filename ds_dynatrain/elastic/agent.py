@@ -22,6 +22,7 @@ largest world size the live workers can serve, from the latest complete snapshot
 (``DYNATRAIN_RESTORE``; the workers load it at that world size). Otherwise a failure ends the job:
 every agent kills its workers and exits with the failing worker's status.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,26 @@ import torch.distributed as tdist
 from io_engine import read_latest
 
 from ..log import logger
-from .keys import (ANSWER_KEY, CANCEL_COUNT, CANCEL_KEY, ENDED_KEY, GEN_KEY, JOINER_FAILED_KEY, MEMBER_NODE_KEY,
-                   NODE_ALIVE_KEY, NODE_COUNT, NODE_DONE_KEY, NODE_KEY, REQUEST_COUNT, REQUEST_KEY, RESTART_COUNT,
-                   RESTART_KEY, SPAWN_COUNT, SPAWN_KEY, SWITCH_KEY)
+from .keys import (
+    ANSWER_KEY,
+    CANCEL_COUNT,
+    CANCEL_KEY,
+    ENDED_KEY,
+    GEN_KEY,
+    JOINER_FAILED_KEY,
+    MEMBER_NODE_KEY,
+    NODE_ALIVE_KEY,
+    NODE_COUNT,
+    NODE_DONE_KEY,
+    NODE_KEY,
+    REQUEST_COUNT,
+    REQUEST_KEY,
+    RESTART_COUNT,
+    RESTART_KEY,
+    SPAWN_COUNT,
+    SPAWN_KEY,
+    SWITCH_KEY,
+)
 from .launch_env import LaunchContext, member_id
 from .membership import connect_store, next_generation
 from .placement import HEARTBEAT_LOST_S
@@ -60,10 +78,23 @@ class Agent:
         python: interpreter for the workers.
     """
 
-    def __init__(self, script: str, script_args: Sequence[str], nproc: int, config: str,
-                 store_host: str = "127.0.0.1", store_port: int = 0, python: str = sys.executable,
-                 restore_dir: Optional[str] = None, largest=None, max_restores: int = 3,
-                 nnodes: int = 1, node_rank: int = 0, join: bool = False, connect_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        script: str,
+        script_args: Sequence[str],
+        nproc: int,
+        config: str,
+        store_host: str = "127.0.0.1",
+        store_port: int = 0,
+        python: str = sys.executable,
+        restore_dir: Optional[str] = None,
+        largest=None,
+        max_restores: int = 3,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        join: bool = False,
+        connect_timeout_s: float = 60.0,
+    ):
         self.script = script
         self.script_args = list(script_args)
         self.nproc = nproc
@@ -73,8 +104,9 @@ class Agent:
         self.joining = join
         self.master = node_rank == 0 and not join
         if self.master:
-            self.store = tdist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=60))
+            self.store = tdist.TCPStore(
+                store_host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+            )
             self.store.add(NODE_COUNT, nnodes)
         else:
             self.store = connect_store(store_host, store_port, connect_timeout_s)
@@ -127,11 +159,23 @@ class Agent:
             for rank, member in zip(req["ranks"], req["members"]):
                 if int(nodes.get(member, 0)) != self.node:
                     continue
-                logger.info(f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
-                            f"world size {req['world_size']})")
+                logger.info(
+                    f"agent: starting joiner {member} (rank {rank} of generation {req['generation']}, "
+                    f"world size {req['world_size']})"
+                )
                 self.joiner_of[member] = int(req["generation"])
-                self._start(LaunchContext(self.store_host, self.store_port, member, int(req["generation"]), int(rank),
-                                          int(req["world_size"]), int(rank), joiner=True))
+                self._start(
+                    LaunchContext(
+                        self.store_host,
+                        self.store_port,
+                        member,
+                        int(req["generation"]),
+                        int(rank),
+                        int(req["world_size"]),
+                        int(rank),
+                        joiner=True,
+                    )
+                )
 
     def _poll_cancels(self) -> None:
         """Stop joiners whose generation will not be formed; their exit status does not count."""
@@ -214,8 +258,10 @@ class Agent:
                 ranks[str(node)] = list(range(r, r + k))
                 r += k
         tag = read_latest(self.restore_dir)
-        logger.info(f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
-                    f"{tag} in {self.restore_dir}")
+        logger.info(
+            f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
+            f"{tag} in {self.restore_dir}"
+        )
         self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
         return True
 
@@ -315,8 +361,10 @@ class Agent:
                             continue
                         why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
                         if self._died_before_joining(member):
-                            logger.info(f"agent: joiner {member} died before it joined ({why}); the job gives its "
-                                        "generation up and goes on")
+                            logger.info(
+                                f"agent: joiner {member} died before it joined ({why}); the job gives its "
+                                "generation up and goes on"
+                            )
                             continue
                         seen = self._restarts_seen
                         stopped = self._poll_restarts()
@@ -342,8 +390,10 @@ class Agent:
                         if self._stopping:
                             return self._end(128 + (self._stop_signal or signal.SIGTERM))
                         if self.store.check([ENDED_KEY]):
-                            logger.info(f"agent: every member was preempted after step "
-                                        f"{self.store.get(ENDED_KEY).decode()}; the job did not finish")
+                            logger.info(
+                                f"agent: every member was preempted after step "
+                                f"{self.store.get(ENDED_KEY).decode()}; the job did not finish"
+                            )
                             return self._end(128 + signal.SIGTERM)
                         return self._end(0)
                 time.sleep(POLL_S)

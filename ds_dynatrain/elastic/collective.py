@@ -4,6 +4,7 @@ A rank that raised alone would leave the others waiting in their next collective
 hands its problem (or None) to :func:`raise_on_every_rank`, which gathers them over the process
 group and raises, on every rank, one error naming each rank and its problem.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Type
@@ -16,8 +17,9 @@ def describe_problems(problems: Sequence[Optional[str]]) -> List[Tuple[int, str]
     return [(r, p) for r, p in enumerate(problems) if p]
 
 
-def raise_on_every_rank(problem: Optional[str], error: Type[Exception], what: str,
-                        own_error: Optional[Type[Exception]] = None, group=None) -> None:
+def raise_on_every_rank(
+    problem: Optional[str], error: Type[Exception], what: str, own_error: Optional[Type[Exception]] = None, group=None
+) -> None:
     """Gather every rank's ``problem`` (None: this rank has none) over ``group`` (default: the
     default process group); if any rank has one, raise on every rank ``error(what + ": rank r:
     problem; ...")``. ``own_error``: the class raised instead on a rank whose own problem it is

@@ -17,6 +17,7 @@ they must do (``tests/test_groups.py``).
 Only gloo groups are built in the background; other backends form their group in the
 foreground with ``init_process_group`` (:meth:`GroupCache.activate` falls back to it).
 """
+
 from __future__ import annotations
 
 import threading
@@ -75,10 +76,17 @@ def install_default(pg: tdist.ProcessGroup, store, backend: str = "gloo", group_
         RuntimeError: a default group is installed already.
     """
     from torch.distributed import distributed_c10d as c10d
+
     if tdist.is_initialized():
         raise RuntimeError("a default process group is installed already; detach it first")
-    c10d._register_pg_in_world(pg, backend_name=backend, store=store, group_name=DEFAULT_NAME,
-                               backend_config=str(c10d.BackendConfig(backend)), add_to_default_tag=True)
+    c10d._register_pg_in_world(
+        pg,
+        backend_name=backend,
+        store=store,
+        group_name=DEFAULT_NAME,
+        backend_config=str(c10d.BackendConfig(backend)),
+        add_to_default_tag=True,
+    )
     c10d._update_default_pg(pg)
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
     c10d._world.group_count = group_count
@@ -89,6 +97,7 @@ def detach_default() -> Optional[tdist.ProcessGroup]:
     ``destroy_process_group()`` does, but shut down only the others: the default group object
     stays usable and is returned (None when there was none)."""
     from torch.distributed import distributed_c10d as c10d
+
     if not tdist.is_initialized():
         return None
     default = c10d._world.default_pg
@@ -96,9 +105,15 @@ def detach_default() -> Optional[tdist.ProcessGroup]:
         if pg is not default:
             pg.shutdown()
     c10d._update_default_pg(None)
-    for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
-                  c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg,
-                  c10d._world.pg_coalesce_state):
+    for table in (
+        c10d._world.pg_map,
+        c10d._world.pg_names,
+        c10d._world.pg_group_ranks,
+        c10d._world.pg_backend_config,
+        c10d._world.pg_to_tag,
+        c10d._world.tags_to_pg,
+        c10d._world.pg_coalesce_state,
+    ):
         table.clear()
     c10d._unregister_all_process_groups()
     c10d._world.group_count = 0
@@ -130,8 +145,13 @@ class GroupCache:
         on_new_default: called after every switch of the default group (DeepSpeed's comm reset).
     """
 
-    def __init__(self, connect: Callable[[], object], member: str, backend: str,
-                 on_new_default: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        connect: Callable[[], object],
+        member: str,
+        backend: str,
+        on_new_default: Optional[Callable[[], None]] = None,
+    ):
         self.connect = connect
         self.member = member
         self.backend = backend
@@ -202,13 +222,20 @@ class GroupCache:
         if self.on_new_default is not None:
             self.on_new_default()
         if self.backend != "gloo":
-            tdist.init_process_group(self.backend, store=tdist.PrefixStore(prefix, self.connect()), rank=b.rank,
-                                     world_size=len(members), timeout=timedelta(seconds=timeout_s))
+            tdist.init_process_group(
+                self.backend,
+                store=tdist.PrefixStore(prefix, self.connect()),
+                rank=b.rank,
+                world_size=len(members),
+                timeout=timedelta(seconds=timeout_s),
+            )
         else:
             if b.error is not None:
                 del self._builds[members]
-                raise TransitionAbortedError(f"rank {b.rank} of {len(members)} could not form the process group "
-                                             f"of {list(members)} within {timeout_s:.0f} s: {b.error}")
+                raise TransitionAbortedError(
+                    f"rank {b.rank} of {len(members)} could not form the process group "
+                    f"of {list(members)} within {timeout_s:.0f} s: {b.error}"
+                )
             install_default(b.pg, b.store, self.backend, b.group_count)
         self.active = members
         return reused
@@ -218,6 +245,7 @@ class GroupCache:
         current = self._builds.get(self.active) if self.active is not None else None
         if current is not None and tdist.is_initialized():
             from torch.distributed import distributed_c10d as c10d
+
             current.group_count = c10d._world.group_count
         detach_default()
         self.active = None

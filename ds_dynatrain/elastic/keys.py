@@ -32,6 +32,7 @@ Requests and the job:
   ``dynatrain/request/served``: requests answered so far.
 * ``dynatrain/last_step``, ``dynatrain/done``, ``dynatrain/ended_by_preemption``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,29 +40,29 @@ from typing import Sequence
 
 GEN_KEY = "dynatrain/gen/{}"
 GO_KEY = "dynatrain/gen/{}/go"
-ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"    # generation, publishing step: will not be formed
-SWITCH_KEY = "dynatrain/gen/{}/{}/switching"       # generation, publishing step: the header is on its way
-JOB_KEY = "dynatrain/job"                          # what a requester needs to check a world size
+ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"  # generation, publishing step: will not be formed
+SWITCH_KEY = "dynatrain/gen/{}/{}/switching"  # generation, publishing step: the header is on its way
+JOB_KEY = "dynatrain/job"  # what a requester needs to check a world size
 REQUEST_COUNT = "dynatrain/request/count"
-REQUEST_KEY = "dynatrain/request/{}"               # {"world_size": N} or {"join": node, "slots": K}
-ANSWER_KEY = "dynatrain/request/{}/answer"         # {"ok": bool, "message": str, "record": {...}, "aborted"}
-SERVED_KEY = "dynatrain/request/served"            # requests answered so far (a restored job goes on from it)
-LAST_STEP_KEY = "dynatrain/last_step"              # the last optimizer step the job completed
-ENDED_KEY = "dynatrain/ended_by_preemption"        # every member was preempted: the job stopped early
-DONE_KEY = "dynatrain/done"                        # the job finished: standby processes leave
+REQUEST_KEY = "dynatrain/request/{}"  # {"world_size": N} or {"join": node, "slots": K}
+ANSWER_KEY = "dynatrain/request/{}/answer"  # {"ok": bool, "message": str, "record": {...}, "aborted"}
+SERVED_KEY = "dynatrain/request/served"  # requests answered so far (a restored job goes on from it)
+LAST_STEP_KEY = "dynatrain/last_step"  # the last optimizer step the job completed
+ENDED_KEY = "dynatrain/ended_by_preemption"  # every member was preempted: the job stopped early
+DONE_KEY = "dynatrain/done"  # the job finished: standby processes leave
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
 CANCEL_COUNT = "dynatrain/cancel/count"
 CANCEL_KEY = "dynatrain/cancel/{}"
-STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"     # a standby process left (preempted)
-JOINER_FAILED_KEY = "dynatrain/joiner/{}/failed"   # a joiner died before its generation formed
-NODE_COUNT = "dynatrain/node/count"                # agents registered (node ids 0 .. count-1)
-NODE_KEY = "dynatrain/node/{}"                     # {"slots": K}
-NODE_DONE_KEY = "dynatrain/node/{}/done"           # that agent's workers have all exited
-NODE_ALIVE_KEY = "dynatrain/node/{}/alive"         # {"alive": running workers, "time": heartbeat, unix seconds}
-MEMBER_NODE_KEY = "dynatrain/member/{}/node"       # the node a member runs on
+STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"  # a standby process left (preempted)
+JOINER_FAILED_KEY = "dynatrain/joiner/{}/failed"  # a joiner died before its generation formed
+NODE_COUNT = "dynatrain/node/count"  # agents registered (node ids 0 .. count-1)
+NODE_KEY = "dynatrain/node/{}"  # {"slots": K}
+NODE_DONE_KEY = "dynatrain/node/{}/done"  # that agent's workers have all exited
+NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time": heartbeat, unix seconds}
+MEMBER_NODE_KEY = "dynatrain/member/{}/node"  # the node a member runs on
 RESTART_COUNT = "dynatrain/restart/count"
-RESTART_KEY = "dynatrain/restart/{}"               # {"generation", "world_size", "ranks": {node: [ranks]}} or {"stop": rc}
+RESTART_KEY = "dynatrain/restart/{}"  # {"generation", "world_size", "ranks": {node: [ranks]}} or {"stop": rc}
 
 
 def group_prefix(generation: int, members: Sequence[str], step: int, kind: str = "pg") -> str:

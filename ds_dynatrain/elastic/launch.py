@@ -1,5 +1,6 @@
 """``dynatrain launch`` and ``dynatrain join`` on one host: check the config and the store address,
 then run this host's :class:`~ds_dynatrain.elastic.agent.Agent`."""
+
 from __future__ import annotations
 
 import socket
@@ -22,8 +23,16 @@ def _parse_store(store: Optional[str]) -> Tuple[str, int]:
     return host, int(p)
 
 
-def launch(script: str, script_args: Sequence[str], nproc: int, config: str, store: Optional[str] = None,
-           nnodes: int = 1, node_rank: int = 0, join: bool = False) -> int:
+def launch(
+    script: str,
+    script_args: Sequence[str],
+    nproc: int,
+    config: str,
+    store: Optional[str] = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    join: bool = False,
+) -> int:
     """Validate ``config``, then run this node's share of the job under an :class:`Agent`.
     Returns the exit status.
 
@@ -50,19 +59,32 @@ def launch(script: str, script_args: Sequence[str], nproc: int, config: str, sto
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
                 s.bind((host, 0))
         except OSError as err:
-            raise ConfigError(f"--store {host}:{port}: node 0 hosts the store, but {host} is not an address of "
-                              f"this host ({err})") from None
+            raise ConfigError(
+                f"--store {host}:{port}: node 0 hosts the store, but {host} is not an address of this host ({err})"
+            ) from None
     if join:
         global_batch, micro = resolve_global_batch(ds_config, 1)
     else:
         global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes, elastic=True)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
+
     def largest(alive: int) -> int:
         return largest_world_size(global_batch, micro, alive, dt_cfg.max_world_size)
 
     try:
-        agent = Agent(script, script_args, nproc, config, host, port, restore_dir=restore, largest=largest,
-                      nnodes=nnodes, node_rank=node_rank, join=join)
+        agent = Agent(
+            script,
+            script_args,
+            nproc,
+            config,
+            host,
+            port,
+            restore_dir=restore,
+            largest=largest,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            join=join,
+        )
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None
     what = "joining the job with" if join else f"node {agent.node} of {nnodes}, starting"

@@ -15,6 +15,7 @@ ones; ours are:
 ``DYNATRAIN_RESTORE``  the snapshot directory to restore from (a restart after a worker died)
 =====================  ======================================================================
 """
+
 from __future__ import annotations
 
 import os
@@ -49,10 +50,17 @@ class LaunchContext:
         if STORE not in env:
             return None
         host, _, port = env[STORE].rpartition(":")
-        return LaunchContext(store_host=host, store_port=int(port), member=env[MEMBER],
-                             generation=int(env.get(GENERATION, "0")), rank=int(env["RANK"]),
-                             world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-                             joiner=env.get(JOIN, "0") == "1", restore_dir=env.get(RESTORE) or None)
+        return LaunchContext(
+            store_host=host,
+            store_port=int(port),
+            member=env[MEMBER],
+            generation=int(env.get(GENERATION, "0")),
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            joiner=env.get(JOIN, "0") == "1",
+            restore_dir=env.get(RESTORE) or None,
+        )
 
     def worker_environ(self) -> dict:
         """The variables the launcher sets for a worker with this context."""
@@ -77,12 +85,12 @@ def member_id(generation: int, rank: int) -> str:
     return f"g{generation}r{rank}"
 
 
-def enter_generation(rank: int, world_size: int, local_rank: int,
-                     environ: Optional[MutableMapping[str, str]] = None) -> None:
+def enter_generation(
+    rank: int, world_size: int, local_rank: int, environ: Optional[MutableMapping[str, str]] = None
+) -> None:
     """Keep ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` true for the
     generation this process now trains in (DeepSpeed reads them at every engine set-up, and
     ZeRO-3 refuses a group that contradicts ``WORLD_SIZE``). ``LOCAL_RANK`` stays the process's
     own (its device): a process keeps its device across generations."""
     env = os.environ if environ is None else environ
-    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-               LOCAL_WORLD_SIZE=str(world_size))
+    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))

@@ -11,6 +11,7 @@ generation has the same members. The store keys are those of :mod:`~ds_dynatrain
 This module knows process groups and the store, not the engine: the caller keeps the launch
 environment and DeepSpeed's comm state true for a new generation.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,29 @@ import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
 from .groups import GroupCache
-from .keys import (ABANDONED_KEY, CANCEL_COUNT, CANCEL_KEY, DONE_KEY, ENDED_KEY, GEN_KEY, GO_KEY,
-                   JOB_KEY, JOINER_FAILED_KEY, LAST_STEP_KEY, REQUEST_COUNT, REQUEST_KEY, ANSWER_KEY, SERVED_KEY,
-                   SPAWN_COUNT, SPAWN_KEY, STANDBY_GONE_KEY, SWITCH_KEY, group_prefix)
+from .keys import (
+    ABANDONED_KEY,
+    ANSWER_KEY,
+    CANCEL_COUNT,
+    CANCEL_KEY,
+    DONE_KEY,
+    ENDED_KEY,
+    GEN_KEY,
+    GO_KEY,
+    JOB_KEY,
+    JOINER_FAILED_KEY,
+    LAST_STEP_KEY,
+    REQUEST_COUNT,
+    REQUEST_KEY,
+    SERVED_KEY,
+    SPAWN_COUNT,
+    SPAWN_KEY,
+    STANDBY_GONE_KEY,
+    SWITCH_KEY,
+    group_prefix,
+)
 from .launch_env import LaunchContext
+
 
 @dataclass(frozen=True)
 class GenerationRecord:
@@ -62,8 +82,7 @@ def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple
 
 def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
     """A client connection to the job's store."""
-    return tdist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    return tdist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class Membership:
@@ -77,8 +96,13 @@ class Membership:
             what caches the old group, e.g. DeepSpeed's comm state).
     """
 
-    def __init__(self, ctx: LaunchContext, timeout_s: float, backend: str = "gloo",
-                 on_new_default: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        ctx: LaunchContext,
+        timeout_s: float,
+        backend: str = "gloo",
+        on_new_default: Optional[Callable[[], None]] = None,
+    ):
         self.ctx = ctx
         self.timeout_s = timeout_s
         self.store = connect_store(ctx.store_host, ctx.store_port, timeout_s)
@@ -86,9 +110,19 @@ class Membership:
         self.stop_waiting: Optional[Callable[[], bool]] = None  # a standby's reason to stop waiting
 
     def publish(self, rec: GenerationRecord) -> None:
-        self.store.set(GEN_KEY.format(rec.generation), json.dumps(
-            {"generation": rec.generation, "world_size": rec.world_size, "members": list(rec.members),
-             "step": rec.step, "header_rank": rec.header_rank, "previous": list(rec.previous)}))
+        self.store.set(
+            GEN_KEY.format(rec.generation),
+            json.dumps(
+                {
+                    "generation": rec.generation,
+                    "world_size": rec.world_size,
+                    "members": list(rec.members),
+                    "step": rec.step,
+                    "header_rank": rec.header_rank,
+                    "previous": list(rec.previous),
+                }
+            ),
+        )
 
     def read(self, generation: int, timeout_s: float) -> GenerationRecord:
         """Wait for and read generation ``generation``.
@@ -102,13 +136,28 @@ class Membership:
         except RuntimeError as err:
             raise TransitionAbortedError(f"generation {generation} was not published within {timeout_s:.0f} s") from err
         d = json.loads(self.store.get(key))
-        return GenerationRecord(int(d["generation"]), int(d["world_size"]), tuple(d["members"]), int(d["step"]),
-                                int(d.get("header_rank", 0)), tuple(d.get("previous", ())))
+        return GenerationRecord(
+            int(d["generation"]),
+            int(d["world_size"]),
+            tuple(d["members"]),
+            int(d["step"]),
+            int(d.get("header_rank", 0)),
+            tuple(d.get("previous", ())),
+        )
 
     def publish_job(self, global_batch: int, micro_batch: int, max_world_size, world_size: int) -> None:
         """What a resize requester checks a world size against (rank 0, at start)."""
-        self.store.set(JOB_KEY, json.dumps({"global_batch": global_batch, "micro_batch": micro_batch,
-                                            "max_world_size": max_world_size, "world_size": world_size}))
+        self.store.set(
+            JOB_KEY,
+            json.dumps(
+                {
+                    "global_batch": global_batch,
+                    "micro_batch": micro_batch,
+                    "max_world_size": max_world_size,
+                    "world_size": world_size,
+                }
+            ),
+        )
 
     def pending_request(self, seen: int):
         """The next resize request after the first ``seen``, as ``(index, request dict)``, or None."""
@@ -119,8 +168,9 @@ class Membership:
     def answer(self, index: int, ok: bool, message: str, record=None, aborted: bool = False) -> None:
         """Rank 0's answer to request ``index`` (the requester waits for it). ``aborted``: the
         request was valid but given up (not a refusal of the size)."""
-        self.store.set(ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record,
-                                                             "aborted": aborted}))
+        self.store.set(
+            ANSWER_KEY.format(index), json.dumps({"ok": ok, "message": message, "record": record, "aborted": aborted})
+        )
         self.store.set(SERVED_KEY, str(index + 1))
 
     def served(self) -> int:
@@ -133,14 +183,24 @@ class Membership:
     def last_step(self) -> int:
         return int(self.store.get(LAST_STEP_KEY)) if self.store.check([LAST_STEP_KEY]) else 0
 
-    def request_spawn(self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str],
-                      nodes=None) -> None:
+    def request_spawn(
+        self, generation: int, world_size: int, ranks: Sequence[int], members: Sequence[str], nodes=None
+    ) -> None:
         """Ask the launcher agents to start processes for ``ranks`` of ``generation``, member
         ``members[i]`` on the agent of node ``nodes[members[i]]`` (node 0 when not given)."""
         i = self.store.add(SPAWN_COUNT, 1) - 1
-        self.store.set(SPAWN_KEY.format(i), json.dumps(
-            {"generation": generation, "world_size": world_size, "ranks": list(ranks), "members": list(members),
-             "nodes": dict(nodes or {})}))
+        self.store.set(
+            SPAWN_KEY.format(i),
+            json.dumps(
+                {
+                    "generation": generation,
+                    "world_size": world_size,
+                    "ranks": list(ranks),
+                    "members": list(members),
+                    "nodes": dict(nodes or {}),
+                }
+            ),
+        )
 
     def cancel_spawn(self, generation: int, members: Sequence[str]) -> None:
         """Ask the agent to stop the joiners ``members`` started for ``generation``."""

@@ -1,4 +1,5 @@
 """Where a joiner starts: the live agents, their free slots, and the choice among them."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Requests from outside a running job (``dynatrain resize``): reach its store, check the size,
 queue the request and wait for the job's answer."""
+
 from __future__ import annotations
 
 import json
@@ -45,11 +46,14 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     except RuntimeError:
         waited = time.monotonic() - t0
         if waited < 0.9 * timeout_s:  # the wait ended early: the store is gone with its job
-            raise TransitionAbortedError(f"the job's store at {host}:{port} went away after {waited:.0f} s, before "
-                                         f"request {i} (world size {world_size}) was answered: the job ended or "
-                                         "failed") from None
-        raise TransitionAbortedError(f"request {i} (world size {world_size}) got no answer within {timeout_s:.0f} s; "
-                                     "it stays queued") from None
+            raise TransitionAbortedError(
+                f"the job's store at {host}:{port} went away after {waited:.0f} s, before "
+                f"request {i} (world size {world_size}) was answered: the job ended or "
+                "failed"
+            ) from None
+        raise TransitionAbortedError(
+            f"request {i} (world size {world_size}) got no answer within {timeout_s:.0f} s; it stays queued"
+        ) from None
     if not answer["ok"]:
         if answer.get("aborted"):
             raise TransitionAbortedError(answer["message"])

@@ -7,6 +7,7 @@ one change of the world: a prepared request given up (a preemption, a scheduled 
 failed build came first), the preempted members leaving, the scheduled resize, the switch to a
 prepared world, or a new request served; finally joiners of a scheduled grow are started ahead.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,10 +42,18 @@ def after_optimizer_step(engine) -> None:
     ready, error = prep.state(dt, engine.global_rank == 0) if prep is not None else (False, None)
     request = _read_request(engine) if prep is None and step not in dt.schedule else None
     gone = _gone_standby(engine)
-    vote = StepVote(loss_sum=dt.loss_sum, loss_count=dt.loss_count, request=request, preempted=dt.preempted,
-                    standby_gone=gone, ready=ready, failed=error is not None)
-    tally = exchange(vote, engine.global_rank, engine.dp_world_size, len(dt.standby),
-                     get_accelerator().current_device_name())
+    vote = StepVote(
+        loss_sum=dt.loss_sum,
+        loss_count=dt.loss_count,
+        request=request,
+        preempted=dt.preempted,
+        standby_gone=gone,
+        ready=ready,
+        failed=error is not None,
+    )
+    tally = exchange(
+        vote, engine.global_rank, engine.dp_world_size, len(dt.standby), get_accelerator().current_device_name()
+    )
     if tally.standby_gone:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
@@ -108,9 +117,11 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
     prep = dt.preparing
     target = dt.schedule.get(engine.global_steps)
     if prep is not None and (tally.preempted or target is not None or tally.failed):
-        why = (f"the new world could not be formed: {error or f'{tally.failed} rank(s) could not build its groups'}"
-               if tally.failed and not tally.preempted and target is None
-               else "a preemption or a scheduled resize came first")
+        why = (
+            f"the new world could not be formed: {error or f'{tally.failed} rank(s) could not build its groups'}"
+            if tally.failed and not tally.preempted and target is None
+            else "a preemption or a scheduled resize came first"
+        )
         abandon(engine, prep, why)
         prep = None
     if tally.preempted:
@@ -132,11 +143,14 @@ def leave_preempted(engine, ranks) -> None:
     decides; surplus processes leave too)."""
     dt = engine._dt
     leavers = tuple(dt.members[r] for r in sorted(ranks))
-    size = largest_world_size(dt.global_batch, dt.micro_batch, engine.dp_world_size - len(leavers),
-                              dt.config.max_world_size)
+    size = largest_world_size(
+        dt.global_batch, dt.micro_batch, engine.dp_world_size - len(leavers), dt.config.max_world_size
+    )
     if engine.global_rank == 0:
-        logger.info(f"preemption of {list(leavers)} after step {engine.global_steps}: "
-                    + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends"))
+        logger.info(
+            f"preemption of {list(leavers)} after step {engine.global_steps}: "
+            + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends")
+        )
     if size == 0:
         if engine.global_rank == 0:
             dt.membership.store.set(ENDED_KEY, str(engine.global_steps))  # the launcher exits non-zero

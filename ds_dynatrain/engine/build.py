@@ -1,6 +1,7 @@
 """The first build of an elastic engine in a worker: the launch context, the job's store and first
 generation, DeepSpeed's set-up on our object, or joining a running job; then the restore of a
 restarted job and the exit hooks."""
+
 from __future__ import annotations
 
 import atexit
@@ -35,8 +36,17 @@ def client_groups(model: torch.nn.Module, optimizer, model_parameters) -> List[l
     return [params]
 
 
-def start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config: dict, dt_cfg: DynatrainConfig,
-                 collate_fn=None, distributed_port: int = 29500, dist_init_required=None) -> ElasticEngine:
+def start_engine(
+    model,
+    optimizer,
+    model_parameters,
+    lr_scheduler,
+    ds_config: dict,
+    dt_cfg: DynatrainConfig,
+    collate_fn=None,
+    distributed_port: int = 29500,
+    dist_init_required=None,
+) -> ElasticEngine:
     """An :class:`ElasticEngine` for this worker: built on the job's first generation, or joined
     to the running job (a process the launcher started as a joiner), or built on
     ``torch.distributed`` as ``deepspeed.initialize`` would be outside ``dynatrain launch``.
@@ -57,8 +67,9 @@ def start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config: di
     if ctx is None:
         if dt_cfg.resize_schedule:
             raise ConfigError("dynatrain.resize_schedule needs the job to be started by `dynatrain launch`")
-        deepspeed.init_distributed(dist_backend=backend, distributed_port=distributed_port,
-                                   dist_init_required=dist_init_required)
+        deepspeed.init_distributed(
+            dist_backend=backend, distributed_port=distributed_port, dist_init_required=dist_init_required
+        )
         world_size, rank, generation = tdist.get_world_size(), tdist.get_rank(), 0
         member = member_id(0, rank)
     else:
@@ -66,9 +77,19 @@ def start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config: di
         world_size, rank, member, generation = ctx.world_size, ctx.rank, ctx.member, ctx.generation
     # the launch world size, and every scheduled one, must keep the global batch
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
-    dt = ElasticState(config=dt_cfg, ds_config=ds_config, global_batch=global_batch, micro_batch=micro,
-                      membership=membership, member=member, members=(), generation=generation, backend=backend,
-                      metrics=MetricsWriter(dt_cfg.metrics_path), collate_fn=collate_fn)
+    dt = ElasticState(
+        config=dt_cfg,
+        ds_config=ds_config,
+        global_batch=global_batch,
+        micro_batch=micro,
+        membership=membership,
+        member=member,
+        members=(),
+        generation=generation,
+        backend=backend,
+        metrics=MetricsWriter(dt_cfg.metrics_path),
+        collate_fn=collate_fn,
+    )
     engine = ElasticEngine.__new__(ElasticEngine)
     engine._dt = dt
     if ctx is not None and ctx.joiner:
@@ -78,8 +99,15 @@ def start_engine(model, optimizer, model_parameters, lr_scheduler, ds_config: di
         dt.history = [dt.members]
         if ctx is not None:
             form_generation(dt, generation, dt.members, dt_cfg.collective_timeout_s)
-        construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
-                  ds_config_for(dt, dt.split(world_size), client_objects=False))
+        construct(
+            engine,
+            dt,
+            model,
+            optimizer,
+            model_parameters,
+            lr_scheduler,
+            ds_config_for(dt, dt.split(world_size), client_objects=False),
+        )
         if ctx is not None and rank == 0:
             membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
             membership.publish_job(global_batch, micro, dt_cfg.max_world_size, world_size)
@@ -99,8 +127,17 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
     if ctx.member not in rec.members:
-        raise NotAMemberError(f"member {ctx.member} is not in generation {rec.generation} "
-                              f"({list(rec.members)}): it was cancelled")
+        raise NotAMemberError(
+            f"member {ctx.member} is not in generation {rec.generation} ({list(rec.members)}): it was cancelled"
+        )
     logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
-    join_generation(engine, rec, model, optimizer, model_parameters, lr_scheduler,
-                    client_groups(model, optimizer, model_parameters), rebuilt=False)
+    join_generation(
+        engine,
+        rec,
+        model,
+        optimizer,
+        model_parameters,
+        lr_scheduler,
+        client_groups(model, optimizer, model_parameters),
+        rebuilt=False,
+    )

@@ -1,5 +1,6 @@
 """Building the engine: ``DeepSpeedEngine.__init__`` run on our object (at start, and again in place
 at every resize), with DeepSpeed's config at the current world size and our snapshot engine."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,17 @@ def ds_config_for(dt: ElasticState, split: BatchSplit, client_objects: bool) -> 
     return cfg
 
 
-def construct(engine, dt: ElasticState, model, optimizer, model_parameters, lr_scheduler, ds_config: dict,
-              light: bool = False, reuse_flat=()) -> None:
+def construct(
+    engine,
+    dt: ElasticState,
+    model,
+    optimizer,
+    model_parameters,
+    lr_scheduler,
+    ds_config: dict,
+    light: bool = False,
+    reuse_flat=(),
+) -> None:
     """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt), then
     give it the snapshot engine of this generation.
 
@@ -47,23 +57,40 @@ def construct(engine, dt: ElasticState, model, optimizer, model_parameters, lr_s
     ``reuse_flat``: the old engine's flat parameter buffers, which the new one may keep.
     """
     import deepspeed
+
     config_class = DeepSpeedConfig(ds_config)
     deepspeed.set_optimizer_flags(config_class, model)
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
     if not dt.param_attrs:  # what is the client's own, before ZeRO-3 attaches its attributes
         dt.param_attrs = client_attrs(model)
     with light_rebuild(reuse_flat) if light else contextlib.nullcontext():
-        DeepSpeedEngine.__init__(engine, args=None, model=model, optimizer=optimizer,
-                                 model_parameters=model_parameters, training_data=None, lr_scheduler=lr_scheduler,
-                                 mpu=None, dist_init_required=False, collate_fn=dt.collate_fn, config=ds_config,
-                                 config_class=config_class)
+        DeepSpeedEngine.__init__(
+            engine,
+            args=None,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=None,
+            lr_scheduler=lr_scheduler,
+            mpu=None,
+            dist_init_required=False,
+            collate_fn=dt.collate_fn,
+            config=ds_config,
+            config_class=config_class,
+        )
     engine._configure_python_gc()
     dt.rebuild_broadcast = None
     snap = dt.config.snapshot
     engine.checkpoint_engine = SnapshotCheckpointEngine(
-        store_address=store_address(dt), rank=tdist.get_rank(), world_size=tdist.get_world_size(),
-        generation=dt.generation, keep_last=snap.keep_last, timeout_s=dt.config.collective_timeout_s,
-        cache_bytes=snap.host_cache_mib << 20, asynchronous=snap.asynchronous)
+        store_address=store_address(dt),
+        rank=tdist.get_rank(),
+        world_size=tdist.get_world_size(),
+        generation=dt.generation,
+        keep_last=snap.keep_last,
+        timeout_s=dt.config.collective_timeout_s,
+        cache_bytes=snap.host_cache_mib << 20,
+        asynchronous=snap.asynchronous,
+    )
     engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
 
 
@@ -90,6 +117,11 @@ def own_layout(dt: ElasticState, model, groups, world_size: int) -> ZeroLayout:
     """The layout this process's model (parameter ``groups`` as the optimizer holds them) has at
     ``world_size`` (what a joiner checks rank 0's layout against)."""
     ds = dt.ds_config
-    dtype = (torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16
-             if ds.get("fp16", {}).get("enabled") else next(model.parameters()).dtype)
+    dtype = (
+        torch.bfloat16
+        if ds.get("bf16", {}).get("enabled")
+        else torch.float16
+        if ds.get("fp16", {}).get("enabled")
+        else next(model.parameters()).dtype
+    )
     return layout_for_model(list(model.named_parameters()), groups, world_size, ds, dtype)

@@ -10,6 +10,7 @@ This class holds DeepSpeed's overrides and the public API only; the work is in t
 this package: the step boundary (:mod:`.boundary`), a resize phase by phase (:mod:`.resize`),
 requests from outside (:mod:`.requests`), joining (:mod:`.join`), loading (:mod:`.loading`).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -82,8 +83,10 @@ class ElasticEngine(DeepSpeedEngine):
         dt = self._dt
         split = dt.split(world_size)
         if dt.membership is None:
-            raise ResizeRefusedError("online resizing needs the job to be started by `dynatrain launch` "
-                                     "(it hosts the membership store and starts joiners)")
+            raise ResizeRefusedError(
+                "online resizing needs the job to be started by `dynatrain launch` "
+                "(it hosts the membership store and starts joiners)"
+            )
         if world_size == self.dp_world_size and not must_leave:
             return None
         zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
@@ -150,11 +153,23 @@ class ElasticEngine(DeepSpeedEngine):
         if isinstance(ce, SnapshotCheckpointEngine):
             ce.publish_latest = save_latest  # the engine's commit replaces ``latest`` atomically
             save_latest = False
-        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        return super().save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, **kwargs):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        **kwargs,
+    ):
         """Load a snapshot or a DeepSpeed ZeRO checkpoint, saved at this or any other world size
         and ZeRO stage (1, 2, 3).
 
@@ -173,10 +188,16 @@ class ElasticEngine(DeepSpeedEngine):
         """
         self._require_member()
         self.wait_transition()
-        return loading.load_checkpoint(self, super().load_checkpoint, load_dir, tag=tag,
-                                       load_optimizer_states=load_optimizer_states,
-                                       load_lr_scheduler_states=load_lr_scheduler_states,
-                                       load_module_strict=load_module_strict, **kwargs)
+        return loading.load_checkpoint(
+            self,
+            super().load_checkpoint,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            **kwargs,
+        )
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none
@@ -198,5 +219,6 @@ class ElasticEngine(DeepSpeedEngine):
         if dt is not None and dt.retired:
             raise NotAMemberError(f"member {dt.member} left the job at a resize; this engine cannot train")
         if dt is not None and dt.failed:
-            raise TransitionAbortedError(f"this engine's last resize failed, its optimizer state is incomplete: "
-                                         f"{dt.failed}")
+            raise TransitionAbortedError(
+                f"this engine's last resize failed, its optimizer state is incomplete: {dt.failed}"
+            )

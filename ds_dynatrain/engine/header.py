@@ -6,6 +6,7 @@ layout); a problem on one is the same error on all (:func:`agree_on_header`). Th
 carries what a rebuilt engine does not have: step counters, LR scheduler, the optimizer's group
 hyper-parameters, the loss scaler, the RNG state, who stands by (:func:`install_header_state`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,18 +90,28 @@ def make_header(engine, plan: Plan, state: PartitionState, must_leave: Tuple[str
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     leaving = [m for m in plan.old_members if m not in plan.new_members and m not in must_leave]
     return TransitionHeader(
-        digest=plan.digest(), old_layout=plan.old_layout.to_dict(), old_members=list(plan.old_members),
-        new_members=list(plan.new_members), kinds=list(state_kinds(state)),
-        master_moves=not master_from_working(engine), max_inflight_bytes=dt.config.max_inflight_bytes,
-        dtype=str(state.tensors[0][MASTER].dtype).replace("torch.", ""), scalars=state.scalars,
-        counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                  "skipped_steps": engine.skipped_steps, "requests_seen": dt.requests_seen},
+        digest=plan.digest(),
+        old_layout=plan.old_layout.to_dict(),
+        old_members=list(plan.old_members),
+        new_members=list(plan.new_members),
+        kinds=list(state_kinds(state)),
+        master_moves=not master_from_working(engine),
+        max_inflight_bytes=dt.config.max_inflight_bytes,
+        dtype=str(state.tensors[0][MASTER].dtype).replace("torch.", ""),
+        scalars=state.scalars,
+        counters={
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "requests_seen": dt.requests_seen,
+        },
         lr_scheduler=sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.optimizer.param_groups],
         rng={"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         loss_scaler=None if scaler is None else {"class": type(scaler).__name__, "state": dict(vars(scaler))},
         standby=[m for m in dt.standby if m not in plan.new_members] + (leaving if dt.config.standby else []),
-        history=[list(m) for m in (dt.history + [tuple(plan.new_members)])[-HISTORY_KEPT:]])
+        history=[list(m) for m in (dt.history + [tuple(plan.new_members)])[-HISTORY_KEPT:]],
+    )
 
 
 def agree_on_header(header: Optional[TransitionHeader], check, src: int = 0) -> TransitionHeader:
@@ -175,8 +186,10 @@ def install_header_state(engine, header: TransitionHeader, dests, joiner: bool) 
     if sent is not None:  # survivors and joiners alike: the rebuild made a fresh scaler
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         if type(scaler).__name__ != sent["class"]:
-            raise DynatrainError(f"rank 0's loss scaler is a {sent['class']}, this rebuilt engine's a "
-                                 f"{type(scaler).__name__}: the processes run different configs")
+            raise DynatrainError(
+                f"rank 0's loss scaler is a {sent['class']}, this rebuilt engine's a "
+                f"{type(scaler).__name__}: the processes run different configs"
+            )
         scaler.__dict__.update(sent["state"])
     dt, c = engine._dt, header.counters
     engine.global_steps = c["global_steps"]

@@ -1,6 +1,7 @@
 """Joining a running job, the one path for every process that enters a generation it was not in: a
 new process the agent started, and a standby process taken back (which also waits here, standing
 by, until a generation names it or the job ends)."""
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,9 @@ from .transfer import begin_transition, build_joiner_xfer
 POLL_S = 0.02
 
 
-def wait_unless_given_up(dt: ElasticState, rec: GenerationRecord, done: Callable[[], bool], what: str,
-                         timeout_s: float) -> None:
+def wait_unless_given_up(
+    dt: ElasticState, rec: GenerationRecord, done: Callable[[], bool], what: str, timeout_s: float
+) -> None:
     """A process joining generation ``rec`` waits for ``done()`` (polled), at most ``timeout_s``.
 
     Raises:
@@ -39,8 +41,9 @@ def wait_unless_given_up(dt: ElasticState, rec: GenerationRecord, done: Callable
         time.sleep(POLL_S)
 
 
-def join_generation(engine, rec: GenerationRecord, model, optimizer, model_parameters, lr_scheduler,
-                    groups: List[list], rebuilt: bool) -> JoinRecord:
+def join_generation(
+    engine, rec: GenerationRecord, model, optimizer, model_parameters, lr_scheduler, groups: List[list], rebuilt: bool
+) -> JoinRecord:
     """Join generation ``rec`` (its membership names this process): form its process groups,
     receive and check the header, receive this process's partitions, build the engine, install
     the state. Returns the join record (completed when the moments have arrived).
@@ -64,32 +67,44 @@ def join_generation(engine, rec: GenerationRecord, model, optimizer, model_param
     # built in the background, so that a request given up (or the job's end) does not leave this
     # process stuck in a rendezvous its peers never reach
     membership.prepare(rec.generation, rec.members, rec.step, timeout)
-    wait_unless_given_up(dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built",
-                         timeout + 5.0)
+    wait_unless_given_up(
+        dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built", timeout + 5.0
+    )
     reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
     # the survivors may still give the request up (a preemption at the boundary where all were
     # ready): wait for them to switch before entering the header's broadcast
     try:
-        wait_unless_given_up(dt, rec, lambda: membership.is_switching(rec.generation, rec.step),
-                             "the survivors did not switch", timeout)
+        wait_unless_given_up(
+            dt, rec, lambda: membership.is_switching(rec.generation, rec.step), "the survivors did not switch", timeout
+        )
     except TransitionAbortedError:
         membership.groups.detach()
         raise
     header, plan = join_header(rec, own)
-    dests, _, transfer, overlap, xfer = begin_transition(plan, dt, rec.generation, header, None, receives=True,
-                                                         group=xfer.get(timeout))
+    dests, _, transfer, overlap, xfer = begin_transition(
+        plan, dt, rec.generation, header, None, receives=True, group=xfer.get(timeout)
+    )
     dt.members = plan.new_members
     dt.generation = rec.generation
     dt.retired = False
     dt.rebuild_broadcast = plan.survivor_ranks
-    construct(engine, dt, model, optimizer, model_parameters, lr_scheduler,
-              ds_config_for(dt, dt.split(rec.world_size), client_objects=rebuilt), light=True)
+    construct(
+        engine,
+        dt,
+        model,
+        optimizer,
+        model_parameters,
+        lr_scheduler,
+        ds_config_for(dt, dt.split(rec.world_size), client_objects=rebuilt),
+        light=True,
+    )
     keep_returned_optimizer(engine)
     install_header_state(engine, header, dests, joiner=True)
-    record = JoinRecord(step=engine.global_steps, generation=rec.generation, group_reused=reused,
-                        seconds=time.perf_counter() - t0)
+    record = JoinRecord(
+        step=engine.global_steps, generation=rec.generation, group_reused=reused, seconds=time.perf_counter() - t0
+    )
     dt.pending = PendingResize(transfer, dests, scalars_for(plan, header.scalars), record, None, xfer)
     if overlap != "step":
         wait_transition(engine)
@@ -111,15 +126,26 @@ def stand_by(engine, formed: int, model, basic, scheduler) -> Optional[JoinRecor
         if rec is None:
             if dt.preempted:
                 membership.leave_standby(dt.member)
-            logger.info(f"member {dt.member} stops standing by: "
-                        + ("preemption notice" if dt.preempted else "the job ended"))
+            logger.info(
+                f"member {dt.member} stops standing by: " + ("preemption notice" if dt.preempted else "the job ended")
+            )
             membership.groups.close()
             return None
-        logger.info(f"member {dt.member} taken back as rank {rec.members.index(dt.member)} of {rec.world_size} "
-                    f"(generation {rec.generation})")
+        logger.info(
+            f"member {dt.member} taken back as rank {rec.members.index(dt.member)} of {rec.world_size} "
+            f"(generation {rec.generation})"
+        )
         try:
-            return join_generation(engine, rec, model, basic, None, scheduler,
-                                   [list(g["params"]) for g in basic.param_groups], rebuilt=True)
+            return join_generation(
+                engine,
+                rec,
+                model,
+                basic,
+                None,
+                scheduler,
+                [list(g["params"]) for g in basic.param_groups],
+                rebuilt=True,
+            )
         except TransitionAbortedError:
             if membership.is_abandoned(rec.generation, rec.step):
                 formed = rec.generation - 1

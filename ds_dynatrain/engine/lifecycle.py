@@ -1,5 +1,6 @@
 """A worker's life around training: preemption notices (SIGTERM), the restore of a restarted job
 from its latest snapshot, and what runs when the process exits."""
+
 from __future__ import annotations
 
 import atexit
@@ -31,8 +32,10 @@ def take_preemption_notices(dt: ElasticState) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         dt.preempted = True
-        logger.info(f"member {dt.member}: preemption notice (SIGTERM); "
-                    + ("it stops standing by" if dt.retired else "leaving at the next step boundary"))
+        logger.info(
+            f"member {dt.member}: preemption notice (SIGTERM); "
+            + ("it stops standing by" if dt.retired else "leaving at the next step boundary")
+        )
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
@@ -46,8 +49,10 @@ def check_restorable(snapshot_dir: str) -> str:
     """
     tag = read_latest(snapshot_dir) if os.path.isdir(snapshot_dir) else None
     if tag is None:
-        raise SnapshotNotFoundError(f"no snapshot to restore from in {snapshot_dir}: it has no readable 'latest' "
-                                    "(the job failed before its first snapshot was committed)")
+        raise SnapshotNotFoundError(
+            f"no snapshot to restore from in {snapshot_dir}: it has no readable 'latest' "
+            "(the job failed before its first snapshot was committed)"
+        )
     return tag
 
 
@@ -67,10 +72,19 @@ def restore(engine, snapshot_dir: str) -> None:
         raise SnapshotNotFoundError(f"no snapshot to restore from in {snapshot_dir}")
     lost = max(0, last - engine.global_steps)
     if engine.global_rank == 0:
-        dt.metrics.write(RestoreRecord(step=engine.global_steps, world_size=engine.dp_world_size, lost_steps=lost,
-                                       last_step=last, dir=os.path.dirname(path)))
-        logger.info(f"restored {os.path.dirname(path)} on {engine.dp_world_size} ranks: the job goes on after step "
-                    f"{engine.global_steps}; {lost} step(s) since that snapshot were lost")
+        dt.metrics.write(
+            RestoreRecord(
+                step=engine.global_steps,
+                world_size=engine.dp_world_size,
+                lost_steps=lost,
+                last_step=last,
+                dir=os.path.dirname(path),
+            )
+        )
+        logger.info(
+            f"restored {os.path.dirname(path)} on {engine.dp_world_size} ranks: the job goes on after step "
+            f"{engine.global_steps}; {lost} step(s) since that snapshot were lost"
+        )
 
 
 def at_thread_shutdown(fn, *args) -> None:
@@ -117,6 +131,7 @@ def shutdown() -> None:
     import gc
 
     import torch.distributed as tdist
+
     close_all()  # the cached groups too, not only the default one
     if tdist.is_initialized():
         tdist.destroy_process_group()

@@ -1,5 +1,6 @@
 """The next generation from the engine's side: who its members are, publishing it and having its
 joiners started, and switching this process into it (group, launch environment, DeepSpeed comm)."""
+
 from __future__ import annotations
 
 from typing import Sequence, Tuple
@@ -28,8 +29,15 @@ def request_joiners(engine, world_size: int, must_leave: Tuple[str, ...] = ()) -
     key = (g, world_size, must_leave)
     new_members = dt.assigned.get(key)
     if new_members is None:
-        new_members = next_members(layout_of(engine), dt.members, dt.standby, dt.history, world_size, must_leave,
-                                   joiner_name=lambda r: member_id(g, r))
+        new_members = next_members(
+            layout_of(engine),
+            dt.members,
+            dt.standby,
+            dt.history,
+            world_size,
+            must_leave,
+            joiner_name=lambda r: member_id(g, r),
+        )
     dt.assigned[key] = new_members
     joiners = tuple(m for m in new_members if m not in set(dt.members) and m not in dt.standby)
     if dt.published.get(g) == new_members:
@@ -42,8 +50,9 @@ def request_joiners(engine, world_size: int, must_leave: Tuple[str, ...] = ()) -
     return new_members
 
 
-def _publish_generation(dt: ElasticState, g: int, world_size: int, members: Tuple[str, ...],
-                        joiners: Tuple[str, ...], step: int) -> None:
+def _publish_generation(
+    dt: ElasticState, g: int, world_size: int, members: Tuple[str, ...], joiners: Tuple[str, ...], step: int
+) -> None:
     """Rank 0: cancel joiners started for another membership of ``g``, publish ``g``, and ask the
     agents for its joiners (on the node a ``dynatrain join`` named, else by free slots)."""
     stale = dt.spawned_for.get(g, ())
@@ -61,8 +70,7 @@ def _publish_generation(dt: ElasticState, g: int, world_size: int, members: Tupl
     dt.membership.request_spawn(g, world_size, [members.index(j) for j in joiners], joiners, nodes)
 
 
-def form_generation(dt: ElasticState, generation: int, members: Sequence[str], timeout_s: float,
-                    step: int = 0) -> bool:
+def form_generation(dt: ElasticState, generation: int, members: Sequence[str], timeout_s: float, step: int = 0) -> bool:
     """Switch this process into ``generation`` (``members`` in rank order, published at ``step``):
     its default process group (cached, built in the background, or built now), the launch
     environment DeepSpeed reads, and DeepSpeed's comm on the new group. Returns True when a cached

@@ -1,5 +1,6 @@
 """The background half of a transition: waiting for the moments' transfer, installing them, and
 completing and publishing the record; and the transient memory a transition used."""
+
 from __future__ import annotations
 
 import time

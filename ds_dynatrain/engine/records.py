@@ -5,6 +5,7 @@ Every field carries its description (Markdown), so the README's table of record 
 generated from these classes (``python -m ds_dynatrain.cli.readme README.md`` rewrites it; a test
 checks it is current). Times are seconds, sizes bytes; the writer adds ``"time"`` (Unix seconds).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,9 @@ class TransferTotals(Record):
     transfer_s: float = _f("seconds the transfers took (the moments' in the background)", 0.0)
     keep_s: float = _f("seconds of local copies of state kept in place", 0.0)
     transfer_wait_s: float = _f("seconds waited for the background transfer after the rebuild", 0.0)
-    peak_extra_bytes: int = _f("rise of the peak resident set above its size before and after (Linux "
-                               "`clear_refs`; 0 where not measurable)")
+    peak_extra_bytes: int = _f(
+        "rise of the peak resident set above its size before and after (Linux `clear_refs`; 0 where not measurable)"
+    )
     peak_staging_bytes: int = _f("largest packing buffers alive at once")
     messages: int = _f("messages sent and received")
     bytes_sent: int = _f("bytes sent to other processes")
@@ -113,11 +115,13 @@ class ResizeRecord(TransferTotals):
     transfer_overlap: str = _f("what the moments' transfer overlapped (`dynatrain.transfer_overlap`)", "")
     group_reused: bool = _f("the new default group was a cached one (no rendezvous)", False)
     request: Optional[int] = _f("index of the `dynatrain resize` request served", None, optional=True)
-    prepare_s: Optional[float] = _f("from the request to the switch, for a request prepared in the background", None, optional=True)
-    background_build_s: Optional[float] = _f("construction of the new world that ran behind training",
-                                             None, optional=True)
-    hidden_fraction: Optional[float] = _f("share of that construction hidden behind training", None,
-                                          optional=True)
+    prepare_s: Optional[float] = _f(
+        "from the request to the switch, for a request prepared in the background", None, optional=True
+    )
+    background_build_s: Optional[float] = _f(
+        "construction of the new world that ran behind training", None, optional=True
+    )
+    hidden_fraction: Optional[float] = _f("share of that construction hidden behind training", None, optional=True)
 
 
 @dataclass
@@ -185,7 +189,9 @@ def format_step(r: StepRecord) -> str:
 
 def format_resize(r: ResizeRecord) -> str:
     """The console line of a resize."""
-    return (f"resize {r.from_world_size} \u2192 {r.to_world_size} after step {r.step}: "
-            f"{r.bytes_moved / 2**20:.2f} MiB moved, {r.bytes_kept / 2**20:.2f} MiB kept in place, "
-            f"{r.seconds:.2f} s (plan {r.plan_s:.3f} s, group {r.group_s:.2f} s, transfer {r.transfer_s:.3f} s, "
-            f"rebuild {r.rebuild_s:.2f} s)")
+    return (
+        f"resize {r.from_world_size} \u2192 {r.to_world_size} after step {r.step}: "
+        f"{r.bytes_moved / 2**20:.2f} MiB moved, {r.bytes_kept / 2**20:.2f} MiB kept in place, "
+        f"{r.seconds:.2f} s (plan {r.plan_s:.3f} s, group {r.group_s:.2f} s, transfer {r.transfer_s:.3f} s, "
+        f"rebuild {r.rebuild_s:.2f} s)"
+    )

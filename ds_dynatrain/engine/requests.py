@@ -1,6 +1,7 @@
 """Resize requests from outside the job (``dynatrain resize``, ``dynatrain join``), served at step
 boundaries: refused, served at once, or prepared in the background and switched to when every rank
 has the new world ready, or given up."""
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,11 @@ def serve_request(engine, index: int, world_size: int) -> None:
     if rec is not None and rec.get("event") != "resize":
         return  # this process stood by and was taken back by a later resize
     if engine.is_member and engine.global_rank == 0:
-        msg = (f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
-               if rec else f"the job already runs on {world_size} ranks")
+        msg = (
+            f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
+            if rec
+            else f"the job already runs on {world_size} ranks"
+        )
         dt.membership.answer(index, True, msg, rec)
 
 
@@ -59,8 +63,10 @@ def prepare(engine, index: int, world_size: int) -> None:
     xfer = background_xfer(dt, transition_members(dt.members, members), g, step, timeout)
     dt.preparing = Preparation(index, world_size, g, members, step, xfer, time.perf_counter())
     if engine.global_rank == 0:
-        logger.info(f"resize request {index}: preparing generation {g} ({engine.dp_world_size} -> {world_size} "
-                    f"ranks) while training goes on")
+        logger.info(
+            f"resize request {index}: preparing generation {g} ({engine.dp_world_size} -> {world_size} "
+            f"ranks) while training goes on"
+        )
 
 
 def finish_request(engine, prep: Preparation) -> None:
@@ -71,9 +77,13 @@ def finish_request(engine, prep: Preparation) -> None:
     if not isinstance(rec, ResizeRecord):
         return  # this process left (or stood by and was taken back later: a join record)
     if engine.is_member and engine.global_rank == 0:
-        dt.membership.answer(prep.index, True, f"resized {rec.from_world_size} -> {rec.to_world_size} after step "
-                             f"{rec.step} in {rec.seconds:.2f} s ({rec.prepare_s:.2f} s prepared in the background)",
-                             rec.to_dict())
+        dt.membership.answer(
+            prep.index,
+            True,
+            f"resized {rec.from_world_size} -> {rec.to_world_size} after step "
+            f"{rec.step} in {rec.seconds:.2f} s ({rec.prepare_s:.2f} s prepared in the background)",
+            rec.to_dict(),
+        )
 
 
 def abandon(engine, prep: Preparation, why: str) -> None:

@@ -13,6 +13,7 @@
    on the same object under :func:`~ds_dynatrain.zero.rebuild.light_rebuild`, and the header's state
    is installed; the moments follow (``transfer_overlap``).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,9 @@ class _Resize:
     xfer: Any = None
 
 
-def resize(engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...] = (),
-           prepared: Optional[Preparation] = None) -> Optional[Record]:
+def resize(
+    engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...] = (), prepared: Optional[Preparation] = None
+) -> Optional[Record]:
     """Change the world size of ``engine`` now (collective over the current generation).
 
     Returns the resize record on members of the new generation, the join record on a process that
@@ -84,12 +86,21 @@ def resize(engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ..
     return _finish(engine, r)
 
 
-def _plan(engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...],
-          prepared: Optional[Preparation]) -> _Resize:
+def _plan(
+    engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...], prepared: Optional[Preparation]
+) -> _Resize:
     dt = engine._dt
     t0 = time.perf_counter()
-    r = _Resize(world_size, split, must_leave, prepared, t0, start_peak_rss(), world_size > engine.dp_world_size,
-                dt.generation + 1)
+    r = _Resize(
+        world_size,
+        split,
+        must_leave,
+        prepared,
+        t0,
+        start_peak_rss(),
+        world_size > engine.dp_world_size,
+        dt.generation + 1,
+    )
     new_members = request_joiners(engine, world_size, must_leave)
     old_layout = layout_of(engine)
     r.plan = plan_transition(old_layout, old_layout.with_world_size(world_size), dt.members, new_members)
@@ -103,8 +114,13 @@ def _plan(engine, world_size: int, split: BatchSplit, must_leave: Tuple[str, ...
         r.header = make_header(engine, r.plan, r.state, must_leave)
         dt.membership.go(r.generation)  # every formed generation has it: standby processes follow them
     r.stays = dt.member in r.plan.new_members
-    r.record = ResizeRecord(step=engine.global_steps, from_world_size=engine.dp_world_size, to_world_size=world_size,
-                            generation=r.generation, plan_s=time.perf_counter() - t0)
+    r.record = ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=engine.dp_world_size,
+        to_world_size=world_size,
+        generation=r.generation,
+        plan_s=time.perf_counter() - t0,
+    )
     return r
 
 
@@ -116,14 +132,16 @@ def _agree(engine, r: _Resize) -> None:
         t = clock()
         if engine.global_rank == 0:
             dt.membership.switching(r.generation, dt.published_step[r.generation])  # joiners may wait for it now
-        r.record.group_reused = form_generation(dt, r.generation, plan.new_members, dt.group_timeout_s,
-                                                step=dt.published_step[r.generation])
+        r.record.group_reused = form_generation(
+            dt, r.generation, plan.new_members, dt.group_timeout_s, step=dt.published_step[r.generation]
+        )
         r.record.group_s += clock() - t
     t = clock()
     # a grow agrees on the new group, where old rank 0 (a survivor) may hold another rank
     src = plan.new_members.index(plan.old_members[0]) if r.grow else 0
-    r.header = agree_on_header(r.header, lambda h: "plan digest differs" if h.digest != plan.digest() else None,
-                               src=src)
+    r.header = agree_on_header(
+        r.header, lambda h: "plan digest differs" if h.digest != plan.digest() else None, src=src
+    )
     r.record.plan_s += clock() - t
     t = clock()
     r.xfer = r.prepared.xfer.get(dt.group_timeout_s) if r.prepared is not None else None
@@ -132,8 +150,9 @@ def _agree(engine, r: _Resize) -> None:
 
 def _start_transfer(engine, r: _Resize) -> None:
     dt, plan, header = engine._dt, r.plan, r.header
-    r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(plan, dt, r.generation, header,
-                                                                     r.state.tensors, r.stays, r.xfer)
+    r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
+        plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer
+    )
     elsize = r.state.tensors[0]["fp32"].element_size()
     moved_kinds = len(header.kinds) if header.master_moves else len(moment_kinds(header.kinds))
     rec = r.record
@@ -162,8 +181,10 @@ def _leave(engine, r: _Resize) -> Optional[Record]:
     dt.retired = True
     dt.pending = PendingResize(r.transfer, None, [], r.record, r.rss_base, r.xfer)
     complete_pending(engine)  # a leaver hands everything over before it goes
-    logger.info(f"member {dt.member} left the job after step {engine.global_steps} "
-                f"({r.record.bytes_sent / 2**20:.2f} MiB handed over)" + ("; it stands by" if standby else ""))
+    logger.info(
+        f"member {dt.member} left the job after step {engine.global_steps} "
+        f"({r.record.bytes_sent / 2**20:.2f} MiB handed over)" + ("; it stands by" if standby else "")
+    )
     if not standby:
         if tdist.is_initialized():
             tdist.destroy_process_group()
@@ -188,15 +209,25 @@ def _rebuild(engine, r: _Resize) -> None:
     rebuild_s = clock() - t
     if not r.grow:
         t = clock()
-        r.record.group_reused = form_generation(dt, r.generation, plan.new_members, dt.group_timeout_s,
-                                                step=dt.published_step[r.generation])
+        r.record.group_reused = form_generation(
+            dt, r.generation, plan.new_members, dt.group_timeout_s, step=dt.published_step[r.generation]
+        )
         r.record.group_s += clock() - t
     t = clock()
     dt.members = plan.new_members
     dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
     dt.rebuild_broadcast = plan.survivor_ranks if r.grow else "none"
-    construct(engine, dt, model, basic, None, scheduler, ds_config_for(dt, r.split, client_objects=True), light=True,
-              reuse_flat=old_flat)
+    construct(
+        engine,
+        dt,
+        model,
+        basic,
+        None,
+        scheduler,
+        ds_config_for(dt, r.split, client_objects=True),
+        light=True,
+        reuse_flat=old_flat,
+    )
     old_flat = None
     keep_returned_optimizer(engine)
     install_header_state(engine, r.header, r.dests, joiner=False)

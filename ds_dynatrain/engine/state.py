@@ -1,5 +1,6 @@
 """What the plugin keeps across rebuilds of the engine: the elastic state (the engine's ``_dt``), a
 resize whose optimizer-state transfer still runs, and a request being prepared in the background."""
+
 from __future__ import annotations
 
 import time

@@ -1,5 +1,6 @@
 """Starting a transition's transfers from the engine's side: the transition group, the new
 partitions, the master phase in the foreground and the moments in a background thread."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -12,8 +13,14 @@ from ..elastic.keys import group_prefix
 from ..elastic.membership import GenerationRecord
 from ..planner.plan import Plan
 from ..transition.buffers import allocate_partitions
-from ..transition.execute import PendingTransition, TransitionStats, execute_plan, start_plan, transition_group
-from ..transition.execute import transition_ranks
+from ..transition.execute import (
+    PendingTransition,
+    TransitionStats,
+    execute_plan,
+    start_plan,
+    transition_group,
+    transition_ranks,
+)
 from ..zero.state import MASTER, moment_kinds
 from .header import TransitionHeader
 from .state import ElasticState
@@ -24,13 +31,16 @@ def xfer_prefix(ranks: Tuple[str, ...], generation: int, step: int) -> str:
     return group_prefix(generation, ranks, step, kind="xfer")
 
 
-def background_xfer(dt: ElasticState, ranks: Tuple[str, ...], generation: int, step: int,
-                    timeout_s: float) -> BackgroundGroup:
+def background_xfer(
+    dt: ElasticState, ranks: Tuple[str, ...], generation: int, step: int, timeout_s: float
+) -> BackgroundGroup:
     """Start building the transition group over ``ranks`` (the old members, then the joiners) into
     ``generation`` in a daemon thread, on its own store connection."""
     connect, me = dt.membership.new_client, dt.member
-    return BackgroundGroup(lambda: transition_group(connect(), xfer_prefix(ranks, generation, step), ranks, me,
-                                                    timeout_s), name=f"dynatrain-xfer-{generation}")
+    return BackgroundGroup(
+        lambda: transition_group(connect(), xfer_prefix(ranks, generation, step), ranks, me, timeout_s),
+        name=f"dynatrain-xfer-{generation}",
+    )
 
 
 def build_joiner_xfer(dt: ElasticState, rec: GenerationRecord, timeout_s: float) -> BackgroundGroup:
@@ -47,17 +57,20 @@ def data_plane(plan: Plan, dt: ElasticState, generation: int, group=None):
     background thread would copy device memory on another stream than training's."""
     ranks = transition_ranks(plan)
     if group is None:
-        group = transition_group(dt.membership.new_client(),
-                                 xfer_prefix(ranks, generation, dt.published_step.get(generation, 0)),
-                                 ranks, dt.member, dt.config.collective_timeout_s)
+        group = transition_group(
+            dt.membership.new_client(),
+            xfer_prefix(ranks, generation, dt.published_step.get(generation, 0)),
+            ranks,
+            dt.member,
+            dt.config.collective_timeout_s,
+        )
     on_host = get_accelerator().device_name() == "cpu"
     return ranks, group, dt.config.transfer_overlap if on_host else "none"
 
 
-def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: TransitionHeader, sources,
-                     receives: bool, group=None
-                     ) -> Tuple[Optional[Dict[int, Dict[str, torch.Tensor]]], TransitionStats, PendingTransition,
-                                str, object]:
+def begin_transition(
+    plan: Plan, dt: ElasticState, generation: int, header: TransitionHeader, sources, receives: bool, group=None
+) -> Tuple[Optional[Dict[int, Dict[str, torch.Tensor]]], TransitionStats, PendingTransition, str, object]:
     """Start moving this process's share of ``plan`` into ``generation`` (survivors, leavers and
     joiners alike, after the header is agreed).
 
@@ -81,13 +94,20 @@ def begin_transition(plan: Plan, dt: ElasticState, generation: int, header: Tran
     moments = moment_kinds(kinds)
     dests = None
     if receives:
-        dests = allocate_partitions(plan, dt.member, kinds if header.master_moves else moments,
-                                    getattr(torch, header.dtype), get_accelerator().current_device_name())
+        dests = allocate_partitions(
+            plan,
+            dt.member,
+            kinds if header.master_moves else moments,
+            getattr(torch, header.dtype),
+            get_accelerator().current_device_name(),
+        )
     ranks, group, overlap = data_plane(plan, dt, generation, group)
-    run = dict(dests=dests, timeout_s=dt.config.collective_timeout_s, max_inflight_bytes=header.max_inflight_bytes,
-               ranks=ranks)
-    stats = execute_plan(plan, dt.member, group, (MASTER,) if header.master_moves else (),
-                         sources=_only(sources, (MASTER,)), **run)
+    run = dict(
+        dests=dests, timeout_s=dt.config.collective_timeout_s, max_inflight_bytes=header.max_inflight_bytes, ranks=ranks
+    )
+    stats = execute_plan(
+        plan, dt.member, group, (MASTER,) if header.master_moves else (), sources=_only(sources, (MASTER,)), **run
+    )
     # the background thread holds only the moments: the old master goes with the old engine
     transfer = start_plan(plan, dt.member, group, moments, sources=_only(sources, moments), **run)
     if overlap == "none":

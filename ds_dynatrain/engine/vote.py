@@ -13,6 +13,7 @@ of :data:`WORD_BITS` bits, each word one float64 element. A float64 holds every 
 reduction order and the world size (a single float64 bitmask is exact only up to 53 ranks: the
 preemption of rank 60 of 64 would vanish).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,9 +97,11 @@ def _pack(bits, n: int) -> List[float]:
 def _unpack(words: Sequence[float], n: int, what: str) -> FrozenSet[int]:
     out = set()
     for i, w in enumerate(words):
-        if w != int(w) or not 0 <= w < 2 ** WORD_BITS:
-            raise DynatrainError(f"step vote: {what} word {i} is {w!r}, not a sum of distinct bits "
-                                 "(ranks voted with different world sizes?)")
+        if w != int(w) or not 0 <= w < 2**WORD_BITS:
+            raise DynatrainError(
+                f"step vote: {what} word {i} is {w!r}, not a sum of distinct bits "
+                "(ranks voted with different world sizes?)"
+            )
         v = int(w)
         while v:
             low = v & -v
@@ -117,8 +120,14 @@ def encode(vote: StepVote, rank: int, world_size: int, n_standby: int) -> List[f
     if rank != 0 and (vote.request is not None or vote.standby_gone):
         raise ValueError(f"rank {rank}: only rank 0 votes requests and gone standby processes")
     index, size = vote.request if vote.request is not None else (-1, 0)
-    head = [float(vote.loss_sum), float(vote.loss_count), float(size), float(index + 1), float(vote.ready),
-            float(vote.failed)]
+    head = [
+        float(vote.loss_sum),
+        float(vote.loss_count),
+        float(size),
+        float(index + 1),
+        float(vote.ready),
+        float(vote.failed),
+    ]
     return head + _pack([rank] if vote.preempted else [], world_size) + _pack(vote.standby_gone, n_standby)
 
 
@@ -133,10 +142,15 @@ def decode(totals: Sequence[float], world_size: int, n_standby: int) -> StepTall
         raise DynatrainError(f"step vote: {len(totals)} elements, expected {vote_length(world_size, n_standby)}")
     size, index = int(totals[2]), int(totals[3]) - 1
     w = words_for(world_size)
-    return StepTally(loss_sum=totals[0], loss_count=int(totals[1]), request=(index, size) if index >= 0 else None,
-                     preempted=_unpack(totals[_HEAD:_HEAD + w], world_size, "preemption"),
-                     standby_gone=_unpack(totals[_HEAD + w:], n_standby, "standby"),
-                     ready=int(totals[4]), failed=int(totals[5]))
+    return StepTally(
+        loss_sum=totals[0],
+        loss_count=int(totals[1]),
+        request=(index, size) if index >= 0 else None,
+        preempted=_unpack(totals[_HEAD : _HEAD + w], world_size, "preemption"),
+        standby_gone=_unpack(totals[_HEAD + w :], n_standby, "standby"),
+        ready=int(totals[4]),
+        failed=int(totals[5]),
+    )
 
 
 def exchange(vote: StepVote, rank: int, world_size: int, n_standby: int, device) -> StepTally:
@@ -145,6 +159,7 @@ def exchange(vote: StepVote, rank: int, world_size: int, n_standby: int, device)
     the vector is reduced (NCCL reduces device tensors only)."""
     import torch
     import torch.distributed as tdist
+
     t = torch.tensor(encode(vote, rank, world_size, n_standby), dtype=torch.float64, device=device)
     tdist.all_reduce(t)
     return decode(t.cpu().numpy().astype(np.float64).tolist(), world_size, n_standby)

@@ -5,6 +5,7 @@ place: an assignment problem over the overlaps of old and new regions. Before th
 membership is taken again when it fits (its process groups are cached, so no rendezvous is
 needed: the elastic device manager's group reuse).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
@@ -24,8 +25,9 @@ def assign_members(old_members: Sequence[str], new_world_size: int, joiner_ids: 
     """
     stay = list(old_members[:new_world_size])
     if len(stay) + len(joiner_ids) != new_world_size:
-        raise ValueError(f"{len(stay)} staying ranks and {len(joiner_ids)} joiners do not make world size "
-                         f"{new_world_size}")
+        raise ValueError(
+            f"{len(stay)} staying ranks and {len(joiner_ids)} joiners do not make world size {new_world_size}"
+        )
     return tuple(stay) + tuple(joiner_ids)
 
 
@@ -33,6 +35,7 @@ def overlap_matrix(old: ZeroLayout, new: ZeroLayout):
     """``K[i, j]``: elements old rank ``i`` holds that new rank ``j`` needs (int64, shape
     ``(old.world_size, new.world_size)``): what stays in place if process ``i`` becomes rank ``j``."""
     import numpy as np
+
     old.check_same_model(new)
     k = np.zeros((old.world_size, new.world_size), dtype=np.int64)
     with gc_paused():
@@ -43,8 +46,13 @@ def overlap_matrix(old: ZeroLayout, new: ZeroLayout):
     return k
 
 
-def assign_members_best(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str], joiner_ids: Sequence[str],
-                        must_leave: Sequence[str] = ()) -> Tuple[str, ...]:
+def assign_members_best(
+    old: ZeroLayout,
+    new: ZeroLayout,
+    old_members: Sequence[str],
+    joiner_ids: Sequence[str],
+    must_leave: Sequence[str] = (),
+) -> Tuple[str, ...]:
     """The rank assignment that keeps the most elements in place (DynaTrain: an assignment
     problem over the overlaps of old and new regions).
 
@@ -57,6 +65,7 @@ def assign_members_best(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[
     """
     import numpy as np
     from scipy.optimize import linear_sum_assignment
+
     leave = set(must_leave)
     candidates = [i for i, m in enumerate(old_members) if m not in leave]
     n_new = new.world_size
@@ -78,8 +87,13 @@ def assign_members_best(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[
     return tuple(out)
 
 
-def recent_members(history: Sequence[Tuple[str, ...]], members: Sequence[str], standby: Sequence[str],
-                   world_size: int, must_leave: Sequence[str] = ()) -> Optional[Tuple[str, ...]]:
+def recent_members(
+    history: Sequence[Tuple[str, ...]],
+    members: Sequence[str],
+    standby: Sequence[str],
+    world_size: int,
+    must_leave: Sequence[str] = (),
+) -> Optional[Tuple[str, ...]]:
     """The members of the latest earlier generation that can form the next one, or None.
 
     A generation of ``history`` (members in rank order, oldest first) fits when it has
@@ -102,9 +116,15 @@ def recent_members(history: Sequence[Tuple[str, ...]], members: Sequence[str], s
     return None
 
 
-def next_members(layout: ZeroLayout, members: Sequence[str], standby: Sequence[str],
-                 history: Sequence[Tuple[str, ...]], world_size: int, must_leave: Sequence[str],
-                 joiner_name: Callable[[int], str]) -> Tuple[str, ...]:
+def next_members(
+    layout: ZeroLayout,
+    members: Sequence[str],
+    standby: Sequence[str],
+    history: Sequence[Tuple[str, ...]],
+    world_size: int,
+    must_leave: Sequence[str],
+    joiner_name: Callable[[int], str],
+) -> Tuple[str, ...]:
     """The members of the next generation of ``world_size`` ranks, in rank order.
 
     A recent generation's members when they fit (:func:`recent_members`); otherwise the
@@ -116,7 +136,7 @@ def next_members(layout: ZeroLayout, members: Sequence[str], standby: Sequence[s
     if found is not None:
         return found
     staying = min(len(members) - len(set(must_leave) & set(members)), world_size)
-    recalled = tuple(standby[:world_size - staying])
+    recalled = tuple(standby[: world_size - staying])
     placeholders = recalled + tuple(f"{_NEW}{i}" for i in range(world_size - staying - len(recalled)))
     drafted = assign_members_best(layout, layout.with_world_size(world_size), members, placeholders, must_leave)
     return tuple(joiner_name(r) if m.startswith(_NEW) else m for r, m in enumerate(drafted))

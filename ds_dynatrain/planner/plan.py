@@ -11,6 +11,7 @@ transition engine executes a plan without interpreting it.
 Processes are named by *member ids* (stable across generations): ``old_members[r]`` is the
 process that was old rank ``r``, ``new_members[r]`` the one that becomes new rank ``r``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -54,10 +55,19 @@ class Transfer(_TransferFields):
 
     __slots__ = ()
 
-    def __new__(cls, src: int, dst: int, group: int, src_offset: int, dst_offset: int, numel: int,
-                dst_group: Optional[int] = None):
-        return super().__new__(cls, src, dst, group, src_offset, dst_offset, numel,
-                               group if dst_group is None else dst_group)
+    def __new__(
+        cls,
+        src: int,
+        dst: int,
+        group: int,
+        src_offset: int,
+        dst_offset: int,
+        numel: int,
+        dst_group: Optional[int] = None,
+    ):
+        return super().__new__(
+            cls, src, dst, group, src_offset, dst_offset, numel, group if dst_group is None else dst_group
+        )
 
 
 @dataclass(frozen=True)
@@ -137,17 +147,22 @@ class Plan:
             "new_layout": self.new_layout.to_dict(),
             "old_members": list(self.old_members),
             "new_members": list(self.new_members),
-            "transfers": [[t.src, t.dst, t.group, t.src_offset, t.dst_offset, t.numel, t.dst_group]
-                          for t in self.transfers],
+            "transfers": [
+                [t.src, t.dst, t.group, t.src_offset, t.dst_offset, t.numel, t.dst_group] for t in self.transfers
+            ],
         }
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
         if d.get("version") != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format version {d.get('version')!r} is not {PLAN_FORMAT_VERSION}")
-        return Plan(ZeroLayout.from_dict(d["old_layout"]), ZeroLayout.from_dict(d["new_layout"]),
-                    tuple(d["old_members"]), tuple(d["new_members"]),
-                    tuple(Transfer(*map(int, t)) for t in d["transfers"]))
+        return Plan(
+            ZeroLayout.from_dict(d["old_layout"]),
+            ZeroLayout.from_dict(d["new_layout"]),
+            tuple(d["old_members"]),
+            tuple(d["new_members"]),
+            tuple(Transfer(*map(int, t)) for t in d["transfers"]),
+        )
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form; equal on every rank for the same plan."""
@@ -195,8 +210,9 @@ def layout_intersections(old: ZeroLayout, new: ZeroLayout) -> List[tuple]:
     return raw
 
 
-def plan_transition(old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str],
-                    new_members: Sequence[str], same_settings: bool = True) -> Plan:
+def plan_transition(
+    old: ZeroLayout, new: ZeroLayout, old_members: Sequence[str], new_members: Sequence[str], same_settings: bool = True
+) -> Plan:
     """Intersect two layouts of the same model into a :class:`Plan`.
 
     Args:

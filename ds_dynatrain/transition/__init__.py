@@ -4,9 +4,16 @@
 private gloo group, in the foreground or a background thread, with timeouts), ``buffers`` (the new
 partitions a plan fills). No DeepSpeed.
 """
-from .buffers import allocate_partitions
-from .execute import (PendingTransition, TransitionStats, execute_plan, start_plan, transition_group,
-                      transition_ranks)
 
-__all__ = ["execute_plan", "start_plan", "PendingTransition", "TransitionStats", "transition_group",
-           "transition_ranks", "allocate_partitions"]
+from .buffers import allocate_partitions
+from .execute import PendingTransition, TransitionStats, execute_plan, start_plan, transition_group, transition_ranks
+
+__all__ = [
+    "execute_plan",
+    "start_plan",
+    "PendingTransition",
+    "TransitionStats",
+    "transition_group",
+    "transition_ranks",
+    "allocate_partitions",
+]

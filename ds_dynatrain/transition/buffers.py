@@ -1,5 +1,6 @@
 """The receiving side's buffers: a process's new partitions, allocated from the plan before any
 byte arrives."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -9,8 +10,9 @@ import torch
 from ..planner.plan import Plan
 
 
-def allocate_partitions(plan: Plan, member: str, kinds: Sequence[str], dtype: torch.dtype,
-                        device: torch.device | str = "cpu") -> Dict[int, Dict[str, torch.Tensor]]:
+def allocate_partitions(
+    plan: Plan, member: str, kinds: Sequence[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Dict[int, Dict[str, torch.Tensor]]:
     """New partitions of ``member`` in ``plan.new_layout``: ``{partition: {kind: 1-D tensor}}`` of
     ``plan.new_layout.partition_numel(partition)`` elements of ``dtype`` on ``device``.
 

@@ -11,10 +11,11 @@ It moves bytes and interprets nothing (DynaTrain, "State Transition Engine"):
 * **Packing.** Everything process ``i`` sends to ``j`` is one *stream*: the plan's transfers
   ``i → j`` in plan order, each with the state kinds in a fixed order. The stream is cut into
   chunks of at most ``max_inflight_bytes / 2`` per direction, at slice boundaries where
-  possible (:meth:`~ds_dynatrain.transition.schedule.Stream.chunks`); both sides cut at the same element offsets, so they agree
-  on every message without a word. A chunk is one contiguous buffer and one send: a view of
-  the partition when it lies inside one slice (no copy), else a packed buffer of small slices;
-  the receiver unpacks straight into its new partitions.
+  possible (:meth:`~ds_dynatrain.transition.schedule.Stream.chunks`); both sides cut at the
+  same element offsets, so they agree on every message without a word. A chunk is one
+  contiguous buffer and one send: a view of the partition when it lies inside one slice (no
+  copy), else a packed buffer of small slices; the receiver unpacks straight into its new
+  partitions.
 * **Bounded memory.** Messages in flight, and packing buffers, never exceed
   ``max_inflight_bytes`` per process at any time (one chunk each way);
   :attr:`TransitionStats.peak_staging_bytes` records the largest packing footprint.
@@ -25,6 +26,7 @@ survives the re-forming of the default group, so a transfer may continue in the 
 the new engine is built: :func:`start_plan`). Partitions on an accelerator are staged through host
 buffers.
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,7 +55,7 @@ class TransitionStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_kept: int = 0
-    seconds: float = 0.0       # the whole call: local copies and exchanges
+    seconds: float = 0.0  # the whole call: local copies and exchanges
     keep_seconds: float = 0.0  # local copies of kept elements
     messages: int = 0
     peak_staging_bytes: int = 0  # largest packing buffers alive at once
@@ -77,17 +79,20 @@ def transition_group(store, prefix: str, members: Sequence[str], member: str, ti
     """
     rank = list(members).index(member)
     try:
-        return tdist.ProcessGroupGloo(tdist.PrefixStore(prefix, store), rank, len(members),
-                                      timedelta(seconds=timeout_s))
+        return tdist.ProcessGroupGloo(
+            tdist.PrefixStore(prefix, store), rank, len(members), timedelta(seconds=timeout_s)
+        )
     except RuntimeError as err:
-        raise TransitionAbortedError(f"transition group {prefix}: rank {rank} of {len(members)} "
-                                     f"could not form it within {timeout_s:.0f} s: {err}") from err
+        raise TransitionAbortedError(
+            f"transition group {prefix}: rank {rank} of {len(members)} "
+            f"could not form it within {timeout_s:.0f} s: {err}"
+        ) from err
 
 
 def _state_dtype(kinds, *parts_list):
     dtype = None
     for parts in parts_list:
-        for g in (parts.values() if isinstance(parts, dict) else parts or ()):
+        for g in parts.values() if isinstance(parts, dict) else parts or ():
             for k in kinds:
                 if dtype is None:
                     dtype = g[k].dtype
@@ -96,11 +101,18 @@ def _state_dtype(kinds, *parts_list):
     return dtype or torch.float32
 
 
-def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
-                 sources: Optional[Dict[int, Dict[str, torch.Tensor]]],
-                 dests: Optional[Dict[int, Dict[str, torch.Tensor]]], timeout_s: float,
-                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                 ranks: Optional[Sequence[str]] = None, progress: Optional[dict] = None) -> TransitionStats:
+def execute_plan(
+    plan: Plan,
+    member: str,
+    group,
+    kinds: Sequence[str],
+    sources: Optional[Dict[int, Dict[str, torch.Tensor]]],
+    dests: Optional[Dict[int, Dict[str, torch.Tensor]]],
+    timeout_s: float,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    ranks: Optional[Sequence[str]] = None,
+    progress: Optional[dict] = None,
+) -> TransitionStats:
     """Move this process's share of ``plan``: keeps, then the XOR-paired exchanges.
 
     Args:
@@ -154,14 +166,16 @@ def execute_plan(plan: Plan, member: str, group, kinds: Sequence[str],
     return stats
 
 
-def _copy_keeps(plan: Plan, member: str, kinds: Tuple[str, ...], sources, dests, elsize: int,
-                stats: TransitionStats) -> None:
+def _copy_keeps(
+    plan: Plan, member: str, kinds: Tuple[str, ...], sources, dests, elsize: int, stats: TransitionStats
+) -> None:
     """The local copies of the elements ``member`` keeps (its old and new partitions)."""
     t_keep = time.perf_counter()
     for t in plan.keeps_of(member):
         for k in kinds:
             dests[t.dst_group][k].narrow(0, t.dst_offset, t.numel).copy_(
-                sources[t.group][k].narrow(0, t.src_offset, t.numel))
+                sources[t.group][k].narrow(0, t.src_offset, t.numel)
+            )
         stats.bytes_kept += t.numel * len(kinds) * elsize
     stats.keep_seconds = time.perf_counter() - t_keep
 
@@ -175,8 +189,17 @@ class _Peer:
     step: int
 
 
-def _exchange(group, peer: _Peer, out: Optional[Stream], inn: Optional[Stream], chunk: int, dtype: torch.dtype,
-              timeout_s: float, stats: TransitionStats, progress: dict) -> None:
+def _exchange(
+    group,
+    peer: _Peer,
+    out: Optional[Stream],
+    inn: Optional[Stream],
+    chunk: int,
+    dtype: torch.dtype,
+    timeout_s: float,
+    stats: TransitionStats,
+    progress: dict,
+) -> None:
     """Both directions of one pair's exchange, chunk by chunk: post the receive, then the send,
     then wait for both (so no ordering between peers can deadlock); unpack what arrived."""
     out_chunks = out.chunks(chunk) if out else []
@@ -199,8 +222,9 @@ def _exchange(group, peer: _Peer, out: Optional[Stream], inn: Optional[Stream], 
             stats.bytes_received += (b - a) * elsize
 
 
-def _post_and_wait(group, peer: _Peer, inn, recv, out, send, dtype, elsize: int, where: str, timeout_s: float,
-                   stats: TransitionStats) -> Optional[torch.Tensor]:
+def _post_and_wait(
+    group, peer: _Peer, inn, recv, out, send, dtype, elsize: int, where: str, timeout_s: float, stats: TransitionStats
+) -> Optional[torch.Tensor]:
     """Post one chunk's receive (into place when it is one view, else into a staging buffer,
     returned) and send (from place, else packed), and wait for both.
 
@@ -237,7 +261,8 @@ def _post_and_wait(group, peer: _Peer, inn, recv, out, send, dtype, elsize: int,
     except RuntimeError as err:
         raise TransitionAbortedError(
             f"transition: {current} member {peer.member} (transition rank {peer.rank}) failed at {where} "
-            f"(wait limit {timeout_s:.0f} s): {err}") from err
+            f"(wait limit {timeout_s:.0f} s): {err}"
+        ) from err
     stats.messages += len(works)
     return rbuf
 
@@ -281,7 +306,8 @@ class PendingTransition:
         if self._thread.is_alive():
             raise TransitionAbortedError(
                 f"transition: background transfer still running after {timeout_s:.0f} s, exchanging with member "
-                f"{self.progress.get('peer')} at {self.progress.get('where')}")
+                f"{self.progress.get('peer')} at {self.progress.get('where')}"
+            )
         if self._error is not None:
             if isinstance(self._error, TransitionAbortedError):
                 raise TransitionAbortedError(str(self._error)) from self._error

@@ -12,6 +12,7 @@ is cut into messages (DynaTrain, "State Transition Engine"; pure: no process gro
   possible (:meth:`Stream.chunks`); both sides cut at the same element offsets, so they agree on
   every message without a word.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -39,8 +40,9 @@ def pair_schedule(world_size: int) -> List[List[Tuple[int, int]]]:
     Every unordered pair of distinct ranks appears in exactly one step, and no rank appears twice
     in one step (``i XOR s`` is a bijection).
     """
-    return [[(i, i ^ s) for i in range(world_size) if i < (i ^ s) < world_size]
-            for s in range(1, next_pow2(world_size))]
+    return [
+        [(i, i ^ s) for i in range(world_size) if i < (i ^ s) < world_size] for s in range(1, next_pow2(world_size))
+    ]
 
 
 class Stream:

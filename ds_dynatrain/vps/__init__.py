@@ -4,6 +4,7 @@ Pure: no process group, no engine. ``region`` (element intervals), ``layout`` (`
 ZeRO-1/2/3 fragments per rank from parameter metadata), ``affine`` (regions to and from
 DeepSpeed's ``deepspeed.checkpoint.affine`` shard description, a pure data module of DeepSpeed).
 """
+
 from .layout import DEFAULT_SUB_GROUP_SIZE, Fragment, ParamMeta, ZeroLayout, param_metas_from_groups
 from .region import Region
 

@@ -9,6 +9,7 @@ map written by DeepSpeed be read as regions.
 
 A ZeRO-1/2 fragment is one interval: a 1-D piece of stride 1 whose shard is the fragment itself.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -23,11 +24,12 @@ def zero_param_affine_map(layout: ZeroLayout, group: int, key: str):
     """The ``ParamAffineMap`` of parameter ``key`` under ``layout``: rank ``r``'s shard is its
     fragment of the parameter (1-D, in parameter order)."""
     from deepspeed.checkpoint.affine import AffinePiece, ParamAffineMap
+
     shape = next(p.shape for p in layout.groups[group] if p.key == key)
     shard_shapes, pieces = {}, {}
     for rank, f in layout.param_fragments(group, key):
-        shard_shapes[rank] = (f.numel, )
-        pieces[rank] = [AffinePiece((f.numel, ), f.start, (1, ), 0, (1, ), [rank])]
+        shard_shapes[rank] = (f.numel,)
+        pieces[rank] = [AffinePiece((f.numel,), f.start, (1,), 0, (1,), [rank])]
     return ParamAffineMap(shape, shard_shapes, pieces)
 
 

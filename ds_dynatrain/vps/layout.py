@@ -37,6 +37,7 @@ parameter can sit in partition 0 of one layout and partition 1 of another.
 
 Padding never belongs to a parameter, so it never appears in a fragment.
 """
+
 from __future__ import annotations
 
 import math
@@ -105,6 +106,7 @@ class Fragment:
 @dataclass(frozen=True)
 class _GroupGeometry:
     """Stages 1/2: one flattened parameter group, equally partitioned."""
+
     flat_offsets: Tuple[Tuple[str, int, int], ...]  # (key, offset in flat group, numel), flat order
     padded_numel: int
     partition_numel: int
@@ -113,6 +115,7 @@ class _GroupGeometry:
 @dataclass(frozen=True)
 class _SubGroupGeometry:
     """Stage 3: one sub-group; every rank's partition holds ``piece`` elements of each parameter."""
+
     group: int  # the optimizer parameter group it belongs to
     params: Tuple[Tuple[str, int, int, int], ...]  # (key, numel, piece, offset in the partition)
     partition_numel: int
@@ -176,8 +179,10 @@ class ZeroLayout:
         for gi, params in enumerate(self.groups):
             for p in params:
                 if p.key in seen:
-                    raise ValueError(f"parameter {p.key} appears twice in the layout (groups {seen[p.key]} "
-                                     f"and {gi}); a VPS key names one logical tensor")
+                    raise ValueError(
+                        f"parameter {p.key} appears twice in the layout (groups {seen[p.key]} "
+                        f"and {gi}); a VPS key names one logical tensor"
+                    )
                 seen[p.key] = gi
             if not params:
                 raise ValueError(f"parameter group {gi} has no trainable parameter")
@@ -193,7 +198,7 @@ class ZeroLayout:
     def _zero12_geometry(self) -> Tuple[_GroupGeometry, ...]:
         geometry = []
         for params in self.groups:
-            order = (round_robin_order(len(params), self.world_size) if self.round_robin else range(len(params)))
+            order = round_robin_order(len(params), self.world_size) if self.round_robin else range(len(params))
             elsize = params[0].element_size
             param_alignment = 16 // math.gcd(16, elsize) if self.parameter_alignment else 1
             offsets, cur = [], 0
@@ -284,8 +289,10 @@ class ZeroLayout:
         geo = self._geometry[b]
         if self.stage == 3:
             _, numel, piece, local = geo.params[i]
-            return [(r, b, r * piece, min(piece, numel - r * piece), local)
-                    for r in range(min(self.world_size, -(-numel // piece)))]
+            return [
+                (r, b, r * piece, min(piece, numel - r * piece), local)
+                for r in range(min(self.world_size, -(-numel // piece)))
+            ]
         _, off, numel = geo.flat_offsets[i]
         P = geo.partition_numel
         out = []
@@ -301,22 +308,23 @@ class ZeroLayout:
 
     def with_world_size(self, world_size: int) -> "ZeroLayout":
         """The same model and settings at another world size."""
-        return ZeroLayout(world_size, self.groups, self.round_robin, self.parameter_alignment, self.stage,
-                          self.sub_group_size)
+        return ZeroLayout(
+            world_size, self.groups, self.round_robin, self.parameter_alignment, self.stage, self.sub_group_size
+        )
 
     def check_same_model(self, other: "ZeroLayout", settings: bool = True) -> None:
         """Raise :class:`LayoutMismatchError` naming the first parameter that differs; with
         ``settings`` also when the ZeRO settings or working dtypes differ (stage 3 against 1/2,
         round robin, alignment, sub-group size)."""
         if self.num_groups != other.num_groups:
-            raise LayoutMismatchError(
-                f"layouts have {self.num_groups} and {other.num_groups} parameter groups")
+            raise LayoutMismatchError(f"layouts have {self.num_groups} and {other.num_groups} parameter groups")
         for gi, (a, b) in enumerate(zip(self.groups, other.groups)):
             for pa, pb in zip(a, b):
                 if (pa != pb) if settings else ((pa.key, pa.shape) != (pb.key, pb.shape)):
                     raise LayoutMismatchError(
                         f"parameter group {gi}: {pa.key} {list(pa.shape)} {pa.dtype} differs from "
-                        f"{pb.key} {list(pb.shape)} {pb.dtype}")
+                        f"{pb.key} {list(pb.shape)} {pb.dtype}"
+                    )
             if len(a) != len(b):
                 longer = a if len(a) > len(b) else b
                 first = longer[min(len(a), len(b))]
@@ -324,13 +332,16 @@ class ZeroLayout:
         if not settings:
             return
         if self.stage != other.stage and 3 in (self.stage, other.stage):
-            raise LayoutMismatchError(f"layouts of ZeRO stages {self.stage} and {other.stage}: a stage-3 "
-                                      "partition is not a stage-1/2 partition")
+            raise LayoutMismatchError(
+                f"layouts of ZeRO stages {self.stage} and {other.stage}: a stage-3 "
+                "partition is not a stage-1/2 partition"
+            )
         if (self.round_robin, self.parameter_alignment) != (other.round_robin, other.parameter_alignment):
             raise LayoutMismatchError("layouts differ in round_robin_gradients or parameter_alignment")
         if self.stage == 3 and self.sub_group_size != other.sub_group_size:
-            raise LayoutMismatchError(f"layouts differ in sub_group_size ({self.sub_group_size} and "
-                                      f"{other.sub_group_size})")
+            raise LayoutMismatchError(
+                f"layouts differ in sub_group_size ({self.sub_group_size} and {other.sub_group_size})"
+            )
 
     def to_dict(self) -> dict:
         return {
@@ -344,13 +355,19 @@ class ZeroLayout:
 
     @staticmethod
     def from_dict(d: dict) -> "ZeroLayout":
-        return ZeroLayout(int(d["world_size"]), tuple(tuple(ParamMeta.from_dict(p) for p in g) for g in d["groups"]),
-                          bool(d["round_robin"]), bool(d["parameter_alignment"]), int(d["stage"]),
-                          int(d.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+        return ZeroLayout(
+            int(d["world_size"]),
+            tuple(tuple(ParamMeta.from_dict(p) for p in g) for g in d["groups"]),
+            bool(d["round_robin"]),
+            bool(d["parameter_alignment"]),
+            int(d["stage"]),
+            int(d.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
+        )
 
 
-def param_metas_from_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]],
-                            groups: Sequence[Sequence[torch.nn.Parameter]]) -> Tuple[Tuple[ParamMeta, ...], ...]:
+def param_metas_from_groups(
+    named_params: Sequence[Tuple[str, torch.nn.Parameter]], groups: Sequence[Sequence[torch.nn.Parameter]]
+) -> Tuple[Tuple[ParamMeta, ...], ...]:
     """Describe optimizer groups of live parameters as :class:`ParamMeta` tuples.
 
     Args:

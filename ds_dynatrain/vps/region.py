@@ -10,6 +10,7 @@ Regions are values: sorted, non-overlapping, adjacent intervals merged, stored a
 hash and compare; every operation returns a new region. The set operations are vectorised with
 numpy, so their cost grows with the number of intervals, not elements.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ DeepSpeed caches its backend (``deepspeed.comm.comm.cdb``) and groups (``deepspe
 in module globals; after the default process group changes for a new generation these must be
 reset, or the next engine would use the dead group.
 """
+
 from __future__ import annotations
 
 
@@ -18,6 +19,7 @@ def reset_deepspeed_comm() -> None:
     """
     import deepspeed.comm.comm as dcomm
     import deepspeed.utils.groups as groups
+
     dcomm.cdb = None
     groups._WORLD_GROUP = None
     groups._DATA_PARALLEL_GROUP = None
@@ -36,6 +38,7 @@ def reset_deepspeed_comm() -> None:
 def start_deepspeed_comm(backend: str) -> None:
     """Start ``deepspeed.comm`` on the current default process group (after a switch of it)."""
     import deepspeed.comm as dcomm
+
     dcomm.init_distributed(dist_backend=backend, dist_init_required=False)
 
 
@@ -51,4 +54,5 @@ def skip_cpu_shm_op(accelerator) -> None:
     if accelerator.device_name() != "cpu":
         return
     import deepspeed.ops as ops
+
     ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -7,6 +7,7 @@ stage_1_and_2.py), ``DeepSpeedZeroOptimizer_Stage3`` (``fp16_groups``, sub-group
 :func:`layout_of` proves nothing by itself: tests compare it, and :func:`engine_fragments`, with
 what the engine really holds.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -26,10 +27,13 @@ def zero_optimizer_of(engine):
     """
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     opt = engine.optimizer
     if not isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
-        raise DynatrainError(f"online resizing needs ZeRO stage 1, 2 or 3; the engine runs "
-                             f"{type(opt).__name__} at ZeRO stage {engine.zero_optimization_stage()}")
+        raise DynatrainError(
+            f"online resizing needs ZeRO stage 1, 2 or 3; the engine runs "
+            f"{type(opt).__name__} at ZeRO stage {engine.zero_optimization_stage()}"
+        )
     return opt
 
 
@@ -70,17 +74,21 @@ def layout_of(engine) -> ZeroLayout:
     named = list(engine.module.named_parameters())
     if not is_zero3(opt):
         groups = param_metas_from_groups(named, opt.bit16_groups)
-        return ZeroLayout(world_size=engine.dp_world_size, groups=groups,
-                          round_robin=bool(zcfg.round_robin_gradients),
-                          parameter_alignment=bool(zcfg.parameter_alignment), stage=engine.zero_optimization_stage())
+        return ZeroLayout(
+            world_size=engine.dp_world_size,
+            groups=groups,
+            round_robin=bool(zcfg.round_robin_gradients),
+            parameter_alignment=bool(zcfg.parameter_alignment),
+            stage=engine.zero_optimization_stage(),
+        )
     groups = param_metas_from_groups(named, trainable_groups(opt))
-    layout = ZeroLayout(world_size=engine.dp_world_size, groups=groups, stage=3,
-                        sub_group_size=int(opt.sub_group_size))
+    layout = ZeroLayout(world_size=engine.dp_world_size, groups=groups, stage=3, sub_group_size=int(opt.sub_group_size))
     names = {id(p): n for n, p in named}
     real = [tuple(names[id(p)] for p in sub) for sub in opt.fp16_groups]
     computed = [layout.partition_keys(b) for b in range(layout.num_partitions)]
     if real != computed or [layout.partition_numel(b) for b in range(layout.num_partitions)] != [
-            int(n) for n in opt.fp16_partitioned_groups_flat_numel]:
+        int(n) for n in opt.fp16_partitioned_groups_flat_numel
+    ]:
         raise LayoutMismatchError(f"DeepSpeed's ZeRO-3 sub-groups {real} differ from the computed {computed}")
     return layout
 
@@ -97,8 +105,9 @@ def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dty
     stage = int(z.get("stage", 0))
     if stage == 3:
         return ZeroLayout(world_size, metas, stage=3, sub_group_size=int(z.get("sub_group_size", 10**9)))
-    return ZeroLayout(world_size, metas, bool(z.get("round_robin_gradients", False)),
-                      bool(z.get("parameter_alignment", False)), stage)
+    return ZeroLayout(
+        world_size, metas, bool(z.get("round_robin_gradients", False)), bool(z.get("parameter_alignment", False)), stage
+    )
 
 
 def engine_fragments(engine) -> Tuple[Fragment, ...]:
@@ -115,8 +124,15 @@ def engine_fragments(engine) -> Tuple[Fragment, ...]:
             m = getattr(p, "_hp_mapping", None)
             if m is None:
                 continue
-            out.append(Fragment(gi, names[id(p)], m.lp_fragment_address.start, m.lp_fragment_address.numel,
-                                m.hp_fragment_address.start))
+            out.append(
+                Fragment(
+                    gi,
+                    names[id(p)],
+                    m.lp_fragment_address.start,
+                    m.lp_fragment_address.numel,
+                    m.hp_fragment_address.start,
+                )
+            )
     return tuple(sorted(out, key=lambda f: (f.group, f.local)))
 
 
@@ -135,6 +151,7 @@ def engine_storage_fragments(engine) -> Tuple[Fragment, ...]:
         # each parameter's piece (ds_tensor) sits in its sub-group's flat partition; rank r's
         # piece starts at r * piece of the parameter (partition_parameters.py ``_partition_param``)
         from deepspeed import comm as dist
+
         for b, flat in enumerate(opt.fp16_partitioned_groups_flat):
             rank = dist.get_rank(group=opt.sub_group_process_groups[b])
             for p in opt.fp16_groups[b]:
@@ -157,6 +174,5 @@ def engine_storage_fragments(engine) -> Tuple[Fragment, ...]:
 
 def _dp_rank(opt, group: int) -> int:
     from deepspeed import comm as dist
+
     return dist.get_rank(group=opt.real_dp_process_group[group])
-
-

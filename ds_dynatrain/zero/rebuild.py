@@ -5,6 +5,7 @@ DeepSpeed internals: ``DeepSpeedZeroOptimizer.initialize_optimizer_states`` and
 ``flatten_dense_tensors_aligned`` (deepspeed/runtime/zero/stage_1_and_2.py), the engine's module
 hooks and ``destroy()`` (deepspeed/runtime/engine.py).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
       does: a client's own memory is never taken over.
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     init_states = DeepSpeedZeroOptimizer.initialize_optimizer_states
     flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
     owned = {t.untyped_storage().data_ptr() for t in reuse_flat}
@@ -69,8 +71,13 @@ def flat_in_place(tensors: List[torch.Tensor], alignment: int, padding=None):
     base = first.storage_offset()
     pos = 0
     for i, t in enumerate(tensors):
-        if (t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != base + pos):
+        if (
+            t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() != base + pos
+        ):
             return None
         pos += t.numel() + (padding[i] if padding else 0)
     total = -(-pos // alignment) * alignment
@@ -84,7 +91,7 @@ def flat_in_place(tensors: List[torch.Tensor], alignment: int, padding=None):
             pos += t.numel()
             pad = padding[i] if padding else 0
             if pad:
-                flat[pos:pos + pad].zero_()
+                flat[pos : pos + pad].zero_()
             pos += pad
         flat[pos:].zero_()
     return flat.detach()

@@ -6,6 +6,7 @@ DeepSpeed internals read and written here: ``single_partition_of_fp32_groups`` a
 ``fp32_partitioned_groups_flat`` of ``DeepSpeedZeroOptimizer_Stage3`` (stage3.py), and the
 ``_hp_mapping`` optimizer-fragment links (deepspeed/utils/tensor_fragment.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import torch
 
 from ..errors import DynatrainError, LayoutMismatchError
 from .geometry import fp32_partitions, is_zero3, working_partitions, zero_optimizer_of
-
 
 MASTER = "fp32"  # state kind of the fp32 master partition
 
@@ -66,8 +66,10 @@ def install_master(engine, masters: List[torch.Tensor]) -> None:
     opt = zero_optimizer_of(engine)
     for gi, fp32 in enumerate(fp32_partitions(opt)):
         if masters[gi].numel() != fp32.numel():
-            raise LayoutMismatchError(f"parameter group {gi}: received partition of {masters[gi].numel()} elements, "
-                                      f"engine partition has {fp32.numel()}")
+            raise LayoutMismatchError(
+                f"parameter group {gi}: received partition of {masters[gi].numel()} elements, "
+                f"engine partition has {fp32.numel()}"
+            )
         with torch.no_grad():
             fp32.copy_(masters[gi])
 
@@ -91,8 +93,9 @@ def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scal
             if k == MASTER:
                 continue
             if v.numel() != fp32.numel():
-                raise LayoutMismatchError(f"parameter group {gi}: received {k} of {v.numel()} elements, "
-                                          f"engine partition has {fp32.numel()}")
+                raise LayoutMismatchError(
+                    f"parameter group {gi}: received {k} of {v.numel()} elements, engine partition has {fp32.numel()}"
+                )
             entry[k] = v.to(device=fp32.device).view_as(fp32)
         if entry:
             opt.optimizer.state[fp32] = entry
@@ -126,8 +129,9 @@ def state_kinds(state: PartitionState) -> Tuple[str, ...]:
     kinds = state.kinds(0)
     for g in range(1, len(state.tensors)):
         if state.kinds(g) != kinds:
-            raise DynatrainError(f"parameter groups 0 and {g} hold different optimizer states "
-                                 f"({list(kinds)} vs {list(state.kinds(g))})")
+            raise DynatrainError(
+                f"parameter groups 0 and {g} hold different optimizer states ({list(kinds)} vs {list(state.kinds(g))})"
+            )
     return kinds
 
 
@@ -141,5 +145,4 @@ def master_from_working(engine) -> bool:
     the working parameters, which every optimizer step makes an exact copy of the master, so a
     resize need not move the master (deepspeed/runtime/zero/stage_1_and_2.py ``step``)."""
     zopt = zero_optimizer_of(engine)
-    return all(p.dtype == f.dtype for grp, f in zip(working_partitions(zopt), fp32_partitions(zopt))
-               for p in grp[:1])
+    return all(p.dtype == f.dtype for grp, f in zip(working_partitions(zopt), fp32_partitions(zopt)) for p in grp[:1])

@@ -6,6 +6,7 @@ DeepSpeed internals: ``GatheredParameters`` and ``Init`` (deepspeed/runtime/zero
 partition_parameters.py), ``DeepSpeedZeRoOffload`` and ``FWD_MODULE_STACK``
 (deepspeed/runtime/zero/parameter_offload.py), deepspeed 0.19.8.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -22,6 +23,7 @@ def gather_whole_params(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     the copies.
     """
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
     out = {}
     for name, p in module.named_parameters():
         with GatheredParameters([p]):
@@ -31,8 +33,17 @@ def gather_whole_params(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 # attributes DeepSpeed's ZeRO-3 attaches to modules besides those named ``ds_*``
 # (deepspeed/runtime/zero/parameter_offload.py, partition_parameters.py, deepspeed 0.19.8)
-ZERO3_MODULE_ATTRS = frozenset({"_external_params", "_original_parameters", "all_parameters",
-                                "applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn", "to_empty"})
+ZERO3_MODULE_ATTRS = frozenset(
+    {
+        "_external_params",
+        "_original_parameters",
+        "all_parameters",
+        "applied_pre_backward_ref_cnt",
+        "pre_bwd_fn",
+        "post_bwd_fn",
+        "to_empty",
+    }
+)
 
 
 def client_attrs(module: torch.nn.Module) -> Dict[str, frozenset]:
@@ -44,8 +55,9 @@ def client_attrs(module: torch.nn.Module) -> Dict[str, frozenset]:
     return out
 
 
-def release_zero3_params(module: torch.nn.Module, whole: Dict[str, torch.Tensor],
-                         own_attrs: Dict[str, frozenset]) -> None:
+def release_zero3_params(
+    module: torch.nn.Module, whole: Dict[str, torch.Tensor], own_attrs: Dict[str, frozenset]
+) -> None:
     """Turn the ZeRO-3 parameters of a detached engine back into plain parameters holding
     ``whole`` (from :func:`gather_whole_params`), so a new engine partitions them afresh.
 
@@ -65,6 +77,7 @@ def release_zero3_params(module: torch.nn.Module, whole: Dict[str, torch.Tensor]
         LayoutMismatchError: ``whole`` lacks a parameter of the module.
     """
     from deepspeed.runtime.zero import parameter_offload
+
     for name, p in module.named_parameters():
         if name not in whole:
             raise LayoutMismatchError(f"no whole copy of parameter {name} to rebuild the ZeRO-3 engine from")
@@ -97,6 +110,7 @@ def reset_zero3_counters() -> None:
     """
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partition_parameters import Init
+
     parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
     Init.param_id = 0
     Init.num_persisted_parameters = 0

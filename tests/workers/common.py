@@ -1,5 +1,6 @@
 """Shared pieces of the test worker scripts: a small model with awkward sizes, synthetic tokens,
 and a gather of the full training state through DeepSpeed's own accessors (the oracle)."""
+
 from __future__ import annotations
 
 import torch
@@ -44,6 +45,7 @@ def gather_state(engine) -> dict:
     """Full fp32 master weights, Adam moments and step of every trainable parameter, gathered with
     ``deepspeed.utils.safe_get_full_*`` (collective: every rank calls it)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     out = {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
@@ -55,6 +57,7 @@ def gather_state(engine) -> dict:
             "param": _whole(p),
         }
     from ds_dynatrain.zero.geometry import fp32_partitions
+
     opt = engine.optimizer
     steps = [opt.optimizer.state[f]["step"] for f in fp32_partitions(opt)]
     out["__step__"] = [float(s) for s in steps]
@@ -67,6 +70,7 @@ def _whole(p) -> torch.Tensor:
     """The working parameter whole, as fp32 (a ZeRO-3 parameter is gathered: collective)."""
     if hasattr(p, "ds_id"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
         with GatheredParameters([p]):
             return p.detach().float().clone()
     return p.detach().float().clone()
@@ -77,10 +81,16 @@ def base_config(stage: int, metrics_path: str | None = None) -> dict:
         "train_batch_size": 12,
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 40, "warmup_num_steps": 3,
-                                                            "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": 40, "warmup_num_steps": 3, "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
-        "dynatrain": {"metrics_path": metrics_path, "collective_timeout_s": 60, "join_timeout_s": 120,
-                      "max_world_size": 6},
+        "dynatrain": {
+            "metrics_path": metrics_path,
+            "collective_timeout_s": 60,
+            "join_timeout_s": 120,
+            "max_world_size": 6,
+        },
     }

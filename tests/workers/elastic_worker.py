@@ -3,6 +3,7 @@ little slowly (``--step-sleep``), so that resize requests and preemption notices
 training. Writes its pid to ``--out/pid_<member>`` and, at the end, rank 0 writes the gathered
 state to ``--out/final.pt``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,16 @@ from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
 
 def _record_resources(out: str, engine) -> None:
     import json
+
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f)
-    rec = {"step": engine.global_steps, "world_size": engine.dp_world_size, "fds": len(os.listdir("/proc/self/fd")),
-           "threads": int(status["Threads"]), "rss": int(status["VmRSS"].split()[0]) * 1024}
+    rec = {
+        "step": engine.global_steps,
+        "world_size": engine.dp_world_size,
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": int(status["Threads"]),
+        "rss": int(status["VmRSS"].split()[0]) * 1024,
+    }
     with open(os.path.join(out, f"res_{os.environ['DYNATRAIN_MEMBER']}"), "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -34,8 +41,11 @@ def main():
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--load", default=None, help="DIR:TAG of a snapshot to load right after initialize")
-    p.add_argument("--resources", action="store_true",
-                   help="after every step, append this process's open fds, threads and RSS to --out/res_<member>")
+    p.add_argument(
+        "--resources",
+        action="store_true",
+        help="after every step, append this process's open fds, threads and RSS to --out/res_<member>",
+    )
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -44,8 +54,9 @@ def main():
         f.write(str(os.getpid()))
     torch.manual_seed(0)
     model = TinyLM()
-    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                                           training_data=Tokens(), config=a.deepspeed_config)
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=a.deepspeed_config
+    )
     if a.load:
         d, tag = a.load.rsplit(":", 1)
         engine.load_checkpoint(d, tag=tag)

@@ -12,6 +12,7 @@ int64), trained one step at ZeRO-2 and ZeRO-1; same files under ``extras/`` and 
 
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (no launcher).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,17 @@ from tests.workers.common import TinyLM, Tokens, base_config, gather_state  # no
 
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.model.norm.weight.uniform_(0.5, 1.5)
@@ -55,6 +65,7 @@ class TinyLMExtras(TinyLM):
 def whole(p) -> torch.Tensor:
     if hasattr(p, "ds_id"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
         with GatheredParameters([p]):
             return p.detach().float().clone()
     return p.detach().float().clone()
@@ -67,8 +78,9 @@ def run(kind: str, out: str, rank: int) -> None:
     cfg = base_config(stage)
     cfg["dynatrain"].pop("max_world_size", None)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=params,
-                                                           training_data=Tokens(), config=cfg)
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(
+        model=model, model_parameters=params, training_data=Tokens(), config=cfg
+    )
     for batch in loader:  # one optimizer step (several micro-batches)
         loss = engine(input_ids=batch, labels=batch).loss if kind == "llama" else engine(batch)
         engine.backward(loss)
@@ -79,6 +91,7 @@ def run(kind: str, out: str, rank: int) -> None:
     engine.save_checkpoint(os.path.join(d, "ours"), tag="ckpt")
     engine.checkpoint_engine.wait()
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
     ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
     engine.save_checkpoint(os.path.join(d, "torch"), tag="ckpt")
     engine.checkpoint_engine = ours
@@ -104,6 +117,7 @@ def main():
     for kind in a.models.split(","):
         run(kind, a.out, rank)
     import torch.distributed as tdist
+
     tdist.barrier()
     return 0
 

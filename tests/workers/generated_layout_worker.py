@@ -18,6 +18,7 @@ module's registration order (one Parameter, two names, as tied input/output embe
 Usage: ``generated_layout_worker.py CASES.json OUT`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
 in the environment (WORLD_SIZE: the number of processes, the largest world size).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ class Generated(torch.nn.Module):
 
     def __init__(self, case: dict):
         super().__init__()
-        self.created = [torch.nn.Parameter(torch.randn(*p["shape"]), requires_grad=not p["frozen"])
-                        for p in case["params"]]
+        self.created = [
+            torch.nn.Parameter(torch.randn(*p["shape"]), requires_grad=not p["frozen"]) for p in case["params"]
+        ]
         order = [(p["name"], self.created[i]) for i, p in enumerate(case["params"])]
         tie = case.get("tie")
         if tie:
@@ -49,20 +51,33 @@ class Generated(torch.nn.Module):
 
 def run_case(case: dict, world_size: int, rank: int) -> dict:
     import deepspeed
+
     torch.manual_seed(0)
     model = Generated(case)
     bf16 = case["dtype"] == "bfloat16"
-    cfg = {"train_batch_size": 2 * world_size, "train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "zero_optimization": {"stage": case["stage"], "round_robin_gradients": case["round_robin"],
-                                 "parameter_alignment": case["parameter_alignment"]},
-           "steps_per_print": 10**9}
+    cfg = {
+        "train_batch_size": 2 * world_size,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {
+            "stage": case["stage"],
+            "round_robin_gradients": case["round_robin"],
+            "parameter_alignment": case["parameter_alignment"],
+        },
+        "steps_per_print": 10**9,
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
-    groups = [{"params": [model.created[i] for i in g], "weight_decay": 0.01 * gi} for gi, g in
-              enumerate(case["groups"])]
-    expected = layout_for_model(list(model.named_parameters()), [g["params"] for g in groups], world_size, cfg,
-                                torch.bfloat16 if bf16 else torch.float32)
+    groups = [
+        {"params": [model.created[i] for i in g], "weight_decay": 0.01 * gi} for gi, g in enumerate(case["groups"])
+    ]
+    expected = layout_for_model(
+        list(model.named_parameters()),
+        [g["params"] for g in groups],
+        world_size,
+        cfg,
+        torch.bfloat16 if bf16 else torch.float32,
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     tie = case.get("tie")
     result = {
@@ -84,7 +99,9 @@ def main():
 
     import deepspeed.ops
     import torch.distributed as tdist
+
     from ds_dynatrain.zero.comm import reset_deepspeed_comm
+
     # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
     # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -94,14 +111,14 @@ def main():
     out_dir = sys.argv[2]
     nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     timeout = timedelta(seconds=120)
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), nproc, rank == 0,
-                           timeout=timeout)
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), nproc, rank == 0, timeout=timeout)
     for world_size in range(1, nproc + 1):
         if rank >= world_size:
             continue
         os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-        tdist.init_process_group("gloo", store=tdist.PrefixStore(f"ws{world_size}", store), rank=rank,
-                                 world_size=world_size, timeout=timeout)
+        tdist.init_process_group(
+            "gloo", store=tdist.PrefixStore(f"ws{world_size}", store), rank=rank, world_size=world_size, timeout=timeout
+        )
         result = {c["name"]: run_case(c, world_size, rank) for c in cases}
         with open(os.path.join(out_dir, f"ws{world_size}_rank{rank}.json"), "w") as f:
             json.dump(result, f)

@@ -18,6 +18,7 @@ skipped steps and the loss scale.
 
 Started by ``dynatrain launch`` (which appends ``--deepspeed_config``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from ds_dynatrain.zero.geometry import (fp32_partitions, is_zero3, trainable_groups,  # noqa: E402
-                                        working_partitions)
+from ds_dynatrain.zero.geometry import fp32_partitions, is_zero3, trainable_groups, working_partitions  # noqa: E402
 from ds_dynatrain.zero.state import relink_optimizer_state  # noqa: E402
 from tests.workers.common import VOCAB, Tokens, gather_state  # noqa: E402
 
 # per group: the hyperparameters the client sets (they override the config's optimizer params)
 GROUP_HPARAMS = (
-    {"lr": 2e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)},   # "decay": matrices and embeddings
-    {"lr": 5e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},   # "no_decay": biases, norms, gains
+    {"lr": 2e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)},  # "decay": matrices and embeddings
+    {"lr": 5e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},  # "no_decay": biases, norms, gains
 )
 
 
@@ -86,6 +86,7 @@ def whole(p: torch.nn.Parameter) -> torch.Tensor:
     gathered with DeepSpeed's ``GatheredParameters``: collective)."""
     if hasattr(p, "ds_id"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
         with GatheredParameters([p]):
             return p.data.detach().clone()
     return p.detach().clone()
@@ -108,10 +109,13 @@ def state_in_group(zopt) -> list:
         return all(k in st and st[k].shape == t.shape for k in ("exp_avg", "exp_avg_sq"))
 
     if not is_zero3(zopt):
-        return [len(g["params"]) == 1 and g["params"][0] is parts[gi] and has_state(parts[gi])
-                for gi, g in enumerate(basic.param_groups)]
-    owned = [[b for b in range(len(parts)) if zopt.sub_group_to_group_id[b] == gi]
-             for gi in range(len(basic.param_groups))]
+        return [
+            len(g["params"]) == 1 and g["params"][0] is parts[gi] and has_state(parts[gi])
+            for gi, g in enumerate(basic.param_groups)
+        ]
+    owned = [
+        [b for b in range(len(parts)) if zopt.sub_group_to_group_id[b] == gi] for gi in range(len(basic.param_groups))
+    ]
     return [bool(subs) and all(has_state(parts[b]) for b in subs) for subs in owned]
 
 
@@ -125,8 +129,10 @@ def rank_facts(engine, model, returned_opt) -> dict:
     for gi, params in enumerate(groups):
         for p in params:
             membership[names[id(p)]] = gi
-    hparams = [{"lr": g["lr"], "weight_decay": g["weight_decay"], "betas": tuple(g["betas"]), "eps": g["eps"]}
-               for g in basic.param_groups]
+    hparams = [
+        {"lr": g["lr"], "weight_decay": g["weight_decay"], "betas": tuple(g["betas"]), "eps": g["eps"]}
+        for g in basic.param_groups
+    ]
     scaler = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(zopt.loss_scaler).items()}
     all_names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -140,8 +146,9 @@ def rank_facts(engine, model, returned_opt) -> dict:
         "membership": membership,
         "partition_keys": [tuple(names[id(p)] for p in ps) for ps in working_partitions(zopt)],
         "hparams": hparams,
-        "returned_hparams": [{k: g[k] for k in ("lr", "weight_decay")} | {"betas": tuple(g["betas"])}
-                             for g in returned_opt.param_groups],
+        "returned_hparams": [
+            {k: g[k] for k in ("lr", "weight_decay")} | {"betas": tuple(g["betas"])} for g in returned_opt.param_groups
+        ],
         "returned_is_engine_optimizer": returned_opt is engine.optimizer,
         "state_in_group": state_in_group(zopt),
         "tied": model.head.weight is model.tok.weight and engine.module is model,
@@ -160,8 +167,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize (the config's "
-                   "resize_schedule works too)")
+    p.add_argument(
+        "--resize",
+        default="",
+        help="STEP:WORLD,... resizes through engine.resize (the config's resize_schedule works too)",
+    )
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -171,8 +181,9 @@ def main():
     torch.manual_seed(0)
     model = GroupsLM()
     torch.save(model.frozen.weight.detach().clone(), os.path.join(a.out, f"frozen_init_{os.environ['RANK']}.pt"))
-    engine, opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=param_groups(model),
-                                                          training_data=Tokens(), config=a.deepspeed_config)
+    engine, opt, loader, _sched = ds_dynatrain.initialize(
+        model=model, model_parameters=param_groups(model), training_data=Tokens(), config=a.deepspeed_config
+    )
 
     def save(tag, gather=True):
         if gather:  # torch's Adam has no state before the first step
@@ -214,9 +225,17 @@ def main():
                 continue
             if engine.global_rank == 0:
                 with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
-                    f.write(json.dumps({"step": s, "lrs": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
-                                        "skipped_steps": engine.skipped_steps,
-                                        "loss_scale": engine.optimizer.loss_scaler.cur_scale}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": s,
+                                "lrs": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
+                                "skipped_steps": engine.skipped_steps,
+                                "loss_scale": engine.optimizer.loss_scaler.cur_scale,
+                            }
+                        )
+                        + "\n"
+                    )
             if s in resize:
                 engine.resize(resize[s])
             if not engine.is_member or s >= a.steps:

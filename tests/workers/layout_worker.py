@@ -4,6 +4,7 @@ metadata alone (before any engine exists) beside the fragments DeepSpeed's real 
 
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_dynatrain.zero.geometry import (engine_fragments, engine_storage_fragments, fp32_partitions,  # noqa: E402
-                                        layout_for_model, layout_of)
+from ds_dynatrain.zero.geometry import (  # noqa: E402
+    engine_fragments,
+    engine_storage_fragments,
+    fp32_partitions,
+    layout_for_model,
+    layout_of,
+)
 from tests.workers.common import TinyLM  # noqa: E402
 
 
@@ -64,6 +70,7 @@ def cases():
 def main():
     import deepspeed
     import deepspeed.ops
+
     # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
     # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -76,22 +83,30 @@ def main():
         model = make()
         groups_fn = extra if callable(extra) else None
         bf16 = extra == "bf16"
-        cfg = {"train_batch_size": 2 * ws, "train_micro_batch_size_per_gpu": 2,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-               "zero_optimization": {"stage": stage, **zextra}, "steps_per_print": 10**9}
+        cfg = {
+            "train_batch_size": 2 * ws,
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, **zextra},
+            "steps_per_print": 10**9,
+        }
         if bf16:
             cfg["bf16"] = {"enabled": True}
         params = groups_fn(model) if groups_fn else [p for p in model.parameters()]
         group_lists = [g["params"] for g in params] if groups_fn else [params]
-        expected = layout_for_model(list(model.named_parameters()), group_lists, ws, cfg,
-                                    torch.bfloat16 if bf16 else torch.float32)
+        expected = layout_for_model(
+            list(model.named_parameters()), group_lists, ws, cfg, torch.bfloat16 if bf16 else torch.float32
+        )
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
         result[name] = {
             "expected": [list(vars(f).values()) for f in expected.fragments(rank)],
             "actual": [list(vars(f).values()) for f in engine_storage_fragments(engine)],
             # stage 3 has no _hp_mapping; layout_of checks its sub-groups against DeepSpeed's
-            "hp_mapping": ([list(vars(f).values()) for f in engine_fragments(engine)] if stage < 3 else
-                           [list(vars(f).values()) for f in layout_of(engine).fragments(rank)]),
+            "hp_mapping": (
+                [list(vars(f).values()) for f in engine_fragments(engine)]
+                if stage < 3
+                else [list(vars(f).values()) for f in layout_of(engine).fragments(rank)]
+            ),
             "expected_partition_numel": [expected.partition_numel(g) for g in range(expected.num_partitions)],
             "actual_partition_numel": [t.numel() for t in fp32_partitions(engine.optimizer)],
         }
@@ -99,6 +114,7 @@ def main():
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     import torch.distributed as tdist
+
     tdist.destroy_process_group()
     return 0
 

@@ -10,6 +10,7 @@ gather the state (rank 0 writes it), train on (losses in ``<out>/metrics_z<stage
 
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (no launcher).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def train(engine, loader, until: int) -> None:
 def build(stage: int, metrics: str):
     torch.manual_seed(0)
     model = TinyLM()
-    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                                           training_data=Tokens(), config=config(stage, metrics))
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=config(stage, metrics)
+    )
     return engine, loader
 
 
@@ -82,8 +84,15 @@ def refuse(a, rank: int, name: str, path: str, check_state: bool = True) -> None
     same = None
     if check_state:
         after = gather_state(engine)
-        same = all(torch.equal(before[k][kind], after[k][kind]) for k in before if not k.startswith("__")
-                   for kind in before[k]) and before["__global_steps__"] == after["__global_steps__"]
+        same = (
+            all(
+                torch.equal(before[k][kind], after[k][kind])
+                for k in before
+                if not k.startswith("__")
+                for kind in before[k]
+            )
+            and before["__global_steps__"] == after["__global_steps__"]
+        )
     with open(os.path.join(a.out, f"broken_{name}_rank{rank}.json"), "w") as f:
         json.dump({"error": error, "state_unchanged": same}, f)
     engine.checkpoint_engine.close()
@@ -97,11 +106,18 @@ def main():
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--load-from", default=None, help="directory the save job wrote (load mode)")
     p.add_argument("--formats", default="ours,torch")
-    p.add_argument("--cross", default="", help="SAVED:LOADED,... also load the checkpoint of ZeRO stage SAVED "
-                                               "into an engine of stage LOADED")
+    p.add_argument(
+        "--cross",
+        default="",
+        help="SAVED:LOADED,... also load the checkpoint of ZeRO stage SAVED into an engine of stage LOADED",
+    )
     p.add_argument("--broken", default="", help="NAME=DIR,... directories that must be refused (stage 2)")
-    p.add_argument("--broken-same", default="", help="NAME=DIR,... the same, saved at this world size (DeepSpeed's "
-                                                     "own load: the state is not checked afterwards)")
+    p.add_argument(
+        "--broken-same",
+        default="",
+        help="NAME=DIR,... the same, saved at this world size (DeepSpeed's "
+        "own load: the state is not checked afterwards)",
+    )
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
@@ -113,9 +129,11 @@ def main():
             engine.save_checkpoint(os.path.join(a.out, f"ours_z{stage}"), tag="ckpt")
             engine.checkpoint_engine.wait()
             from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
             ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
-            engine.save_checkpoint(os.path.join(a.out, f"torch_z{stage}"), tag="ckpt",
-                                   client_state={"universal_checkpoint_info": {}})
+            engine.save_checkpoint(
+                os.path.join(a.out, f"torch_z{stage}"), tag="ckpt", client_state={"universal_checkpoint_info": {}}
+            )
             engine.checkpoint_engine = ours
             state = gather_state(engine)
             if rank == 0:
@@ -138,6 +156,7 @@ def main():
             name, path = item.split("=", 1)
             refuse(a, rank, name, path, check_state=False)
     import torch.distributed as tdist
+
     tdist.barrier()
     return 0
 

@@ -4,6 +4,7 @@ checkpoint before a resize (the input of DeepSpeed's universal-checkpoint route,
 
 Started by ``dynatrain launch`` (which appends ``--deepspeed_config``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def main():
     p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize")
     p.add_argument("--ds-ckpt-at", default="", help="STEP,... save a DeepSpeed checkpoint before that resize")
     p.add_argument("--refuse-at", type=int, default=0, help="at this step, ask for impossible world sizes")
-    p.add_argument("--joiner-width", type=int, default=0,
-                   help="a joining process builds TinyLM of this width (a model that does not match the job's)")
+    p.add_argument(
+        "--joiner-width",
+        type=int,
+        default=0,
+        help="a joining process builds TinyLM of this width (a model that does not match the job's)",
+    )
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -39,8 +44,9 @@ def main():
     torch.manual_seed(0)
     joiner = os.environ.get("DYNATRAIN_JOIN") == "1"
     model = TinyLM(a.joiner_width) if joiner and a.joiner_width else TinyLM()
-    engine, _opt, loader, _sched = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                                           training_data=Tokens(), config=a.deepspeed_config)
+    engine, _opt, loader, _sched = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=a.deepspeed_config
+    )
 
     def save(tag):
         state = gather_state(engine)
@@ -68,18 +74,25 @@ def main():
                     except ResizeRefusedError as err:
                         errors.append(str(err))
                 state1 = gather_state(engine)
-                same = all(torch.equal(state0[k][kind], state1[k][kind]) for k in state0 if not k.startswith("__")
-                           for kind in state0[k])
+                same = all(
+                    torch.equal(state0[k][kind], state1[k][kind])
+                    for k in state0
+                    if not k.startswith("__")
+                    for kind in state0[k]
+                )
                 if engine.global_rank == 0:
                     with open(os.path.join(a.out, "refusals.json"), "w") as f:
-                        json.dump({"errors": errors, "state_unchanged": same,
-                                   "world_size": engine.dp_world_size}, f)
+                        json.dump({"errors": errors, "state_unchanged": same, "world_size": engine.dp_world_size}, f)
             if s in resize:
                 if s in ds_ckpt_at:  # with DeepSpeed's default engine: ds_to_universal reads torch.save files
                     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
                     ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
-                    engine.save_checkpoint(os.path.join(a.out, f"ds_ckpt_{s}"), tag=f"global_step{s}",
-                                           client_state={"universal_checkpoint_info": {}})
+                    engine.save_checkpoint(
+                        os.path.join(a.out, f"ds_ckpt_{s}"),
+                        tag=f"global_step{s}",
+                        client_state={"universal_checkpoint_info": {}},
+                    )
                     engine.checkpoint_engine = ours
                 save(f"before_{s}")
                 engine.resize(resize[s])

@@ -6,6 +6,7 @@ file, at the io queue seam of ``io_engine`` (writes at file offsets >= 8 KiB com
 must stay on step 2. Then the step-2 snapshot is loaded back (same world size) and the
 state must equal, bitwise, the state gathered at step 2. Results go to OUT/result.json (rank 0).
 """
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,9 @@ def main():
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     torch.manual_seed(0)
     model = TinyLM()
-    engine, _o, loader, _s = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(),
-                                                     training_data=Tokens(), config=cfg_path)
+    engine, _o, loader, _s = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=cfg_path
+    )
     snap = os.path.join(out, "snapshots")
     result = {}
     it = iter(loader)
@@ -49,8 +51,12 @@ def main():
     if engine.global_rank == 1:
         from io_engine import Flusher, IOConfig, SnapshotFileWriter
         from tests.faults import faulty
-        ce._writer = SnapshotFileWriter(flusher=Flusher(IOConfig(), queue_factory=faulty(
-            lambda fd, offset: offset >= 8192, lambda view: -errno.ENOSPC, [])))
+
+        ce._writer = SnapshotFileWriter(
+            flusher=Flusher(
+                IOConfig(), queue_factory=faulty(lambda fd, offset: offset >= 8192, lambda view: -errno.ENOSPC, [])
+            )
+        )
     engine.save_checkpoint(snap)  # returns at once: the write fails in the background
     try:
         ce.wait()
@@ -63,12 +69,17 @@ def main():
     load_path, _client = engine.load_checkpoint(snap)
     result["loaded"] = load_path
     back = gather_state(engine)
-    result["state_equal"] = all(torch.equal(at_2[k][kind], back[k][kind]) for k in at_2 if not k.startswith("__")
-                                for kind in ("fp32", "exp_avg", "exp_avg_sq"))
+    result["state_equal"] = all(
+        torch.equal(at_2[k][kind], back[k][kind])
+        for k in at_2
+        if not k.startswith("__")
+        for kind in ("fp32", "exp_avg", "exp_avg_sq")
+    )
     result["steps"] = [at_2["__step__"], back["__step__"], engine.global_steps]
     train_to(engine.global_steps + 1)
     errors = [None] * 2
     import torch.distributed as tdist
+
     tdist.all_gather_object(errors, result["error"])
     result["errors_all_ranks"] = errors
     if engine.global_rank == 0:

@@ -14,6 +14,7 @@ error they get and how long it took.
 
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (4 processes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,21 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from ds_dynatrain.errors import TransitionAbortedError  # noqa: E402
+from ds_dynatrain.planner import assign_members, plan_transition  # noqa: E402
 from ds_dynatrain.transition import execute as transition  # noqa: E402
 from ds_dynatrain.transition.buffers import allocate_partitions  # noqa: E402
-from ds_dynatrain.errors import TransitionAbortedError  # noqa: E402
 from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout  # noqa: E402
-from ds_dynatrain.planner import assign_members, plan_transition  # noqa: E402
 
 KINDS = ("exp_avg", "exp_avg_sq")
-GROUPS = ((ParamMeta("embed.weight", (37, 13), "float32"), ParamMeta("mix.weight", (7, 13), "float32"),
-           ParamMeta("gain", (1,), "float32")),
-          (ParamMeta("head.weight", (37, 7), "float32"), ParamMeta("head.bias", (37,), "float32")))
+GROUPS = (
+    (
+        ParamMeta("embed.weight", (37, 13), "float32"),
+        ParamMeta("mix.weight", (7, 13), "float32"),
+        ParamMeta("gain", (1,), "float32"),
+    ),
+    (ParamMeta("head.weight", (37, 7), "float32"), ParamMeta("head.bias", (37,), "float32")),
+)
 BASE = {m.key: i * 10_000 for i, m in enumerate(m for g in GROUPS for m in g)}
 
 
@@ -49,7 +55,7 @@ def partitions(layout: ZeroLayout, rank: int):
     for f in layout.fragments(rank):
         ids = torch.arange(f.start, f.start + f.numel, dtype=torch.float32) + BASE[f.key] + 1
         for i, k in enumerate(KINDS):
-            out[f.group][k][f.local:f.local + f.numel] = ids + 100_000 * i
+            out[f.group][k][f.local : f.local + f.numel] = ids + 100_000 * i
     return out
 
 
@@ -73,9 +79,18 @@ def one(store, case: int, a: int, b: int, me: str, inflight: int, background: bo
     if dests is not None:
         want = partitions(plan.new_layout, new_members.index(me))
         ok = all(torch.equal(dests[g][k], want[g][k]) for g in want for k in KINDS)
-    return {"case": case, "transition": f"{a}->{b}", "inflight": inflight, "background": background, "ok": ok,
-            "messages": stats.messages, "sent": stats.bytes_sent, "received": stats.bytes_received,
-            "kept": stats.bytes_kept, "peak_staging": stats.peak_staging_bytes}
+    return {
+        "case": case,
+        "transition": f"{a}->{b}",
+        "inflight": inflight,
+        "background": background,
+        "ok": ok,
+        "messages": stats.messages,
+        "sent": stats.bytes_sent,
+        "received": stats.bytes_received,
+        "kept": stats.bytes_kept,
+        "peak_staging": stats.peak_staging_bytes,
+    }
 
 
 def main():
@@ -86,8 +101,9 @@ def main():
     p.add_argument("--background", action="store_true", help="mode die: run the transfer in a background thread")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                           timedelta(seconds=60))
+    store = tdist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60)
+    )
     me = f"p{rank}"
     results = []
     if a.mode == "all":
@@ -96,15 +112,16 @@ def main():
             for y in range(1, 5):
                 if x == y:
                     continue
-                for inflight, background in ((transition.DEFAULT_MAX_INFLIGHT_BYTES, False), (64, False),
-                                             (1024, True)):
+                for inflight, background in ((transition.DEFAULT_MAX_INFLIGHT_BYTES, False), (64, False), (1024, True)):
                     results.append(one(store, case, x, y, me, inflight, background))
                     case += 1
     else:
         if rank == a.victim:
+
             def die(step, chunk):  # INJECTED: this process vanishes mid-transition
                 if chunk == 1:
                     os._exit(17)
+
             transition.fault_hook = die
         t = time.perf_counter()
         try:

@@ -3,6 +3,7 @@ world size loads a universal checkpoint made by ``ds_to_universal`` and saves th
 
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (no dynatrain launcher).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ from tests.workers.common import TinyLM, gather_state  # noqa: E402
 def main():
     import deepspeed
     import deepspeed.ops
+
     # as ds_dynatrain.initialize does: DeepSpeed's CPU shared-memory op is for inference only, and
     # its JIT build can leave a stale lock behind (see ds_dynatrain/initialize.py)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -44,6 +46,7 @@ def main():
     if engine.global_rank == 0:
         torch.save(state, a.out)
     import torch.distributed as tdist
+
     tdist.destroy_process_group()  # left to interpreter teardown, gloo may abort the process
     return 0
 
