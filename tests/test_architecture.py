@@ -35,6 +35,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("cli", ("ds_dynatrain.cli",)),
     ("top", ("ds_dynatrain.data", "ds_dynatrain.initialize", "ds_dynatrain.prebuild", "ds_dynatrain")),
 ]
+ROOTS = frozenset(PACKAGES)  # a root package names itself only: a module under it needs a layer of its own
 # who may import DeepSpeed (module prefixes), and what of it
 DEEPSPEED_ALLOWED = (
     "ds_dynatrain.zero",
@@ -133,7 +134,8 @@ def layer_of(module: str, layers=LAYERS) -> int:
     best, best_len = None, -1
     for i, (_, prefixes) in enumerate(layers):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+            under = module.startswith(p + ".") and (p not in ROOTS or p in ("io_engine", "state_providers"))
+            if (module == p or under) and len(p) > best_len:
                 best, best_len = i, len(p)
     if best is None:
         raise KeyError(f"module {module} is in no layer of the house")
@@ -188,6 +190,9 @@ def test_checker_finds_a_cycle_an_upward_import_and_deepspeed_where_it_does_not_
     ) == ["ds_dynatrain.elastic.groups imports deepspeed.comm", "ds_dynatrain.planner.plan imports torch.distributed"]
     with pytest.raises(KeyError, match="in no layer"):
         layer_of("ds_dynatrain_extra.x")
+    with pytest.raises(KeyError, match="in no layer"):
+        layer_of("ds_dynatrain.newpackage.module")  # a new package must be placed in the house
+    assert layer_of("ds_dynatrain") == layer_of("ds_dynatrain.initialize")
 
 
 def test_imports_inside_functions_are_read(tmp_path):
@@ -250,3 +255,17 @@ def test_every_error_class_is_importable_from_the_package(house):
             ):
                 missing.append(f"{m}.{name}")
     assert missing == []
+
+
+def test_the_distribution_ships_every_package(house):
+    """``pip install .`` (not only ``-e``) must carry every package of the house."""
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        find = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(ROOT, include=find["include"]))
+    modules, _, _ = house
+    packages = {m for m, path in modules.items() if path.endswith("__init__.py")}
+    assert packages - shipped == set()

@@ -200,5 +200,7 @@ def test_next_members_at_a_preemption_leaves_the_preempted_out():
     old = layout([10, 7, 3], 3)
     out = next_members(old, ("a", "b", "c"), (), [("a", "b", "c")], 2, ("b",), joiner_name=lambda r: f"new{r}")
     assert sorted(out) == ["a", "c"]
-    # every member preempted at a grow: the new world is all joiners
-    assert next_members(old, ("a",), (), [], 3, ("a",), joiner_name=lambda r: f"new{r}") == ("new0", "new1", "new2")
+    # a grow while one member leaves: the other stays, joiners fill the rest, named by their rank
+    grown = next_members(layout([10, 7, 3], 2), ("a", "b"), (), [("a", "b")], 3, ("b",), lambda r: f"new{r}")
+    assert "a" in grown and "b" not in grown
+    assert sorted(m for m in grown if m != "a") == sorted(f"new{r}" for r, m in enumerate(grown) if m != "a")

@@ -5,7 +5,6 @@ check for a snapshot, and that the library installs no log handler of its own.""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import subprocess
 import sys
@@ -138,12 +137,17 @@ def test_log_to_console_prints_the_plugins_lines_once(capsys):
     import ds_dynatrain
     from ds_dynatrain.log import logger
 
-    h = ds_dynatrain.log_to_console()
+    saved = list(logger.handlers), logger.propagate, logger.level
+    for h in saved[0]:  # another test of this process may have made the console handler already
+        logger.removeHandler(h)
     try:
-        assert ds_dynatrain.log_to_console() is h
+        h = ds_dynatrain.log_to_console()
+        assert ds_dynatrain.log_to_console() is h and logger.handlers == [h]
         logger.info("resize 2 \u2192 3 after step 15")
         assert capsys.readouterr().out == "[dynatrain] resize 2 \u2192 3 after step 15\n"
     finally:
-        logger.removeHandler(h)
-        logger.propagate = True
-        logger.setLevel(logging.NOTSET)
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        for h in saved[0]:
+            logger.addHandler(h)
+        logger.propagate, logger.level = saved[1], saved[2]

@@ -72,7 +72,7 @@ def test_only_rank_0_votes_requests_and_standby_marks():
         encode(StepVote(standby_gone=frozenset({5})), 0, 4, 2)
 
 
-def test_a_sum_that_is_not_a_sum_of_distinct_bits_is_refused():
+def test_malformed_sums_are_refused_and_each_rank_must_set_only_its_own_bit():
     bad = encode(StepVote(preempted=True), 0, 4, 0)
     twice = [a + b for a, b in zip(bad, bad)]  # the same bit from two ranks: 2 * 2**0 looks like rank 1
     assert decode(twice, 4, 0).preempted == frozenset({1})  # why each rank must set only its own bit

@@ -87,32 +87,7 @@ def load_resharded(
         dests = allocate_partitions(plan, dst_ids[rank], kinds, torch.float32, device)
         plan_s = time.perf_counter() - t0
         t = time.perf_counter()
-        by_src: Dict[int, list] = defaultdict(list)
-        for tr in plan.transfers:
-            if tr.dst == rank:
-                by_src[tr.src].append(tr)
-        nbytes, problem = 0, None
-        try:
-            for src in sorted(by_src):
-                parts = partitions_of(saved.optim(src).tree, saved.stage)
-                requests = []
-                for tr in by_src[src]:
-                    for k in kinds:
-                        if k not in parts.tensors[tr.group]:
-                            raise CheckpointIncompleteError(
-                                f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}"
-                            )
-                        requests.append(
-                            (
-                                parts.tensors[tr.group][k],
-                                tr.src_offset,
-                                dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel),
-                            )
-                        )
-                nbytes += saved.optim(src).read_into(requests)
-            scalars0 = partitions_of(saved.optim(0).tree, saved.stage).scalars
-        except (CheckpointIncompleteError, LayoutMismatchError) as err:
-            problem = f"{type(err).__name__}: {err}"
+        nbytes, scalars0, problem = _read_fragments(saved, plan, rank, kinds, dests)
         # every rank agrees before anything is installed: one rank's damaged file fails all
         raise_on_every_rank(problem, CheckpointIncompleteError, "nothing was loaded")
         read_s = time.perf_counter() - t
@@ -123,34 +98,66 @@ def load_resharded(
             install_optimizer_state(
                 engine, [{k: dests[b][k] for k in MOMENTS} for b in order], scalars_for(plan, scalars0)
             )
-        zopt = zero_optimizer_of(engine)
-        tg = time.perf_counter()
-        with torch.no_grad():
-            if is_zero3(zopt):
-                for flat, fp32 in zip(zopt.fp16_partitioned_groups_flat, fp32_partitions(zopt)):
-                    flat.copy_(fp32)
-            else:
-                zopt.update_lp_params()  # working copy from the master, all-gathered
-        gather_s = time.perf_counter() - tg
+        gather_s = _working_from_master(engine)
         _load_frozen(engine, saved)
         client = _load_non_tensor_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
         install_s = time.perf_counter() - t
     finally:
         saved.close()
     stats = LoadStats(
-        nbytes,
-        time.perf_counter() - t0,
-        plan_s,
-        read_s,
-        install_s,
-        gather_s,
-        saved.world_size,
-        saved.stage,
-        ws,
-        live.stage,
+        bytes_read=nbytes,
+        seconds=time.perf_counter() - t0,
+        plan_s=plan_s,
+        read_s=read_s,
+        install_s=install_s,
+        gather_s=gather_s,
+        saved_world_size=saved.world_size,
+        saved_stage=saved.stage,
+        world_size=ws,
+        stage=live.stage,
     )
     # as DeepSpeed's load_checkpoint: the path of the model-state file it loaded
     return saved.model_file.path, client, stats
+
+
+def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tuple[int, list, Optional[str]]:
+    """Read this rank's fragments of every saved partition into ``dests``, one batch per saved
+    file. Returns ``(bytes read, rank 0's scalars per saved partition, problem or None)``: a
+    damaged or incomplete file is reported, not raised, so every rank can agree first."""
+    by_src: Dict[int, list] = defaultdict(list)
+    for tr in plan.transfers:
+        if tr.dst == rank:
+            by_src[tr.src].append(tr)
+    nbytes = 0
+    try:
+        for src in sorted(by_src):
+            parts = partitions_of(saved.optim(src).tree, saved.stage)
+            requests = []
+            for tr in by_src[src]:
+                for k in kinds:
+                    if k not in parts.tensors[tr.group]:
+                        raise CheckpointIncompleteError(f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}")
+                    dest = dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel)
+                    requests.append((parts.tensors[tr.group][k], tr.src_offset, dest))
+            nbytes += saved.optim(src).read_into(requests)
+        scalars0 = partitions_of(saved.optim(0).tree, saved.stage).scalars
+    except (CheckpointIncompleteError, LayoutMismatchError) as err:
+        return nbytes, [], f"{type(err).__name__}: {err}"
+    return nbytes, scalars0, None
+
+
+def _working_from_master(engine) -> float:
+    """Rebuild the working parameters from the installed fp32 master (ZeRO-1/2: all-gathered;
+    collective). Returns the seconds it took."""
+    zopt = zero_optimizer_of(engine)
+    t = time.perf_counter()
+    with torch.no_grad():
+        if is_zero3(zopt):
+            for flat, fp32 in zip(zopt.fp16_partitioned_groups_flat, fp32_partitions(zopt)):
+                flat.copy_(fp32)
+        else:
+            zopt.update_lp_params()  # working copy from the master, all-gathered
+    return time.perf_counter() - t
 
 
 def _load_frozen(engine, saved: SavedCheckpoint) -> None:

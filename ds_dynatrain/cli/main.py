@@ -158,6 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
 
+    _add_job_commands(sub)
+    _add_query_commands(sub)
+    _add_checkpoint_commands(sub)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one ``dynatrain`` command; returns its exit status (0 ok, 1 failed, 2 refused input)."""
+    a = build_parser().parse_args(argv)
+    log_to_console()
+    if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
+        print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    return a.func(a)
+
+
+def _add_job_commands(sub) -> None:
+    """``launch`` and ``join``: run this host's share of a job."""
     lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
     lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
     lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
@@ -179,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     jp.add_argument("--nproc", type=int, required=True, help="workers this host adds")
     _job_arguments(jp, "the job's DeepSpeed JSON config", "the job's training script")
 
+
+def _add_query_commands(sub) -> None:
+    """``resize``, ``plan`` and ``plot``: ask a running job, plan a transition, plot a run."""
     rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
     rp.add_argument("--world-size", type=int, required=True, help="the new data-parallel world size")
@@ -212,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job")
     pp.set_defaults(func=_cmd_plot)
 
+
+def _add_checkpoint_commands(sub) -> None:
+    """``inspect``, ``verify`` and ``export``: read a checkpoint directory."""
     tag_help = "checkpoint tag, a directory under DIR (default: the one DIR/latest names)"
     ip = sub.add_parser("inspect", help="what a checkpoint holds: world size, ZeRO stage, step, parameters, bytes")
     ip.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
@@ -239,14 +263,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument("--tag", default=None, help=tag_help)
     ep.set_defaults(func=_cmd_export)
-    return p
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run one ``dynatrain`` command; returns its exit status (0 ok, 1 failed, 2 refused input)."""
-    a = build_parser().parse_args(argv)
-    log_to_console()
-    if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
-        print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
-        return 2
-    return a.func(a)

@@ -74,7 +74,7 @@ def start_engine(
         member = member_id(0, rank)
     else:
         membership = Membership(ctx, dt_cfg.collective_timeout_s, backend, on_new_default=reset_deepspeed_comm)
-        world_size, rank, member, generation = ctx.world_size, ctx.rank, ctx.member, ctx.generation
+        world_size, member, generation = ctx.world_size, ctx.member, ctx.generation
     # the launch world size, and every scheduled one, must keep the global batch
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
     dt = ElasticState(
@@ -95,22 +95,7 @@ def start_engine(
     if ctx is not None and ctx.joiner:
         _join(engine, ctx, model, optimizer, model_parameters, lr_scheduler)
     else:
-        dt.members = tuple(member_id(generation, r) for r in range(world_size))
-        dt.history = [dt.members]
-        if ctx is not None:
-            form_generation(dt, generation, dt.members, dt_cfg.collective_timeout_s)
-        construct(
-            engine,
-            dt,
-            model,
-            optimizer,
-            model_parameters,
-            lr_scheduler,
-            ds_config_for(dt, dt.split(world_size), client_objects=False),
-        )
-        if ctx is not None and rank == 0:
-            membership.publish(GenerationRecord(generation, world_size, dt.members, 0))
-            membership.publish_job(global_batch, micro, dt_cfg.max_world_size, world_size)
+        _build_first(engine, ctx, world_size, model, optimizer, model_parameters, lr_scheduler)
     dt.returned_optimizer = engine.optimizer
     if ctx is not None:
         take_preemption_notices(dt)
@@ -119,6 +104,21 @@ def start_engine(
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)
     return engine
+
+
+def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, model_parameters, lr_scheduler) -> None:
+    """Build the engine of the job's first generation (every rank of it); rank 0 publishes the
+    generation and what a requester checks a world size against."""
+    dt = engine._dt
+    dt.members = tuple(member_id(dt.generation, r) for r in range(world_size))
+    dt.history = [dt.members]
+    if ctx is not None:
+        form_generation(dt, dt.generation, dt.members, dt.config.collective_timeout_s)
+    config = ds_config_for(dt, dt.split(world_size), client_objects=False)
+    construct(engine, dt, model, optimizer, model_parameters, lr_scheduler, config)
+    if ctx is not None and ctx.rank == 0:
+        dt.membership.publish(GenerationRecord(dt.generation, world_size, dt.members, 0))
+        dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world_size)
 
 
 def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_parameters, lr_scheduler) -> None:

@@ -71,7 +71,10 @@ class ElasticEngine(DeepSpeedEngine):
 
         Returns:
             The resize record (``from``, ``to``, ``bytes_moved``, ``seconds``, ...) on members of
-            the new generation; None in a process that left, or when the size does not change.
+            the new generation, as it stands when the call returns (with ``transfer_overlap:
+            "step"`` the moments' transfer figures come later: :meth:`wait_transition` returns the
+            completed record, :attr:`resize_records` holds it); None in a process that left, or
+            when the size does not change.
 
         Raises:
             ResizeRefusedError: ``world_size`` < 1, above ``max_world_size``, breaks the global

@@ -70,14 +70,28 @@ def join_generation(
     wait_unless_given_up(
         dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built", timeout + 5.0
     )
+    failed = membership.groups.error(rec.members)
+    if failed is not None:
+        # no second rendezvous in the foreground: the survivors' builds failed with this one and
+        # they give the request up (raised here as "given up"; a standby process then waits on)
+        wait_unless_given_up(
+            dt, rec, lambda: False, f"the process group was not built ({failed}) and it was not given up", timeout
+        )
     reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
     # the survivors may still give the request up (a preemption at the boundary where all were
-    # ready): wait for them to switch before entering the header's broadcast
+    # ready): wait for them to switch before entering the header's broadcast. They switch once
+    # every process of the generation has its groups (each build bounded by ``timeout``, the
+    # last one started up to ``timeout`` after this one) or give the request up, so twice the
+    # timeout is a bound that a live job never reaches.
     try:
         wait_unless_given_up(
-            dt, rec, lambda: membership.is_switching(rec.generation, rec.step), "the survivors did not switch", timeout
+            dt,
+            rec,
+            lambda: membership.is_switching(rec.generation, rec.step),
+            "the survivors did not switch",
+            2 * timeout,
         )
     except TransitionAbortedError:
         membership.groups.detach()

@@ -91,10 +91,12 @@ def abandon(engine, prep: Preparation, why: str) -> None:
     dt = engine._dt
     dt.preparing = None
     if engine.global_rank == 0:
-        dt.membership.abandon(prep.generation)
+        # the agents' cancellation first: a joiner that sees the generation given up exits, and
+        # its agent must already know it was cancelled (not a joiner that died before it joined)
         stale = dt.spawned_for.pop(prep.generation, ())
         if stale:
             dt.membership.cancel_spawn(prep.generation, stale)
+        dt.membership.abandon(prep.generation)
         dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}", aborted=True)
         logger.info(f"resize request {prep.index} abandoned: {why}")
     dt.published.pop(prep.generation, None)

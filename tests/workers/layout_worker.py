@@ -22,7 +22,7 @@ from ds_dynatrain.zero.geometry import (  # noqa: E402
     layout_for_model,
     layout_of,
 )
-from tests.workers.common import TinyLM  # noqa: E402
+from tests.workers.common import TinyLM, exit_without_teardown  # noqa: E402
 
 
 class Frozen(torch.nn.Module):
@@ -120,4 +120,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.workers.common import TinyLM, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, exit_without_teardown, gather_state  # noqa: E402
 
 
 def main():
@@ -52,4 +52,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
