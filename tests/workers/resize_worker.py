@@ -107,5 +107,18 @@ def main():
     return 0
 
 
+def main_reporting_errors():
+    """``main``, with this process's error (type and message) also written to
+    ``OUT/error_<member>.txt``: the processes share one pipe, where tracebacks interleave."""
+    try:
+        return main()
+    except ds_dynatrain.DynatrainError as err:
+        out = sys.argv[sys.argv.index("--out") + 1]
+        member = os.environ.get("DYNATRAIN_MEMBER", "unknown")
+        with open(os.path.join(out, f"error_{member}.txt"), "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        raise
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_reporting_errors())
