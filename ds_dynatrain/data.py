@@ -23,7 +23,7 @@ class ElasticDataLoader:
 
     Args:
         dataset: a map-style dataset (``__len__``, ``__getitem__``).
-        engine: the :class:`~ds_dynatrain.engine.ElasticEngine` (its step counter is the position).
+        engine: the :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine` (its step counter is the position).
         global_batch: samples per optimizer step (``train_batch_size``).
         seed: seed of the sample order.
         shuffle: False keeps dataset order.

@@ -33,7 +33,7 @@ little-endian header length, a JSON header of ``dtype``/``shape``/``data_offsets
 bytes in header order) is written here. The file appears under its name only when complete (written to a
 temporary name, synced, renamed).
 
-Geometry is in elements, as in :mod:`ds_dynatrain.layout`; bytes appear only in the writer.
+Geometry is in elements, as in :mod:`ds_dynatrain.vps.layout`; bytes appear only in the writer.
 """
 
 from __future__ import annotations

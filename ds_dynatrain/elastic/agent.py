@@ -4,7 +4,7 @@
 --deepspeed_config CFG`` in N worker processes (the ``--deepspeed_config`` flag is DeepSpeed's
 own convention, see ``deepspeed.add_config_arguments``). The agent, not a worker, hosts the
 store, so that any worker may leave. While the job runs it starts the joiners that workers ask
-for at a resize (store keys of :mod:`ds_dynatrain.membership`).
+for at a resize (store keys of :mod:`ds_dynatrain.elastic.keys`).
 
 Several hosts: the same agent runs on each, ``dynatrain launch --nnodes N --node-rank R --nproc K
 --store HOST:PORT``; node 0 hosts the store at HOST:PORT (an address of node 0 the others reach),

@@ -68,7 +68,7 @@ def transition_ranks(plan: Plan) -> Tuple[str, ...]:
 
 def transition_group(store, prefix: str, members: Sequence[str], member: str, timeout_s: float):
     """A private gloo process group over ``members`` for one transition, on store prefix
-    ``prefix`` (:func:`~ds_dynatrain.membership.group_prefix` with ``kind="xfer"``).
+    ``prefix`` (:func:`~ds_dynatrain.elastic.keys.group_prefix` with ``kind="xfer"``).
 
     Not registered as a ``torch.distributed`` group, so switching the default group (a shrink)
     leaves it working; shut it down when the transfer is over. Collective: every process in

@@ -2,7 +2,7 @@
 
 DeepSpeed describes a shard of one parameter as ``AffinePiece`` s (``torch.as_strided`` views of
 the full tensor and of the shard) in a ``ParamAffineMap``; we describe what a rank holds as a
-:class:`~ds_dynatrain.region.Region` (element intervals of the row-major flattening). Both are
+:class:`~ds_dynatrain.vps.region.Region` (element intervals of the row-major flattening). Both are
 exact; converting lets DeepSpeed's own checker (``ParamAffineMap.validate_coverage``,
 ``rebuild``) and planner (``affine_transfer.plan_transfer``) serve as oracles for ours, and lets a
 map written by DeepSpeed be read as regions.
