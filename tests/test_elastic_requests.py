@@ -73,6 +73,8 @@ def _start(tmp_path, nproc: int, steps: int, name: str):
             str(steps),
             "--step-sleep",
             "0.2",
+            "--slow-while",
+            str(tmp_path / f"{name}.slow"),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -169,6 +171,10 @@ def test_resize_requests_from_outside_the_job(tmp_path):
         grow = _request(port, 3)
         assert grow.returncode == 0, grow.stderr
         assert "resized 2 -> 3" in grow.stdout
+        # the job has 24 steps: slow them down while the requesters start and the two requests at
+        # once are prepared, so a busy machine's slow process start-up cannot outlast the job
+        slow = tmp_path / "req.slow"
+        slow.write_text("")
         bad = _request(port, 5)  # 12 samples do not split over 5 ranks: refused before it is queued
         assert bad.returncode == 2 and "refused" in bad.stderr and "not divisible" in bad.stderr, bad.stderr
         too_big = _request(port, 7)  # above max_world_size=6
@@ -176,6 +182,7 @@ def test_resize_requests_from_outside_the_job(tmp_path):
         # two requests at once (a join while another resize is pending): both served, in order
         pending = [_request_async(port, 4), _request_async(port, 2)]
         answers = [p.communicate(timeout=200) for p in pending]
+        slow.unlink()
         assert [p.returncode for p in pending] == [0, 0], answers
     finally:
         rc = _finish(job, log)

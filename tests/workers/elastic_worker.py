@@ -40,6 +40,12 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument(
+        "--slow-while",
+        default=None,
+        help="while this file exists, sleep 2 s after each step instead of --step-sleep (the test gives "
+        "requests from outside wall time that does not depend on how fast its processes start)",
+    )
     p.add_argument("--load", default=None, help="DIR:TAG of a snapshot to load right after initialize")
     p.add_argument(
         "--resources",
@@ -66,7 +72,7 @@ def main():
             engine.step()
             if a.resources and engine.is_member:
                 _record_resources(a.out, engine)
-            time.sleep(a.step_sleep)
+            time.sleep(2.0 if a.slow_while and os.path.exists(a.slow_while) else a.step_sleep)
             if engine.global_steps >= a.steps:
                 break
     if engine.is_member:
