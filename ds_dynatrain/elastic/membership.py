@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
+from ..transition.execute import transition_members
 from .groups import GroupCache
 from .keys import (
     ABANDONED_KEY,
@@ -72,12 +73,6 @@ class GenerationRecord:
     def transition_members(self) -> Tuple[str, ...]:
         """The transition group's members: the previous generation's, then the joiners."""
         return transition_members(self.previous, self.members)
-
-
-def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple[str, ...]:
-    """Members of the transition from ``previous`` to ``members`` in rank order: the previous
-    generation's, then the joiners (as :func:`~ds_dynatrain.transition.transition_ranks`)."""
-    return tuple(previous) + tuple(m for m in members if m not in previous)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from ..elastic.membership import transition_members
 from ..errors import ResizeRefusedError
 from ..log import logger
+from ..transition.execute import transition_members
 from ..zero.geometry import zero_optimizer_of
 from .members import request_joiners
 from .records import ResizeRecord

@@ -61,9 +61,16 @@ class TransitionStats:
     peak_staging_bytes: int = 0  # largest packing buffers alive at once
 
 
+def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple[str, ...]:
+    """Members of the transition from ``previous`` to ``members`` in rank order: the previous
+    generation's, then the joiners (members not in ``previous``, in their rank order)."""
+    before = set(previous)
+    return tuple(previous) + tuple(m for m in members if m not in before)
+
+
 def transition_ranks(plan: Plan) -> Tuple[str, ...]:
-    """Members of the transition in rank order: the old members, then the joiners."""
-    return tuple(plan.old_members) + plan.joiners
+    """Members of the transition of ``plan`` in rank order: the old members, then the joiners."""
+    return transition_members(plan.old_members, plan.new_members)
 
 
 def transition_group(store, prefix: str, members: Sequence[str], member: str, timeout_s: float):
