@@ -77,6 +77,12 @@ def launch(
     return _run(cmd, os.path.join(tmp_path, f"{name}.log"), timeout)
 
 
+def resize_command(store: str, world_size: int, timeout_s: float = 150) -> List[str]:
+    """The argv of ``dynatrain resize --store STORE --world-size N --timeout T`` in this interpreter."""
+    cli = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", store]
+    return cli + ["--world-size", str(world_size), "--timeout", str(timeout_s)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, WORKERS, free_port, read_jsonl
+from conftest import ROOT, WORKERS, free_port, read_jsonl, resize_command
 from test_elastic_requests import _close, _finish, _static_final, _steps, _wait_for_step
 
 pytestmark = pytest.mark.multiprocess
@@ -198,19 +198,7 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     try:
         _wait_for_step(tmp_path / "mh.jsonl", 3, a, timeout=180)
         resize = subprocess.Popen(
-            [
-                *in_a,
-                sys.executable,
-                "-m",
-                "ds_dynatrain.cli",
-                "resize",
-                "--store",
-                store,
-                "--world-size",
-                "3",
-                "--timeout",
-                "150",
-            ],
+            [*in_a, *resize_command(store, 3, 150)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -224,19 +212,7 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
         rout, rerr = resize.communicate(timeout=200)
         _wait_for_step(tmp_path / "mh.jsonl", 12, a, timeout=180)
         shrink = subprocess.run(
-            [
-                *in_b,
-                sys.executable,
-                "-m",
-                "ds_dynatrain.cli",
-                "resize",
-                "--store",
-                store,
-                "--world-size",
-                "2",
-                "--timeout",
-                "150",
-            ],
+            [*in_b, *resize_command(store, 2, 150)],
             capture_output=True,
             text=True,
             timeout=200,
@@ -276,18 +252,7 @@ def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
     try:
         _wait_for_step(tmp_path / "jd.jsonl", 2, job)
         req = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ds_dynatrain.cli",
-                "resize",
-                "--store",
-                f"127.0.0.1:{port}",
-                "--world-size",
-                "3",
-                "--timeout",
-                "150",
-            ],
+            resize_command(f"127.0.0.1:{port}", 3, 150),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, WORKERS, free_port, launch, read_jsonl
+from conftest import ROOT, WORKERS, free_port, launch, read_jsonl, resize_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -88,18 +88,7 @@ def _start(tmp_path, nproc: int, steps: int, name: str):
 def _request(port: int, world_size: int):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ds_dynatrain.cli",
-            "resize",
-            "--store",
-            f"127.0.0.1:{port}",
-            "--world-size",
-            str(world_size),
-            "--timeout",
-            "120",
-        ],
+        resize_command(f"127.0.0.1:{port}", world_size, 120),
         capture_output=True,
         text=True,
         timeout=150,
@@ -143,18 +132,7 @@ def _close(a, b, what):
 def _request_async(port: int, world_size: int) -> subprocess.Popen:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ds_dynatrain.cli",
-            "resize",
-            "--store",
-            f"127.0.0.1:{port}",
-            "--world-size",
-            str(world_size),
-            "--timeout",
-            "150",
-        ],
+        resize_command(f"127.0.0.1:{port}", world_size, 150),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
