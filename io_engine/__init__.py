@@ -14,9 +14,20 @@ Knows nothing of training, ranks or DeepSpeed. Modules, one concept each:
 """
 
 from .backend import IOBackend, IOConfig
-from .commit import LATEST, TMP_PREFIX, fsync_dir, fsync_file, prune_snapshots, publish_dir, read_latest, write_atomic
+from .commit import (
+    LATEST,
+    TMP_PREFIX,
+    check_tag,
+    fsync_dir,
+    fsync_file,
+    prune_snapshots,
+    publish_dir,
+    read_latest,
+    write_atomic,
+)
 from .errors import (
     BackendUnavailableError,
+    BadLatestError,
     BadMagicError,
     ChecksumMismatchError,
     CorruptFooterError,
@@ -49,10 +60,12 @@ __all__ = [
     "prune_snapshots",
     "publish_dir",
     "read_latest",
+    "check_tag",
     "write_atomic",
     "IOBackend",
     "IOConfig",
     "BackendUnavailableError",
+    "BadLatestError",
     "BadMagicError",
     "ChecksumMismatchError",
     "CorruptFooterError",

@@ -13,6 +13,8 @@ import re
 import shutil
 from typing import Iterable, List, Optional
 
+from .errors import BadLatestError
+
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 
@@ -62,14 +64,53 @@ def publish_dir(tmp_dir: str, final_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+MAX_TAG_BYTES = 255  # a tag is one directory name
+
+
+def check_tag(save_dir: str, tag: str, source: str = "tag") -> str:
+    """``tag`` if it names a directory directly under ``save_dir``: one path component (no
+    separators, not ``.``/``..``, no NUL, at most 255 bytes), not a hidden temporary one.
+
+    Raises:
+        BadLatestError: naming ``source`` (e.g. ``save_dir/latest``) and what is wrong.
+    """
+    bad = None
+    if not tag:
+        bad = "is empty"
+    elif len(tag.encode("utf-8", "surrogateescape")) > MAX_TAG_BYTES or "\0" in tag:
+        bad = f"holds {tag[:40]!r}..., not a directory name"
+    elif "/" in tag or (os.sep != "/" and os.sep in tag) or tag in (".", ".."):
+        bad = f"names {tag!r}, a path rather than a tag of {save_dir} (no separators or '..' allowed)"
+    elif tag.startswith(TMP_PREFIX):
+        bad = f"names {tag!r}, an unpublished temporary directory"
+    elif not os.path.isdir(os.path.join(save_dir, tag)):
+        bad = f"names {tag!r}, but {save_dir} has no such directory"
+    if bad is not None:
+        raise BadLatestError(source, bad)
+    return tag
+
+
 def read_latest(save_dir: str) -> Optional[str]:
-    """The tag ``latest`` names, or None when there is no ``latest``."""
+    """The tag ``save_dir/latest`` names, checked with :func:`check_tag`; None when there is no
+    ``latest`` (or ``save_dir`` is not a directory).
+
+    Raises:
+        BadLatestError: ``latest`` is unreadable, not UTF-8, empty, or does not name a tag
+            directory of ``save_dir`` (the message names the file and the reason).
+    """
+    path = os.path.join(save_dir, LATEST)
     try:
-        with open(os.path.join(save_dir, LATEST)) as f:
-            tag = f.read().strip()
-    except FileNotFoundError:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TAG_BYTES + 2)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return tag or None
+    except OSError as err:
+        raise BadLatestError(path, f"cannot be read ({err.strerror or err})") from None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadLatestError(path, f"is not UTF-8 text (starts {raw[:16]!r})") from None
+    return check_tag(save_dir, tag, path)
 
 
 def _step_of(tag: str) -> int:

@@ -74,6 +74,11 @@ class ChecksumMismatchError(SnapshotFormatError):
         super().__init__(path, f"checksum mismatch for item {key!r}: footer says {expected}, payload has {actual}")
 
 
+class BadLatestError(SnapshotFormatError):
+    """A snapshot directory's ``latest`` file does not name a tag of that directory: not UTF-8
+    text, empty, a path (separators, ``..``) or a directory that does not exist."""
+
+
 # --- the storage refused an operation ----------------------------------------------------------
 
 

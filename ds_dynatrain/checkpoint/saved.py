@@ -45,19 +45,24 @@ def safe_globals() -> list:
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
-    """``tag``, or the one ``load_dir/latest`` names.
+    """``tag``, or the one ``load_dir/latest`` names; either must name a directory directly
+    under ``load_dir`` (:func:`io_engine.check_tag`: no separators, no ``..``).
 
     Raises:
-        CheckpointIncompleteError: no tag given and no readable ``latest``.
+        CheckpointIncompleteError: no tag given and no ``latest``; ``latest`` is not UTF-8 text,
+            empty, or names a path or a missing directory; ``tag`` is a path.
     """
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(load_dir, "latest")
+    from io_engine import BadLatestError, check_tag, read_latest
+
     try:
-        with open(latest) as f:
-            return f.read().strip()
-    except OSError as err:
-        raise CheckpointIncompleteError(f"{load_dir}: no tag given and no readable 'latest' file ({err})") from None
+        if tag is not None:
+            return check_tag(load_dir, str(tag), f"tag {str(tag)!r}")
+        found = read_latest(load_dir)
+    except BadLatestError as err:
+        raise CheckpointIncompleteError(f"{load_dir}: {err}") from None
+    if found is None:
+        raise CheckpointIncompleteError(f"{load_dir}: no tag given and no 'latest' file")
+    return found
 
 
 def _reason(err: BaseException, path: str) -> str:
