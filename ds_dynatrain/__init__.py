@@ -7,6 +7,7 @@ prints the plugin's log lines (a library installs no handler of its own).
 
 from .config import DynatrainConfig, load_ds_config
 from .errors import (
+    CheckpointCorruptError,
     CheckpointIncompleteError,
     ConfigError,
     DynatrainError,
@@ -31,6 +32,7 @@ __all__ = [
     "LayoutMismatchError",
     "TransitionAbortedError",
     "NotAMemberError",
+    "CheckpointCorruptError",
     "CheckpointIncompleteError",
     "SnapshotNotFoundError",
     "SnapshotWriteError",

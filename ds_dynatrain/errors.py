@@ -44,6 +44,12 @@ class CheckpointIncompleteError(DynatrainError, ValueError):
     Raised before anything is loaded; the message lists every problem file."""
 
 
+class CheckpointCorruptError(CheckpointIncompleteError):
+    """Bytes of a checkpoint file do not match the checksum its footer records (a flipped bit, a
+    partial overwrite). The message names the file, the item and the byte offset; raised before
+    the damaged bytes are used."""
+
+
 class SnapshotNotFoundError(CheckpointIncompleteError):
     """A restore was asked for, but the snapshot directory holds no complete snapshot (no readable
     ``latest``). Raised before anything is loaded; the message names the directory."""
