@@ -10,6 +10,7 @@ Knows nothing of training, ranks or DeepSpeed. Modules, one concept each:
 * ``reader``     — reading byte ranges and verified items back
 * ``writer``     — the write/read facade for one snapshot file
 * ``commit``     — crash-consistent publication of a snapshot directory
+* ``storage_check`` — a snapshot directory checked before anything is written there
 * ``errors``     — the error family
 """
 
@@ -50,6 +51,7 @@ from .flusher import Flusher, WriteReport, WriteSession
 from .format import DEFAULT_ALIGNMENT, FORMAT_VERSION, FileLayout, ItemMeta, ItemSpec, plan_layout, read_footer
 from .host_cache import HostBuffer, HostCache
 from .reader import FileReader, read_ranges
+from .storage_check import DirCheck, check_snapshot_dir
 from .writer import SnapshotFileWriter, WriteItem, WriteResult, read_snapshot_file, write_snapshot_file
 
 __all__ = [
@@ -97,6 +99,8 @@ __all__ = [
     "HostCache",
     "FileReader",
     "read_ranges",
+    "DirCheck",
+    "check_snapshot_dir",
     "SnapshotFileWriter",
     "WriteItem",
     "WriteResult",

@@ -67,11 +67,15 @@ class TruncatedFileError(FileSizeMismatchError):
 class ChecksumMismatchError(SnapshotFormatError):
     """An item's payload does not match the checksum recorded in the footer. ``key`` names it."""
 
-    def __init__(self, path: str, key: str, expected: str, actual: str):
+    def __init__(self, path: str, key: str, expected: str, actual: str, offset: Optional[int] = None, length=None):
         self.key = key
         self.expected = expected
         self.actual = actual
-        super().__init__(path, f"checksum mismatch for item {key!r}: footer says {expected}, payload has {actual}")
+        self.offset = offset
+        where = "" if offset is None else f", bytes [{offset}, {offset + (length or 0)}) of the file"
+        super().__init__(
+            path, f"checksum mismatch for item {key!r}{where}: footer says {expected}, the bytes have {actual}"
+        )
 
 
 class BadLatestError(SnapshotFormatError):

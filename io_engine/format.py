@@ -3,7 +3,8 @@
 Layout (all integers little-endian, offsets and lengths in bytes)::
 
     [0, 64)                 header: magic, format version, header size, alignment, file size,
-                            CRC-32 of the preceding header bytes; zero padded
+                            CRC-32 of the preceding header bytes; zero padded (to the first
+                            tensor, and a reader checks that padding is zero)
     [align_up(64), ...)     tensor payloads, each starting at a multiple of ``alignment``
                             (4096, the O_DIRECT block), zero padded between them
     [objects_offset, ...)   serialized object payloads, packed back to back
@@ -25,6 +26,15 @@ Why this shape:
 Checksums are CRC-32 (``zlib.crc32``) written as ``"crc32:%08x"``. The fixed width lets the
 planner know the footer's exact length before any payload is checksummed, so the whole layout,
 file size included, is a pure function of the item descriptions.
+
+Since format version 2 a tensor item is checksummed per *block*: ``blocks`` lists the CRC-32 of
+each ``block_bytes`` (1 MiB) piece of its stored extent ``[offset, offset + align_up(nbytes))``,
+the zero padding to the next tensor included, so every byte of the tensor region is covered and a
+reader that needs only part of a tensor (a resharded load) verifies exactly the blocks it reads.
+The item's ``checksum`` is then the CRC-32 of its block list (each CRC as 4 little-endian bytes).
+Objects are small and read whole: their ``checksum`` is the CRC-32 of the payload, as in version 1.
+Version 1 files (no blocks) are still read; a part of one of their tensors is verified by reading
+and checking the whole item.
 
 The planner (:func:`plan_layout`) does no I/O. :func:`read_footer` reads and validates the
 metadata with plain ``pread`` (a few KiB, not worth io_uring); payload I/O lives in
@@ -53,8 +63,10 @@ from .errors import (
 )
 
 MAGIC = b"DSDYNSNP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DEFAULT_ALIGNMENT = 4096
+BLOCK_BYTES = 1 << 20  # checksum block of a tensor item (format version 2), a multiple of any alignment used
 HEADER_SIZE = 64
 KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
@@ -108,6 +120,25 @@ def crc32_update(data, crc: int = 0) -> int:
 def format_checksum(crc: int) -> str:
     """The footer's fixed-width spelling of a CRC-32 value: ``"crc32:%08x"``."""
     return f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
+
+
+def blocks_checksum(block_crcs: Iterable[int]) -> int:
+    """CRC-32 of a block list (each CRC as 4 little-endian bytes): a version-2 tensor item's
+    ``checksum``."""
+    crcs = list(block_crcs)
+    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
+
+
+def parse_checksum(text: str) -> int:
+    """The CRC-32 value of ``"crc32:%08x"``; ``ValueError`` when ``text`` is not that spelling."""
+    if not isinstance(text, str) or len(text) != len(CHECKSUM_PLACEHOLDER) or not text.startswith(CHECKSUM_ALGO + ":"):
+        raise ValueError(f"bad checksum {text!r}")
+    return int(text[len(CHECKSUM_ALGO) + 1 :], 16)
+
+
+def block_count(extent: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` covering ``extent`` bytes (the last one may be short)."""
+    return -(-extent // block_bytes) if block_bytes else 0
 
 
 def _freeze_attrs(attrs: Optional[Mapping[str, Any]], key: str) -> Mapping[str, Any]:
@@ -164,7 +195,9 @@ class ItemMeta:
     """One item as placed in (or read from) a file: its footer entry.
 
     ``offset`` and ``nbytes`` are bytes from the start of the file. ``checksum`` is
-    ``"crc32:%08x"`` of the payload, or None in a plan that has not been written yet.
+    ``"crc32:%08x"`` of the payload (a version-2 tensor: of its block list), or None in a plan
+    that has not been written yet. ``blocks`` (version-2 tensors only) holds the CRC-32 of each
+    :data:`BLOCK_BYTES` block of the stored extent (payload and zero padding to the alignment).
     """
 
     key: str
@@ -175,10 +208,11 @@ class ItemMeta:
     nbytes: int
     checksum: Optional[str]
     attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    blocks: Optional[Tuple[str, ...]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready dict (the footer entry)."""
-        return {
+        d = {
             "key": self.key,
             "kind": self.kind,
             "dtype": self.dtype,
@@ -188,6 +222,9 @@ class ItemMeta:
             "checksum": self.checksum,
             "attrs": dict(self.attrs),
         }
+        if self.blocks is not None:
+            d["blocks"] = list(self.blocks)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ItemMeta":
@@ -206,6 +243,7 @@ class ItemMeta:
             nbytes=d["nbytes"],
             checksum=d["checksum"],
             attrs=MappingProxyType(dict(d["attrs"])),
+            blocks=None if d.get("blocks") is None else tuple(d["blocks"]),
         )
         if not isinstance(meta.key, str) or meta.kind not in KINDS or not isinstance(meta.dtype, str):
             raise ValueError(f"bad key/kind/dtype in {dict(d)!r}")
@@ -213,12 +251,12 @@ class ItemMeta:
             v = getattr(meta, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"bad {name} {v!r}")
-        if (
-            not isinstance(meta.checksum, str)
-            or len(meta.checksum) != len(CHECKSUM_PLACEHOLDER)
-            or not meta.checksum.startswith(CHECKSUM_ALGO + ":")
-        ):
-            raise ValueError(f"bad checksum {meta.checksum!r}")
+        parse_checksum(meta.checksum)
+        for b in meta.blocks or ():
+            parse_checksum(b)
+        if meta.shape is not None and meta.dtype in _ITEMSIZE:
+            if math.prod(meta.shape) * _ITEMSIZE[meta.dtype] != meta.nbytes:
+                raise ValueError(f"item {meta.key!r}: shape {list(meta.shape)} of {meta.dtype} is not {meta.nbytes} B")
         return meta
 
 
@@ -240,6 +278,12 @@ class FileLayout:
     file_size: int
     file_attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     version: int = FORMAT_VERSION
+    block_bytes: int = BLOCK_BYTES  # 0 in version-1 files (whole-item checksums only)
+
+    def extent(self, item: ItemMeta) -> int:
+        """Bytes ``item`` occupies from its offset: a tensor's payload and its zero padding to the
+        alignment, an object's payload."""
+        return align_up(item.nbytes, self.alignment) if item.kind == KIND_TENSOR else item.nbytes
 
     def item(self, key: str) -> ItemMeta:
         """The entry of ``key``; ``KeyError`` when absent."""
@@ -252,9 +296,23 @@ class FileLayout:
     def keys(self) -> Tuple[str, ...]:
         return tuple(it.key for it in self.items)
 
-    def with_checksums(self, checksums: Mapping[str, str]) -> "FileLayout":
-        """A copy whose items carry the given checksums (``key -> "crc32:..."``)."""
-        return replace(self, items=tuple(replace(it, checksum=checksums[it.key]) for it in self.items))
+    def with_checksums(
+        self, checksums: Mapping[str, str], blocks: Optional[Mapping[str, Sequence[str]]] = None
+    ) -> "FileLayout":
+        """A copy whose items carry the given checksums (``key -> "crc32:..."``) and, for the
+        keys in ``blocks``, block checksums (``key -> ["crc32:...", ...]``)."""
+        blocks = blocks or {}
+        return replace(
+            self,
+            items=tuple(
+                replace(
+                    it,
+                    checksum=checksums[it.key],
+                    blocks=tuple(blocks[it.key]) if it.key in blocks else it.blocks,
+                )
+                for it in self.items
+            ),
+        )
 
 
 def encode_footer(layout: FileLayout) -> bytes:
@@ -263,6 +321,7 @@ def encode_footer(layout: FileLayout) -> bytes:
         "format": "ds_dynatrain.snapshot",
         "version": layout.version,
         "alignment": layout.alignment,
+        "block_bytes": layout.block_bytes,
         "data_offset": layout.data_offset,
         "objects_offset": layout.objects_offset,
         "file_attrs": dict(layout.file_attrs),
@@ -340,7 +399,12 @@ def plan_layout(
         file_size=0,
         file_attrs=attrs,
     )
-    footer_len = len(encode_footer(layout.with_checksums({k: CHECKSUM_PLACEHOLDER for k in seen})))
+    placeholders = {
+        it.key: [CHECKSUM_PLACEHOLDER] * block_count(layout.extent(it), BLOCK_BYTES)
+        for it in items
+        if it.kind == KIND_TENSOR
+    }
+    footer_len = len(encode_footer(layout.with_checksums({k: CHECKSUM_PLACEHOLDER for k in seen}, placeholders)))
     return replace(layout, footer_length=footer_len, file_size=cursor + footer_len + TRAILER_SIZE)
 
 
@@ -355,7 +419,7 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 
 def _parse_footer(
-    path: str, raw: bytes, header_alignment: int, size: int, footer_offset: int, footer_len: int
+    path: str, raw: bytes, header_alignment: int, header_version: int, size: int, footer_offset: int, footer_len: int
 ) -> FileLayout:
     try:
         doc = json.loads(raw.decode("ascii"))
@@ -372,15 +436,38 @@ def _parse_footer(
             file_size=size,
             file_attrs=MappingProxyType(dict(doc["file_attrs"])),
             version=doc["version"],
+            block_bytes=doc.get("block_bytes", 0),
         )
     except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
         raise CorruptFooterError(path, f"footer metadata does not parse: {e}") from None
-    if layout.alignment != header_alignment or layout.version != FORMAT_VERSION:
+    if layout.alignment != header_alignment or layout.version != header_version:
         raise CorruptFooterError(path, "footer alignment/version disagree with the header")
+    if layout.data_offset != align_up(HEADER_SIZE, layout.alignment):
+        raise CorruptFooterError(path, f"footer data offset {layout.data_offset} is not the end of the header block")
     if not (layout.data_offset <= layout.objects_offset <= footer_offset):
         raise CorruptFooterError(path, "footer region offsets are out of order")
+    _check_blocks(path, layout)
     _check_tiling(path, layout)
     return layout
+
+
+def _check_blocks(path: str, layout: FileLayout) -> None:
+    """Version 2: a block size that tiles the alignment, a block list of the right length on every
+    tensor and on no object. Version 1: no blocks anywhere."""
+    if layout.version == 1:
+        if layout.block_bytes or any(it.blocks is not None for it in layout.items):
+            raise CorruptFooterError(path, "a version-1 footer with block checksums")
+        return
+    b = layout.block_bytes
+    if not isinstance(b, int) or isinstance(b, bool) or b <= 0 or b % layout.alignment:
+        raise CorruptFooterError(path, f"block size {b!r} is not a positive multiple of the alignment")
+    for it in layout.items:
+        want = block_count(layout.extent(it), b) if it.kind == KIND_TENSOR else None
+        got = None if it.blocks is None else len(it.blocks)
+        if got != want:
+            raise CorruptFooterError(path, f"item {it.key!r} lists {got} block checksums, its extent needs {want}")
+        if it.blocks is not None and parse_checksum(it.checksum) != blocks_checksum(map(parse_checksum, it.blocks)):
+            raise CorruptFooterError(path, f"item {it.key!r}: its checksum is not that of its block list")
 
 
 def _check_tiling(path: str, layout: FileLayout) -> None:
@@ -396,7 +483,7 @@ def _check_tiling(path: str, layout: FileLayout) -> None:
             if it.kind == KIND_TENSOR
             else (layout.objects_offset, layout.footer_offset)
         )
-        if it.offset < lo or it.offset + it.nbytes > hi:
+        if it.offset < lo or it.offset + layout.extent(it) > hi:
             raise CorruptFooterError(
                 path, f"item {it.key!r} [{it.offset}, {it.offset + it.nbytes}) lies outside its region [{lo}, {hi})"
             )
@@ -408,6 +495,25 @@ def _check_tiling(path: str, layout: FileLayout) -> None:
     for (_a0, a1, ak), (b0, _b1, bk) in zip(spans, spans[1:]):
         if b0 < a1:
             raise CorruptFooterError(path, f"items {ak!r} and {bk!r} overlap")
+    if layout.version >= 2:
+        _check_covered(path, layout)
+
+
+def _check_covered(path: str, layout: FileLayout) -> None:
+    """Version 2: the tensors' stored extents tile ``[data_offset, objects_offset)`` and the
+    objects tile ``[objects_offset, footer_offset)`` with no gap, so every byte of the file is under
+    a checksum (the header's, an item's or the footer's)."""
+    for kind, lo, hi in (
+        (KIND_TENSOR, layout.data_offset, layout.objects_offset),
+        (KIND_OBJECT, layout.objects_offset, layout.footer_offset),
+    ):
+        cursor = lo
+        for it in sorted((i for i in layout.items if i.kind == kind), key=lambda i: (i.offset, layout.extent(i))):
+            if it.offset != cursor:
+                raise CorruptFooterError(path, f"bytes [{cursor}, {it.offset}) before item {it.key!r} are in no item")
+            cursor += layout.extent(it)
+        if cursor != hi:
+            raise CorruptFooterError(path, f"bytes [{cursor}, {hi}) of the {kind} region belong to no item")
 
 
 def read_footer(path: str) -> FileLayout:
@@ -435,10 +541,16 @@ def read_footer(path: str) -> FileLayout:
         (crc,) = _HEADER_CRC.unpack_from(head, _HEADER.size)
         if crc != zlib.crc32(head[: _HEADER.size]):
             raise CorruptHeaderError(path, "header checksum mismatch")
-        if version != FORMAT_VERSION:
-            raise UnsupportedVersionError(path, f"format version {version}, this code reads version {FORMAT_VERSION}")
-        if header_size != HEADER_SIZE or alignment <= 0 or alignment & (alignment - 1):
+        if version not in READABLE_VERSIONS:
+            raise UnsupportedVersionError(
+                path, f"format version {version}, this code reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+            )
+        if header_size != HEADER_SIZE or alignment <= 0 or alignment & (alignment - 1) or alignment > BLOCK_BYTES:
             raise CorruptHeaderError(path, f"impossible header (size {header_size}, alignment {alignment})")
+        pad_end = min(align_up(HEADER_SIZE, alignment), size)
+        pad = _pread_exact(fd, pad_end - len(head), len(head)) if pad_end > len(head) else b""
+        if any(head[_HEADER.size + _HEADER_CRC.size :]) or any(pad):
+            raise CorruptHeaderError(path, "the header's zero padding holds other bytes")
         if size < file_size:
             raise TruncatedFileError(path, f"file is {size} bytes, its header records {file_size}")
         if size > file_size:
@@ -458,7 +570,7 @@ def read_footer(path: str) -> FileLayout:
             raise CorruptFooterError(path, "footer checksum mismatch")
     finally:
         os.close(fd)
-    return _parse_footer(path, raw, alignment, size, footer_offset, footer_len)
+    return _parse_footer(path, raw, alignment, version, size, footer_offset, footer_len)
 
 
 def specs_of(layout: FileLayout) -> Sequence[ItemSpec]:

@@ -8,15 +8,18 @@ buffer, split into ``chunk_bytes`` reads, ``queue_depth`` of them in flight; the
 fallbacks are the flusher's (``backend.py``): a thread pool when io_uring is refused, buffered
 reads when O_DIRECT is.
 
-When whole items are read, their CRC-32 is checked against the footer and a mismatch raises
-:class:`~io_engine.errors.ChecksumMismatchError` naming the file and the item key. A range read
-cannot be checked (the checksum covers the whole item); the footer itself always is.
+Verified reads (:meth:`FileReader.read_items`, :meth:`FileReader.read_item_ranges`) check every
+byte they return against the footer: a part of a tensor is widened to the checksum blocks that
+cover it (format version 2), an object or a version-1 item is read and checked whole; a mismatch
+raises :class:`~io_engine.errors.ChecksumMismatchError` naming the file, the item key and the byte
+range. The footer itself is always checked. :meth:`FileReader.read_ranges` reads raw bytes.
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -101,6 +104,19 @@ def read_ranges(
         channel.close()
 
 
+@dataclass(frozen=True)
+class _Span:
+    """A verified read: file bytes ``[lo, hi)`` are read, ``checks`` are ``(begin, end,
+    checksum)`` relative to ``lo``, and the caller gets ``[start, start + length)`` (file offsets)."""
+
+    key: str
+    lo: int
+    hi: int
+    start: int
+    length: int
+    checks: List[Tuple[int, int, str]]
+
+
 class FileReader:
     """One snapshot file opened for reading. The footer is read and validated on construction
     (raising the format errors of ``read_footer``); payloads are read on demand.
@@ -152,28 +168,63 @@ class FileReader:
     def read_items(self, keys: Optional[Iterable[str]] = None, *, verify: bool = True) -> Dict[str, memoryview]:
         """Payloads of ``keys`` (default: all, in file order) as ``key -> memoryview``.
 
-        With ``verify`` each payload's CRC-32 is compared with the footer: a mismatch raises
-        :class:`ChecksumMismatchError` naming the file and key. ``KeyError`` for unknown keys.
+        With ``verify`` every byte read is checked against the footer (a version-2 tensor's
+        blocks, its zero padding included; an object's or a version-1 item's whole CRC): a
+        mismatch raises :class:`ChecksumMismatchError` naming the file, the key and the byte
+        range. ``KeyError`` for unknown keys.
         """
         metas = list(self.layout.items) if keys is None else [self._by_key[k] for k in keys]
-        ranges = [(m.offset, m.nbytes) for m in metas]
         if not verify:
-            return {m.key: v for m, v in zip(metas, self.read_ranges(ranges))}
-        # CRC each item on a helper thread as soon as it has arrived (zlib releases the GIL), so
-        # verification overlaps the reads still in flight instead of following them.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc") as pool:
-            crcs = {}
-            views = _read_spans(
-                self._ch(),
-                self.layout.file_size,
-                ranges,
-                lambda i, v: crcs.__setitem__(i, pool.submit(crc32_update, v)),
-            )
-            for i, m in enumerate(metas):
-                actual = format_checksum(crcs[i].result())
-                if actual != m.checksum:
-                    raise ChecksumMismatchError(self.path, m.key, m.checksum, actual)
+            return {m.key: v for m, v in zip(metas, self.read_ranges([(m.offset, m.nbytes) for m in metas]))}
+        views = self.read_item_ranges([(m.key, 0, m.nbytes) for m in metas])
         return {m.key: v for m, v in zip(metas, views)}
+
+    def read_item_ranges(self, requests: Iterable[Tuple[str, int, int]]) -> List[memoryview]:
+        """Bytes ``[start, start + length)`` of item ``key``'s payload for each ``(key, start,
+        length)``, verified: each is widened to the checksum blocks that cover it (version 2
+        tensors) or to the whole item (objects, version-1 files), read in one batch, and every
+        block checked before the exact views are returned.
+
+        Raises:
+            ChecksumMismatchError: naming the file, the key and the byte range that differ.
+            StorageReadError: a range lies outside its item, or the read fails.
+            KeyError: an unknown key.
+        """
+        spans = [self._span(self._by_key[k], int(start), int(length)) for k, start, length in requests]
+        # CRC each block on a helper thread as soon as its span has arrived (zlib releases the
+        # GIL), so verification overlaps the reads still in flight instead of following them.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc") as pool:
+            crcs: Dict[int, list] = {}
+
+            def on_done(i: int, view: memoryview) -> None:
+                crcs[i] = [pool.submit(crc32_update, view[a:b]) for a, b, _want in spans[i].checks]
+
+            views = _read_spans(self._ch(), self.layout.file_size, [(s.lo, s.hi - s.lo) for s in spans], on_done)
+            for i, sp in enumerate(spans):
+                for (a, b, want), fut in zip(sp.checks, crcs.get(i, [])):
+                    actual = format_checksum(fut.result())
+                    if actual != want:
+                        raise ChecksumMismatchError(self.path, sp.key, want, actual, sp.lo + a, b - a)
+        return [views[i][sp.start - sp.lo : sp.start - sp.lo + sp.length] for i, sp in enumerate(spans)]
+
+    def _span(self, m: ItemMeta, start: int, length: int) -> "_Span":
+        """What to read for bytes ``[start, start + length)`` of ``m`` and which checks apply."""
+        if start < 0 or length < 0 or start + length > m.nbytes:
+            raise StorageReadError(
+                self.path, f"bytes [{start}, {start + length}) lie outside item {m.key!r} of {m.nbytes} bytes"
+            )
+        if m.blocks is None:  # an object, or a version-1 file: the whole item is under one CRC
+            return _Span(m.key, m.offset, m.offset + m.nbytes, m.offset + start, length, [(0, m.nbytes, m.checksum)])
+        if length == 0:
+            return _Span(m.key, m.offset, m.offset, m.offset, 0, [])
+        bb, extent = self.layout.block_bytes, self.layout.extent(m)
+        first, last = start // bb, (start + length - 1) // bb
+        lo, hi = m.offset + first * bb, m.offset + min(extent, (last + 1) * bb)
+        checks = [
+            ((b - first) * bb, min(extent - first * bb, (b - first + 1) * bb), m.blocks[b])
+            for b in range(first, last + 1)
+        ]
+        return _Span(m.key, lo, hi, m.offset + start, length, checks)
 
     def read_item(self, key: str, *, verify: bool = True) -> memoryview:
         """Payload of one item (see :meth:`read_items`)."""

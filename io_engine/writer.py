@@ -32,12 +32,15 @@ from .backend import IOBackend, IOConfig
 from .errors import InvalidItemError, IOEngineError
 from .flusher import Flusher, WriteReport, WriteSession, as_byte_view
 from .format import (
+    BLOCK_BYTES,
     KIND_OBJECT,
     KIND_TENSOR,
     FileLayout,
     ItemMeta,
     ItemSpec,
     align_up,
+    block_count,
+    blocks_checksum,
     crc32_update,
     encode_footer,
     encode_header,
@@ -126,20 +129,47 @@ class _Countdown:
             self._fn()
 
 
+class _Blocks:
+    """Block CRCs of one tensor item's stored extent, fed in order: finished blocks, the running
+    CRC of the current one and how many of its bytes have arrived."""
+
+    __slots__ = ("done", "crc", "fill")
+
+    def __init__(self):
+        self.done: List[int] = []
+        self.crc = 0
+        self.fill = 0
+
+    def feed(self, view: memoryview, block_bytes: int) -> None:
+        pos = 0
+        while pos < len(view):
+            take = min(block_bytes - self.fill, len(view) - pos)
+            self.crc = crc32_update(view[pos : pos + take], self.crc)
+            self.fill += take
+            pos += take
+            if self.fill == block_bytes:
+                self.done.append(self.crc)
+                self.crc, self.fill = 0, 0
+
+    def result(self) -> List[int]:
+        return self.done + ([self.crc] if self.fill else [])
+
+
 class _ChecksumLane:
-    """Running CRC-32 per key, computed on one background thread in submission order."""
+    """CRC-32 of each :data:`~io_engine.format.BLOCK_BYTES` block of each key's bytes, computed on
+    one background thread in submission order."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc")
-        self._crc: Dict[str, int] = {}
+        self._crc: Dict[str, _Blocks] = {}
         self._futures: List[Future] = []
 
     def add(self, key: str, view: memoryview, done: Callable[[], None]) -> None:
-        """Fold ``view`` into ``key``'s CRC; ``done()`` once ``view`` is no longer read."""
+        """Fold ``view`` into ``key``'s block CRCs; ``done()`` once ``view`` is no longer read."""
 
         def task():
             try:
-                self._crc[key] = crc32_update(view, self._crc.get(key, 0))
+                self._crc.setdefault(key, _Blocks()).feed(view, BLOCK_BYTES)
             finally:
                 done()
 
@@ -149,13 +179,13 @@ class _ChecksumLane:
             done()
             raise
 
-    def results(self) -> Dict[str, int]:
-        """Wait for every queued CRC; ``key -> crc`` (keys with no bytes are absent)."""
+    def results(self) -> Dict[str, List[int]]:
+        """Wait for every queued CRC; ``key -> [block crc, ...]`` (keys with no bytes are absent)."""
         futures, self._futures = self._futures, []
         for f in futures:
             f.result()
         crc, self._crc = self._crc, {}
-        return crc
+        return {k: b.result() for k, b in crc.items()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -230,22 +260,25 @@ class SnapshotFileWriter:
         session.write(buf.view[:padded], offset, on_release=on_release or partial(self.cache.release, buf))
 
     def _put_aligned(self, session: WriteSession, src: memoryview, offset: int, key: Optional[str]) -> None:
-        """Copy ``src`` through the cache to ``offset`` (aligned); its CRC goes to the lane
-        under ``key`` (None: not checksummed). A buffer returns to the cache once both its write
-        and its checksum are done."""
+        """Copy ``src`` through the cache to ``offset`` (aligned); the block CRCs of what is
+        written (the zero padding to the alignment included) go to the lane under ``key`` (None:
+        not checksummed). A buffer returns to the cache once both its write and its checksum are
+        done."""
         pos, size = 0, self.cache.buffer_bytes
         while pos < len(src):
             take = min(size, len(src) - pos)
             buf = self._acquire(session)
             release = _Countdown(1 if key is None else 2, partial(self.cache.release, buf))
+            padded = align_up(take, self._align)
             try:
                 buf.view[:take] = src[pos : pos + take]
+                buf.view[take:padded] = self._zeros[: padded - take]
             except BaseException:
                 self.cache.release(buf)
                 raise
             if key is not None:
                 try:
-                    self._lane.add(key, buf.view[:take], release)
+                    self._lane.add(key, buf.view[:padded], release)
                 except BaseException:
                     release()  # add() already counted its own party
                     raise
@@ -289,10 +322,15 @@ class SnapshotFileWriter:
                     checksums[m.key] = format_checksum(tail.put(views[m.key]))
             session.drain()  # every payload write completed before the footer
             crcs = self._lane.results()
+            blocks = {}
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
-                    checksums[m.key] = format_checksum(crcs.get(m.key, 0))
-            layout = layout.with_checksums(checksums)
+                    got = crcs.get(m.key, [])
+                    if len(got) != block_count(layout.extent(m), layout.block_bytes):
+                        raise IOEngineError(f"{path}: internal error: item {m.key!r} has {len(got)} checksum blocks")
+                    blocks[m.key] = [format_checksum(c) for c in got]
+                    checksums[m.key] = format_checksum(blocks_checksum(got))
+            layout = layout.with_checksums(checksums, blocks)
             footer = encode_footer(layout)
             if len(footer) != layout.footer_length:
                 raise IOEngineError(

@@ -212,6 +212,41 @@ def test_verify_cli_exit_status_on_a_flipped_tensor_byte(tinylm, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("eager", ["read lazily by ranges", "read with the skeleton"])
+def test_export_and_inspect_refuse_a_flipped_bit_in_a_master_partition(tinylm, tmp_path, capsys, monkeypatch, eager):
+    """One bit of an fp32-master element flipped (the 6e36 weight of a sign-exponent flip): export
+    writes nothing and inspect reports nothing, each with the file, the item and the byte range;
+    with ``EAGER_BYTES`` at 0 (a seam: every tensor becomes a lazy range read, as a large model's
+    are) the range read checks the block it reads."""
+    from ds_dynatrain import CheckpointCorruptError
+    from ds_dynatrain.checkpoint import saved
+    from ds_dynatrain.checkpoint.consolidate import export_safetensors
+    from ds_dynatrain.checkpoint.inspect import inspect_report
+    from io_engine.format import read_footer
+
+    if eager == "read lazily by ranges":
+        monkeypatch.setattr(saved, "EAGER_BYTES", 0)
+    d = copy_ckpt(tinylm / "ours_z2", tmp_path / "ckpt")
+    path = d / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    item = next(it for it in read_footer(str(path)).items if (it.attrs.get("vps") or {}).get("kind") == "fp32")
+    flip_byte(path, item.offset + 4 * 3 + 3, 0x40)  # the exponent's top bit of element 3
+    out = tmp_path / "w.safetensors"
+    where = rf"{re.escape(str(path))}: checksum mismatch for item '{item.key}', bytes \[{item.offset}, "
+    with pytest.raises(CheckpointCorruptError, match=where):
+        export_safetensors(str(d), str(out))
+    assert not out.exists() and not any(p.name.startswith(out.name) for p in tmp_path.iterdir())
+    with pytest.raises(CheckpointCorruptError, match=f"item {item.key}"):
+        inspect_report(str(d))
+    rc, _out, err = cli(capsys, "export", d, "--out", out)
+    assert rc == 1 and "checksum mismatch" in err and not out.exists()
+    rc, _out, err = cli(capsys, "inspect", d)
+    assert rc == 1 and "checksum mismatch" in err
+    flip_byte(path, item.offset + 4 * 3 + 3, 0x40)
+    assert inspect_report(str(d))["world_size"] == 2  # intact again: both read it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
 def test_usage_errors_exit_2(tinylm, tmp_path, capsys):
     from ds_dynatrain.cli import main
 

@@ -60,7 +60,14 @@ def test_plan_places_tensors_aligned_then_objects_packed():
 def test_plan_footer_length_is_exact_once_checksums_are_known():
     specs = [ItemSpec(f"k{i}", i * 1000 + 1, attrs={"vps": f"layer.{i}.weight", "region": [[0, i]]}) for i in range(7)]
     lay = plan_layout(specs, file_attrs={"step": 12})
-    real = lay.with_checksums({s.key: fmt.format_checksum(zlib.crc32(s.key.encode())) for s in specs})
+    blocks = {
+        it.key: [
+            fmt.format_checksum(zlib.crc32(f"{it.key}/{b}".encode()))
+            for b in range(fmt.block_count(lay.extent(it), fmt.BLOCK_BYTES))
+        ]
+        for it in lay.items
+    }
+    real = lay.with_checksums({s.key: fmt.format_checksum(zlib.crc32(s.key.encode())) for s in specs}, blocks)
     assert len(fmt.encode_footer(real)) == lay.footer_length
 
 

@@ -1,8 +1,11 @@
 """What a checkpoint directory holds, and whether it is complete and intact (``dynatrain inspect``
 and ``dynatrain verify``), without a model, a process group or a GPU.
 
-``inspect`` reads rank 0's model-state file only (the optimizer files are ``stat``-ed): saving
-world size, ZeRO stage, step, the parameters and the bytes each rank wrote.
+``inspect`` describes the checkpoint from rank 0's model-state file and the metadata of every
+optimizer file: saving world size, ZeRO stage, step, the parameters and the bytes each rank wrote.
+By default it first checks every checksum of this project's files (what it reports must come from
+intact files), and refuses a damaged checkpoint; ``checksums=False`` reads only the metadata it
+reports (still verified, item by item).
 
 ``verify`` reads everything, one file at a time (peak memory: one of DeepSpeed's files, which
 ``torch.load`` reads whole; this project's files are read in batches of :data:`VERIFY_BATCH_BYTES`):
@@ -28,7 +31,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..errors import CheckpointIncompleteError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError
 from ..vps.layout import ZeroLayout
 from .consolidate import coverage_problems, plan_entries, saved_layout
 from .footer import fragment_mismatches
@@ -57,7 +60,7 @@ def _files_of_rank(saved: SavedCheckpoint, rank: int) -> List[str]:
     return [os.path.join(saved.dir, n) for n in names]
 
 
-def inspect_report(load_dir: str, tag: Optional[str] = None) -> dict:
+def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = True) -> dict:
     """What the checkpoint ``load_dir/tag`` (``tag`` None: ``latest``) holds, as a JSON-ready dict:
 
     ``dir``, ``tag``, ``format`` (``"dynatrain"``, ``"deepspeed"`` or ``"mixed"``),
@@ -68,13 +71,24 @@ def inspect_report(load_dir: str, tag: Optional[str] = None) -> dict:
     ``[{"rank", "bytes", "files"}]`` (file sizes in bytes; ZeRO-1/2's model-state file counts
     for rank 0); ``total_bytes``.
 
+    With ``checksums`` every item of this project's files is read and its checksum checked
+    first (as ``verify`` does); without, only what the report is made of is read.
+
     Raises:
-        CheckpointIncompleteError: missing or damaged files (the model-state file is read).
+        CheckpointCorruptError: a checksum mismatch, naming the file, item and byte range.
+        CheckpointIncompleteError: missing or damaged files.
     """
     import torch
 
     saved = SavedCheckpoint(load_dir, tag)
     try:
+        if checksums:
+            rep = VerifyReport(saved.dir)
+            for path in saved.files:
+                if is_snapshot_file(path):
+                    _check_items(path, rep)
+            if rep.problems:
+                raise CheckpointCorruptError(f"checkpoint {saved.dir} is damaged: " + "; ".join(rep.problems))
         ms = saved.model_state
         layout = saved_layout(saved)
         params = [
@@ -176,9 +190,10 @@ def _check_items(path: str, rep: VerifyReport):
                     reader.read_item(m.key, verify=True)
                 except ChecksumMismatchError as err:
                     what = (m.attrs or {}).get("path")
+                    where = f"offset {m.offset}" if err.offset is None else f"bytes from offset {err.offset}"
                     rep.problems.append(
                         f"{name}: item {m.key}{f' ({what})' if what else ''}, {m.kind} of "
-                        f"{m.nbytes} bytes at offset {m.offset}: checksum mismatch (footer "
+                        f"{m.nbytes} bytes at offset {m.offset}: checksum mismatch in the {where} (footer "
                         f"{err.expected}, data {err.actual})"
                     )
     return items

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointIncompleteError, LayoutMismatchError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
 
@@ -129,11 +129,13 @@ class SavedFile:
 
             try:
                 self._reader = FileReader(path)
-                metas = {m.key: m for m in self._reader.layout.items}
-                eager = [k for k, m in metas.items() if m.kind == "object" or m.nbytes <= EAGER_BYTES]
-                views = self._reader.read_items(eager, verify=True)
             except IOEngineError as err:
                 raise CheckpointIncompleteError(f"damaged file {path}: {_reason(err, path)}") from None
+            metas = {m.key: m for m in self._reader.layout.items}
+            eager = [k for k, m in metas.items() if m.kind == "object" or m.nbytes <= EAGER_BYTES]
+            views = dict(zip(eager, self._read_verified([(k, 0, metas[k].nbytes) for k in eager])))
+            if "__skeleton__" not in views:
+                raise CheckpointIncompleteError(f"damaged file {path}: no '__skeleton__' item (not a state file)")
 
             def tensor_of(i: int):
                 m = metas[f"t/{i}"]
@@ -144,7 +146,12 @@ class SavedFile:
                     return torch.frombuffer(bytearray(views[m.key]), dtype=dtype).reshape(tuple(m.shape))
                 return TensorRef(path, m.key, dtype, tuple(m.shape), m.offset, m.nbytes)
 
-            self.tree = loads(bytes(views["__skeleton__"]), tensor_of, key="__skeleton__")
+            try:
+                self.tree = loads(bytes(views["__skeleton__"]), tensor_of, key="__skeleton__")
+            except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as err:
+                raise CheckpointIncompleteError(
+                    f"damaged file {path}: its skeleton does not fit its items ({_reason(err, path)})"
+                ) from None
         else:
             # DeepSpeed's default engine writes torch's legacy (non-zip) format, which cannot be
             # memory-mapped: such a file is read whole (only the files this rank needs are opened)
@@ -173,8 +180,8 @@ class SavedFile:
                         f"{self.path}: item {s.key} has {s.nbytes} bytes, a read of "
                         f"elements [{off}, {off + d.numel()}) lies outside it"
                     )
-                ranges.append((s.offset + off * es, d.numel() * es))
-            views = self._reader.read_ranges(ranges)
+                ranges.append((s.key, off * es, d.numel() * es))
+            views = self._read_verified(ranges)
             for (s, _off, d), v in zip(refs, views):
                 if len(v):
                     d.copy_(torch.frombuffer(v, dtype=s.dtype))
@@ -191,6 +198,22 @@ class SavedFile:
             d.copy_(flat[off : off + d.numel()])
             done += d.numel() * d.element_size()
         return done
+
+    def _read_verified(self, ranges: List[Tuple[str, int, int]]) -> list:
+        """``(key, start, length)`` byte ranges of items, every byte checked against its checksum.
+
+        Raises:
+            CheckpointCorruptError: naming the file, the item and the byte range that differ.
+            CheckpointIncompleteError: the read fails or a range lies outside its item.
+        """
+        from io_engine.errors import ChecksumMismatchError, IOEngineError
+
+        try:
+            return self._reader.read_item_ranges(ranges)
+        except ChecksumMismatchError as err:
+            raise CheckpointCorruptError(str(err)) from None
+        except (IOEngineError, KeyError) as err:
+            raise CheckpointIncompleteError(f"damaged file {self.path}: {_reason(err, self.path)}") from None
 
     def close(self) -> None:
         if self._reader is not None:

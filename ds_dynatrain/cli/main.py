@@ -8,7 +8,7 @@
     dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
-    dynatrain inspect CKPT_DIR [--tag T] [--json]
+    dynatrain inspect CKPT_DIR [--tag T] [--json] [--no-checksums]
     dynatrain verify CKPT_DIR [--tag T]
     dynatrain export CKPT_DIR --out model.safetensors [--dtype fp32|bf16] [--tag T]
 """
@@ -99,7 +99,7 @@ def _cmd_inspect(a) -> int:
         print(f"dynatrain inspect: {a.dir}: not a directory", file=sys.stderr)
         return 2
     try:
-        rep = inspect_report(a.dir, a.tag)
+        rep = inspect_report(a.dir, a.tag, a.checksums)
     except DynatrainError as err:  # CheckpointIncompleteError: missing or damaged files
         print(f"dynatrain inspect: {err}", file=sys.stderr)
         return 1
@@ -241,6 +241,12 @@ def _add_checkpoint_commands(sub) -> None:
     ip.add_argument("dir", metavar="DIR", help="checkpoint directory (what save_checkpoint was given)")
     ip.add_argument("--tag", default=None, help=tag_help)
     ip.add_argument("--json", action="store_true", help="one JSON object")
+    ip.add_argument(
+        "--no-checksums",
+        dest="checksums",
+        action="store_false",
+        help="read only the metadata the report is made of, not every byte (default: check every checksum first)",
+    )
     ip.set_defaults(func=_cmd_inspect)
 
     vp = sub.add_parser(
