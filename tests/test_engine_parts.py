@@ -13,8 +13,8 @@ import pytest
 
 from ds_dynatrain.cli.readme import readme_with_records, records_markdown
 from ds_dynatrain.engine.header import TransitionHeader, header_failures
-from ds_dynatrain.engine.lifecycle import check_restorable
 from ds_dynatrain.engine.records import RECORDS, JoinRecord, ResizeRecord, StepRecord
+from ds_dynatrain.engine.restore import check_restorable, restore_candidates
 from ds_dynatrain.errors import (
     CheckpointIncompleteError,
     LayoutMismatchError,
@@ -22,6 +22,7 @@ from ds_dynatrain.errors import (
     TransitionAbortedError,
 )
 from ds_dynatrain.transition.execute import TransitionStats
+from io_engine import TMP_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,7 +115,21 @@ def test_restore_refuses_a_directory_without_a_snapshot(tmp_path):
     with pytest.raises(CheckpointIncompleteError):  # the family a caller of load_checkpoint catches
         check_restorable(str(tmp_path / "missing"))
     (tmp_path / "latest").write_text("global_step8")
-    assert check_restorable(str(tmp_path)) == "global_step8"
+    with pytest.raises(SnapshotNotFoundError, match="has no such directory"):  # latest names nothing here
+        check_restorable(str(tmp_path))
+
+
+def test_restore_tries_latest_then_older_snapshots_newest_first(tmp_path):
+    for tag in ("global_step4", "global_step8", "global_step12", "best", f"{TMP_PREFIX}global_step16-x"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "global_step20").mkdir()  # no model-state file: not a snapshot
+    (tmp_path / "latest").write_text("global_step8\n")
+    assert check_restorable(str(tmp_path)) == ["global_step8", "global_step12", "global_step4", "best"]
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")  # garbage: the directories still serve
+    tags, problems = restore_candidates(str(tmp_path))
+    assert tags == ["global_step12", "global_step8", "global_step4", "best"]
+    assert len(problems) == 1 and "not UTF-8" in problems[0]
 
 
 def test_the_library_installs_no_log_handler():

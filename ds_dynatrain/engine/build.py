@@ -20,9 +20,10 @@ from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
 from .construct import construct, ds_config_for
 from .elastic_engine import ElasticEngine
 from .join import join_generation
-from .lifecycle import at_thread_shutdown, close_at_exit, restore, shutdown, take_preemption_notices
+from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
 from .members import form_generation
 from .records import MetricsWriter
+from .restore import restore
 from .state import ElasticState
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional, Type
+from typing import ClassVar, List, Optional, Sequence, Type
 
 from ..transition.execute import TransitionStats
 
@@ -162,6 +162,7 @@ class RestoreRecord(Record):
     lost_steps: int = _f("steps completed after that snapshot, lost")
     last_step: int = _f("last step the failed job completed")
     dir: str = _f("snapshot directory restored", "")
+    skipped: Sequence[str] = _f("tags of newer snapshots found damaged and skipped (empty: none)", ())
 
 
 RECORDS: List[Type[Record]] = [StepRecord, ResizeRecord, JoinRecord, SnapshotRecord, LoadRecord, RestoreRecord]
