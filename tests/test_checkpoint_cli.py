@@ -247,6 +247,40 @@ def test_export_and_inspect_refuse_a_flipped_bit_in_a_master_partition(tinylm, t
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "latest, why",
+    [
+        (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+        (b"", "is empty"),
+        (b"  \n", "is empty"),
+        (b"/etc", "a path rather than a tag"),
+        (b"../ours_z2/ckpt", "a path rather than a tag"),
+        (b"..", "a path rather than a tag"),
+        (b"global_step99", "has no such directory"),
+    ],
+)
+def test_a_bad_latest_is_refused_by_every_reader(tinylm, tmp_path, capsys, latest, why):
+    """``latest`` must name a tag directory of the checkpoint directory: garbage, an empty file, a
+    path or a missing tag is one clear error from inspect, verify, export and the loaders' tag
+    resolution (never a traceback, never a directory elsewhere)."""
+    from ds_dynatrain import CheckpointIncompleteError
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
+
+    d = copy_ckpt(tinylm / "ours_z2", tmp_path / "ckpt")
+    (d / "latest").write_bytes(latest)
+    for argv in (["inspect", d], ["verify", d], ["export", d, "--out", tmp_path / "w.safetensors"]):
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 1 and why in err and "Traceback" not in err, (argv, err)
+        assert "latest" in err
+    with pytest.raises(CheckpointIncompleteError, match=why):
+        SavedCheckpoint(str(d))
+    assert SavedCheckpoint(str(d), "ckpt").world_size == 2  # an explicit tag still serves
+    with pytest.raises(CheckpointIncompleteError, match="a path rather than a tag"):
+        SavedCheckpoint(str(d), "../ckpt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
 def test_usage_errors_exit_2(tinylm, tmp_path, capsys):
     from ds_dynatrain.cli import main
 
