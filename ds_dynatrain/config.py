@@ -22,6 +22,9 @@ from typing import Any, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from io_engine.errors import StorageError
+from io_engine.storage_check import DirCheck, check_snapshot_dir
+
 from .batch import split_global_batch
 from .errors import ConfigError, ResizeRefusedError
 
@@ -55,6 +58,16 @@ class SnapshotConfig(_Strict):
         description="when a worker dies (a process killed without notice), "
         "the launcher restarts the job on the largest world size the live workers "
         "can serve, from the latest complete snapshot",
+    )
+    on_write_error: Literal["warn", "raise"] = Field(
+        "warn",
+        description="what a snapshot that could not be written (on any rank: ENOSPC, EIO, a "
+        "directory gone read-only) does to training. 'warn' (the default, because a resilience "
+        "snapshot must not end the training it protects): training goes on, every rank logs a "
+        "warning naming the tag, the failed ranks and the cause, the metrics file records the "
+        "snapshot as failed, 'latest' keeps naming the previous complete snapshot, and the next "
+        "snapshot tries again. 'raise': SnapshotWriteError on every rank at the next save (the "
+        "record says failed too)",
     )
 
     @model_validator(mode="after")
@@ -126,6 +139,28 @@ class DynatrainConfig(_Strict):
             if b <= a:
                 raise ValueError(f"resize_schedule steps must increase strictly; got {a} then {b}")
         return self
+
+
+def check_snapshot_storage(dt_cfg: DynatrainConfig) -> Optional[DirCheck]:
+    """Check ``dynatrain.snapshot.dir`` (when it is set and the plugin enabled) before anything
+    trains: it exists or is created, is a directory, a file can be created, written and removed
+    there, and the write path (O_DIRECT or buffered) is decided
+    (:func:`io_engine.storage_check.check_snapshot_dir`).
+
+    Returns:
+        What was found, or None when there is no snapshot directory to check.
+
+    Raises:
+        ConfigError: one line naming the directory and the reason
+            (``dynatrain.snapshot.dir: /data/snaps: is not writable: ... (EROFS)``).
+    """
+    where = dt_cfg.snapshot.dir
+    if not (dt_cfg.enabled and where):
+        return None
+    try:
+        return check_snapshot_dir(where)
+    except StorageError as err:
+        raise ConfigError(f"{SECTION}.snapshot.dir: {err}") from None
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -6,9 +6,19 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, load_ds_config
+from .config import ConfigError, check_snapshot_storage, load_ds_config
 from .data import ElasticDataLoader
+from .elastic.launch_env import LaunchContext
 from .engine.build import start_engine
+from .log import logger
+
+
+def _check_storage(dt_cfg) -> None:
+    """:func:`~ds_dynatrain.config.check_snapshot_storage`, its finding logged (at debug level under
+    ``dynatrain launch``, whose launcher logged the same line for the whole job). Raises ConfigError."""
+    storage = check_snapshot_storage(dt_cfg)
+    if storage is not None:
+        (logger.debug if LaunchContext.from_environ() is not None else logger.info)(storage.describe())
 
 
 def initialize(
@@ -41,7 +51,8 @@ def initialize(
 
     Raises:
         ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
-            keep the global batch, or resizing asked of a job not started by ``dynatrain launch``.
+            keep the global batch, resizing asked of a job not started by ``dynatrain launch``, or
+            a ``snapshot.dir`` that is no writable directory and cannot be made one (before any engine).
     """
     import deepspeed
 
@@ -71,6 +82,7 @@ def initialize(
         )
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
+    _check_storage(dt_cfg)  # bad storage found before anything trains
 
     engine = start_engine(
         model,

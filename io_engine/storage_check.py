@@ -128,6 +128,10 @@ def _probe(path: str, direct, opener: Opener, backend: Optional[IOBackend]) -> T
     fd = -1
     try:
         fd, used_direct, refused = _open_probe(path, name, direct, opener, backend)
+    except BaseException:
+        _close_and_remove(-1, block, name)  # an open refused for O_DIRECT may have created it
+        raise
+    try:
         try:
             n = os.pwrite(fd, block, 0)
         except OSError as err:
@@ -143,12 +147,24 @@ def _probe(path: str, direct, opener: Opener, backend: Optional[IOBackend]) -> T
             n = _write_or_fail(path, fd, block)
         if n != PROBE_BYTES:
             raise _not_writable(path, f"a write of {PROBE_BYTES} bytes there wrote {n}", None)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        block.close()
-        _remove_probe(path, name)
+    except BaseException:
+        _close_and_remove(fd, block, name)  # the first failure is the one reported
+        raise
+    _close_and_remove(fd, block, None)
+    _remove_probe(path, name)
     return used_direct, refused
+
+
+def _close_and_remove(fd: int, block, name: Optional[str]) -> None:
+    """Close the probe's descriptor and buffer; remove the file ``name`` too, quietly, when given."""
+    if fd >= 0:
+        os.close(fd)
+    block.close()
+    if name is not None:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
 
 
 def _open_probe(path: str, name: str, direct, opener: Opener, backend: Optional[IOBackend]):
@@ -175,7 +191,8 @@ def _open_probe(path: str, name: str, direct, opener: Opener, backend: Optional[
                 path, "O_DIRECT was required but the file system refuses it", errno=err.errno
             ) from None
         refused = f"O_DIRECT refused at open ({errno_name(err.errno)})"
-    return _open_or_fail(path, opener, name, flags), False, refused
+    # without O_EXCL: an open refused for O_DIRECT may have created the file already (the name is ours)
+    return _open_or_fail(path, opener, name, flags & ~os.O_EXCL), False, refused
 
 
 def _open_or_fail(path: str, opener: Opener, name: str, flags: int) -> int:
@@ -195,8 +212,6 @@ def _write_or_fail(path: str, fd: int, block) -> int:
 def _remove_probe(path: str, name: str) -> None:
     try:
         os.unlink(name)
-    except FileNotFoundError:
-        pass
     except OSError as err:
         raise _not_writable(path, f"the probe file {os.path.basename(name)} cannot be removed", err.errno) from None
 

@@ -18,10 +18,18 @@ serialized (allow-listed JSON, :mod:`state_providers.serialize`).
   directory to ``DIR/<tag>``, replaces ``latest`` atomically and prunes to ``keep_last``, and posts
   the outcome. No collective runs on the training process group from a background thread.
 * :meth:`wait_captured` (called by the elastic engine right before the optimizer step) blocks
-  only if a capture is unfinished; :meth:`wait` blocks until the last snapshot's outcome is known
-  and raises :class:`SnapshotWriteError` on every rank if any rank failed. The next ``create``
-  calls :meth:`wait` first, so a failure surfaces at the next save on every rank and ``latest``
-  never moves to a snapshot with a missing file.
+  only if a capture is unfinished, and takes note of the last snapshot's outcome once rank 0 has
+  posted it (one store lookup, no wait); :meth:`wait` blocks until that outcome is known and
+  raises :class:`SnapshotWriteError` if any rank failed. ``latest`` never moves to a snapshot with
+  a missing file.
+* A failed snapshot (a write on any rank; a directory that cannot be created or written) is one
+  outcome on every rank. ``on_write_error="warn"``: every rank logs it (tag, failed ranks, causes)
+  and training goes on; ``"raise"``: :class:`SnapshotWriteError` on every rank at the next save.
+  ``on_outcome`` gets a :class:`~.snapshot_outcome.SnapshotOutcome` of every snapshot, once. A
+  directory is checked (:func:`io_engine.check_snapshot_dir`, through the writer's io backend,
+  which keeps the write path decided there) the first time the engine saves into it; a failed
+  check or ``makedirs`` is this rank's failed write, never an exception inside DeepSpeed's
+  ``save_checkpoint`` (whose barrier the other ranks would wait in).
 
 ``asynchronous=False`` does the same work inside ``save``/``commit`` (the comparison point).
 Loading reads this engine's files (``io_engine`` reader, checksums verified) and, for directories
@@ -39,19 +47,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from io_engine import LATEST, TMP_PREFIX, prune_snapshots, publish_dir, read_latest, write_atomic
-from io_engine.errors import IOEngineError
+from io_engine import LATEST, TMP_PREFIX, check_snapshot_dir, prune_snapshots, publish_dir, write_atomic
+from io_engine.errors import IOEngineError, errno_name
 from io_engine.format import MAGIC as _FORMAT_MAGIC
 from state_providers import DictStateProvider, TensorItem
 
-from ..errors import DynatrainError, SnapshotWriteError
+from ..errors import ConfigError, DynatrainError, SnapshotWriteError
 from ..log import logger
 from .saved import safe_globals
+from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode
 
 ENGINE_NAME = "DynatrainSnapshotEngine"
 STORE_PREFIX = "dynatrain/snap"
@@ -113,6 +122,10 @@ class _Snapshot:
     token: str = ""  # unique name of this attempt's temporary directory
     jobs: List[_FileJob] = field(default_factory=list)
     committed: bool = False
+    error: Optional[str] = None  # this rank failed before any file (its directory); nothing is written
+    saved_step: Any = None  # ``global_steps`` of the state DeepSpeed saved, when a file had it
+    t0: float = field(default_factory=time.perf_counter)
+    save_s: float = 0.0
 
     @property
     def final_dir(self) -> str:
@@ -125,7 +138,7 @@ class _Snapshot:
         return os.path.join(self.info.save_dir, f"{TMP_PREFIX}{self.info.tag}-{self.token}")
 
 
-class SnapshotCheckpointEngine(CheckpointEngine):
+class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
     """Asynchronous, crash-consistent checkpoint engine (see the module docstring).
 
     Args:
@@ -139,6 +152,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         timeout_s: limit of every wait (capture, persistence, agreement), seconds.
         cache_bytes: host cache size, bytes (bounded; reused across snapshots).
         asynchronous: False writes inside ``save``/``commit``.
+        on_write_error: ``"warn"`` or ``"raise"``: what a failed snapshot does (module docstring).
+
+    Raises:
+        ConfigError: ``on_write_error`` is neither ``"warn"`` nor ``"raise"``.
     """
 
     def __init__(
@@ -151,8 +168,17 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         timeout_s: float = 300.0,
         cache_bytes: int = 256 << 20,
         asynchronous: bool = True,
+        on_write_error: str = "warn",
     ):
         super().__init__(None)
+        if on_write_error not in ("warn", "raise"):
+            raise ConfigError(f"on_write_error must be 'warn' or 'raise', got {on_write_error!r}")
+        self.on_write_error = on_write_error
+        # called with a SnapshotOutcome of every snapshot, once its outcome is known (this rank)
+        self.on_outcome: Optional[Callable[[SnapshotOutcome], None]] = None
+        self._unreported: Optional[SnapshotWriteError] = None  # a failure noted, raised at the next save
+        self._early_error: Optional[str] = None  # a makedirs that failed before ``create``
+        self._checked = set()  # directories this engine checked already
         self.name = ENGINE_NAME
         self.store_address = store_address
         self._stores = {}
@@ -227,9 +253,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
             )
             job.nbytes = res.layout.file_size
-        except (OSError, IOEngineError) as err:
-            job.error = err
-        except BaseException as err:  # never leave a waiter blocked
+        except BaseException as err:  # OSError, IOEngineError, anything: never leave a waiter blocked
             job.error = err
         finally:
             job.seconds = time.perf_counter() - t0
@@ -239,7 +263,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     def _finish(self, snap: _Snapshot):
         """This rank's files are persisted (or failed): report; rank 0 decides and publishes."""
-        errors = [f"{j.error}" for j in snap.jobs if j.error is not None]
+        errors = ([snap.error] if snap.error else []) + [cause(j.error) for j in snap.jobs if j.error is not None]
         st = self.store
         if errors:
             st.set(f"{snap.key}/failed/{self.rank}", "; ".join(errors)[:2000])
@@ -247,20 +271,22 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self.rank != 0:
             return
         deadline = time.monotonic() + self.timeout_s
+        outcome = f"{snap.key}/outcome"
         while int(st.add(f"{snap.key}/done", 0)) < self.world_size:
             if time.monotonic() > deadline:
-                st.set(f"{snap.key}/outcome", f"failed: not every rank finished writing within {self.timeout_s:.0f} s")
                 shutil.rmtree(snap.tmp_dir, ignore_errors=True)
+                why = f"not every rank finished writing within {self.timeout_s:.0f} s"
+                st.set(outcome, encode(False, why, seconds=time.perf_counter() - snap.t0))
                 return
             time.sleep(0.01)
-        failed = []
+        failed = {}
         for r in range(self.world_size):
             k = f"{snap.key}/failed/{r}"
             if st.check([k]):
-                failed.append(f"rank {r}: {st.get(k).decode()}")
+                failed[r] = f"rank {r}: {st.get(k).decode(errors='replace')}"
         if failed:
-            shutil.rmtree(snap.tmp_dir, ignore_errors=True)
-            st.set(f"{snap.key}/outcome", "failed: " + "; ".join(failed))
+            shutil.rmtree(snap.tmp_dir, ignore_errors=True)  # no partial snapshot is left behind
+            st.set(outcome, encode(False, "; ".join(failed.values()), failed, time.perf_counter() - snap.t0))
             return
         try:
             publish_dir(snap.tmp_dir, snap.final_dir)
@@ -268,13 +294,16 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 write_atomic(os.path.join(snap.info.save_dir, LATEST), snap.info.tag.encode())
             if self.keep_last is not None:
                 prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag], pattern=PRUNABLE_TAG)
-            st.set(f"{snap.key}/outcome", "ok")
+            st.set(outcome, encode(True, seconds=time.perf_counter() - snap.t0))
         except OSError as err:
-            st.set(f"{snap.key}/outcome", f"failed: publishing on rank 0: {err}")
+            shutil.rmtree(snap.tmp_dir, ignore_errors=True)
+            st.set(outcome, encode(False, f"rank 0: publishing: {cause(err)}", [0], time.perf_counter() - snap.t0))
 
     # ---------------------------------------------------------------- CheckpointEngine
     def create(self, info: CheckpointCommitInfo):
-        self.wait()  # the previous snapshot's outcome, on every rank, before a new one starts
+        # the previous snapshot's outcome, on every rank, before a new one starts (the policy:
+        # every rank raises here, at the same save, or warns and goes on)
+        self._report(self._settle())
         self._ensure_worker()
         if self._instance is None:
             # the n-th engine this rank made in this generation (several engines in one process,
@@ -287,6 +316,20 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             self.store.set(f"{key}/token", uuid.uuid4().hex[:12])
         self.store.wait([f"{key}/token"], timedelta(seconds=self.timeout_s))
         self._current = _Snapshot(info, key, token=self.store.get(f"{key}/token").decode())
+        self._current.error, self._early_error = self._early_error or self._check_dir(info.save_dir), None
+
+    def _check_dir(self, save_dir: str) -> Optional[str]:
+        """This rank's failure to use ``save_dir`` (None: usable), checked once per directory
+        through the writer's backend, which keeps the write path decided there."""
+        where = os.path.abspath(save_dir)
+        if where in self._checked:
+            return None
+        try:
+            check_snapshot_dir(where, backend=self._writer.flusher.backend)
+        except IOEngineError as err:
+            return f"{err}"
+        self._checked.add(where)
+        return None
 
     def _redirect(self, path: str) -> str:
         snap = self._current
@@ -299,11 +342,25 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         return path
 
     def makedirs(self, path, exist_ok=False):
-        os.makedirs(self._redirect(path), exist_ok=exist_ok)
+        """``os.makedirs`` (into the snapshot's temporary directory); a failure is this rank's
+        failed write of the snapshot, reported through the commit (never raised: DeepSpeed calls
+        this on rank 0 alone, before a barrier the other ranks wait in)."""
+        try:
+            os.makedirs(self._redirect(path), exist_ok=exist_ok)
+        except OSError as err:
+            why = f"{path}: cannot create the directory ({errno_name(err.errno)}: {err.strerror or err})"
+            if self._current is None:
+                self._early_error = self._early_error or why
+            elif self._current.error is None:
+                self._current.error = why
 
     def save(self, state_dict, path: str):
         if self._current is None:
             raise DynatrainError("SnapshotCheckpointEngine.save called outside create/commit")
+        if isinstance(state_dict, dict) and "global_steps" in state_dict:
+            self._current.saved_step = state_dict["global_steps"]
+        if self._current.error is not None:
+            return  # this rank cannot write this snapshot; the commit reports why
         job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
         if torch.cuda.is_available():
             job.ready = torch.cuda.Event()
@@ -322,12 +379,13 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.publish_latest = None
         snap.info = CheckpointCommitInfo(tag=info.tag, save_dir=info.save_dir, save_latest=latest)
         snap.committed = True
+        snap.save_s = time.perf_counter() - snap.t0
         self._last = snap
         if self.asynchronous:
             self._queue.put(("commit", snap))
         else:
             self._finish(snap)
-            self.wait()
+            self._report(self._settle())
         return True
 
     def load(self, path: str, map_location=None):
@@ -348,6 +406,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                     t = t.reshape(tuple(meta.shape))
                     if isinstance(map_location, (str, torch.device)):
                         t = t.to(map_location)
+                if meta.kind != "object":
                     items[key] = t
             return DictStateProvider.rebuild(items)
         with torch.serialization.safe_globals(safe_globals()):
@@ -364,36 +423,21 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 raise SnapshotWriteError(f"capture of {j.path} did not finish within {self.timeout_s:.0f} s")
         waited = time.perf_counter() - t0
         self.stats["capture_wait_s"] += waited
+        self._poll()
         return waited
 
     def wait(self) -> None:
         """Block until the last committed snapshot is published or failed, on every rank.
 
         Raises:
-            SnapshotWriteError: some rank failed to write (names the rank and the error), or the
-                outcome was not known within ``timeout_s``; ``latest`` names the previous snapshot.
+            SnapshotWriteError: it was not committed (whatever ``on_write_error`` says: this is
+                the explicit question), or a failure noted under ``"raise"`` is still unraised:
+                names the tag, every failed rank and its error (or that no outcome came within
+                ``timeout_s``); ``latest`` names the previous snapshot.
         """
-        snap, self._last = self._last, None
-        if snap is None:
-            return
-        key = f"{snap.key}/outcome"
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise SnapshotWriteError(
-                f"snapshot {snap.final_dir}: no outcome within {self.timeout_s:.0f} s "
-                f"({err}); 'latest' still names {read_latest(snap.info.save_dir)!r}"
-            ) from None
-        outcome = self.store.get(key).decode()
-        for j in snap.jobs:
-            self.stats["persist_s"] += j.seconds
-            self.stats["bytes"] += j.nbytes
-        if outcome != "ok":
-            raise SnapshotWriteError(
-                f"snapshot {snap.final_dir} was not committed, a write failed "
-                f"({outcome.removeprefix('failed: ')}); 'latest' still names "
-                f"{read_latest(snap.info.save_dir)!r}"
-            )
+        err = self._settle()
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         """Finish pending work (bounded by ``timeout_s``), stop the worker, free the host cache.
@@ -403,8 +447,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._closed = True
         err = None
         try:
-            self.wait()
-        except SnapshotWriteError as e:
+            err = self._settle()
+        except Exception as e:  # noqa: BLE001 - closing (at exit, at a resize): say why, go on
             err = e
         if self._thread is not None:
             self._queue.put(None)
@@ -414,7 +458,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             self._writer = None
         self._stores.clear()
         if err is not None:
-            logger.info(f"{err}")
+            logger.warning(f"{err}")
 
     def cleanup(self):
         self.close()

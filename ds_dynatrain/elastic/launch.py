@@ -7,7 +7,7 @@ import socket
 from typing import Optional, Sequence, Tuple
 
 from ..batch import largest_world_size
-from ..config import check_elastic_config, load_ds_config, resolve_global_batch
+from ..config import check_elastic_config, check_snapshot_storage, load_ds_config, resolve_global_batch
 from ..errors import ConfigError, DynatrainError
 from ..log import logger
 from .agent import Agent
@@ -41,9 +41,13 @@ def launch(
             index (node 0 hosts the store).  join: this host joins a running job (``dynatrain join``).
 
     Raises:
-        ConfigError: a bad config, store address or node rank; a world size the batch cannot serve.
+        ConfigError: a bad config, store address or node rank; a world size the batch cannot serve;
+            a ``snapshot.dir`` that is not a writable directory and cannot be created.
     """
     ds_config, dt_cfg = load_ds_config(config)  # refuse a bad config before any process starts
+    storage = check_snapshot_storage(dt_cfg)  # and a snapshot directory that cannot be written
+    if storage is not None:
+        logger.info(storage.describe())
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} with --nnodes {nnodes}: expected 0 <= node rank < nnodes")
     host, port = _parse_store(store)

@@ -10,7 +10,6 @@ prepared world, or a new request served; finally joiners of a scheduled grow are
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Tuple
 
 import torch.distributed as tdist
@@ -21,7 +20,7 @@ from ..elastic.keys import ENDED_KEY
 from ..log import logger
 from ..zero.state import relink_optimizer_state
 from .members import request_joiners
-from .records import SnapshotRecord, StepRecord, format_step
+from .records import StepRecord, format_step
 from .requests import abandon, finish_request, serve_request
 from .state import ElasticState
 from .vote import StepTally, StepVote, exchange
@@ -105,10 +104,8 @@ def _snapshot(engine) -> None:
     snap = dt.config.snapshot
     if not (snap.interval_steps and step % snap.interval_steps == 0):
         return
-    t0 = time.perf_counter()
+    # its record is written once its outcome is known (the snapshot engine's on_outcome)
     engine.save_checkpoint(snap.dir, tag=f"global_step{step}")
-    if engine.global_rank == 0:
-        dt.metrics.write(SnapshotRecord(step=step, save_s=time.perf_counter() - t0, dir=snap.dir))
 
 
 def _decide(engine, tally: StepTally, error: Optional[str]) -> None:

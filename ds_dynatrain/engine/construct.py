@@ -19,6 +19,7 @@ from ..vps.layout import ZeroLayout
 from ..zero.geometry import layout_for_model, layout_of
 from ..zero.rebuild import light_rebuild
 from ..zero.zero3 import client_attrs
+from .records import SnapshotRecord
 from .state import ElasticState
 
 
@@ -90,8 +91,11 @@ def construct(
         timeout_s=dt.config.collective_timeout_s,
         cache_bytes=snap.host_cache_mib << 20,
         asynchronous=snap.asynchronous,
+        on_write_error=snap.on_write_error,
     )
     engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
+    if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
+        engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
 
 
 def keep_returned_optimizer(engine) -> None:

@@ -21,6 +21,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
+from ..log import logger
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, requests
 from .resize import resize as resize_now
@@ -163,6 +164,15 @@ class ElasticEngine(DeepSpeedEngine):
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
+
+    def _copy_recovery_script(self, save_path):
+        """DeepSpeed's copy of its ``zero_to_fp32.py`` into ``save_path`` (rank 0 alone, between
+        barriers): no part of a snapshot, so a failure (a full disk) is a warning, not an
+        exception the other ranks would wait for at the barrier."""
+        try:
+            super()._copy_recovery_script(save_path)
+        except OSError as err:
+            logger.warning(f"copying DeepSpeed's recovery scripts into {save_path} failed: {err}")
 
     def load_checkpoint(
         self,

@@ -61,12 +61,36 @@ class StepRecord(Record):
 
 @dataclass
 class SnapshotRecord(Record):
-    """A periodic snapshot started (rank 0)."""
+    """A snapshot's outcome, written once it is known (rank 0): committed, or failed on some rank."""
 
     EVENT: ClassVar[str] = "snapshot"
     step: int = _f("step of the snapshot")
+    tag: str = _f("its tag, the directory under `dir`", "")
+    ok: bool = _f(
+        "committed: every rank's files written and synced, then published; `false`: failed (nothing of it "
+        "kept, `latest` unchanged, `error` says why)",
+        True,
+    )
+    error: Optional[str] = _f("each failed rank and its cause", None, optional=True)
+    failed_ranks: Optional[List[int]] = _f("the ranks whose writes failed", None, optional=True)
     save_s: float = _f("seconds `save_checkpoint` took in the training loop (the flush runs on)", 0.0)
+    seconds: float = _f("from `save_checkpoint` to the outcome (the flush and every rank's report)", 0.0)
     dir: str = _f("snapshot directory", "")
+
+    @classmethod
+    def of(cls, outcome) -> "SnapshotRecord":
+        """The record of a :class:`~ds_dynatrain.checkpoint.snapshot_outcome.SnapshotOutcome`."""
+        failed = not outcome.ok
+        return cls(
+            step=-1 if outcome.step is None else outcome.step,
+            tag=outcome.tag,
+            ok=outcome.ok,
+            error=outcome.error if failed else None,
+            failed_ranks=list(outcome.failed_ranks) if failed else None,
+            save_s=outcome.save_s,
+            seconds=outcome.seconds,
+            dir=outcome.dir,
+        )
 
 
 @dataclass
