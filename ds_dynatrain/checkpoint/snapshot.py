@@ -54,13 +54,12 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from io_engine import LATEST, TMP_PREFIX, check_snapshot_dir, prune_snapshots, publish_dir, write_atomic
 from io_engine.errors import IOEngineError, errno_name
-from io_engine.format import MAGIC as _FORMAT_MAGIC
 from state_providers import DictStateProvider, TensorItem
 
 from ..errors import ConfigError, DynatrainError, SnapshotWriteError
 from ..log import logger
-from .saved import safe_globals
 from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode
+from .state_file import ReadAhead, read_state_file
 
 ENGINE_NAME = "DynatrainSnapshotEngine"
 STORE_PREFIX = "dynatrain/snap"
@@ -202,6 +201,8 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         # set by ElasticEngine.save_checkpoint, which keeps DeepSpeed from writing ``latest`` itself
         # (non-atomically) and has this engine's commit publish it instead; None: DeepSpeed's flag
         self.publish_latest = None
+        # files a load read (and checked) before DeepSpeed's own load asks for them
+        self.read_ahead = ReadAhead()
 
     @property
     def store(self):
@@ -389,28 +390,15 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         return True
 
     def load(self, path: str, map_location=None):
-        with open(path, "rb") as f:
-            head = f.read(len(_FORMAT_MAGIC))
-        if head == _FORMAT_MAGIC:
-            from io_engine import read_snapshot_file
+        """The state dict of ``path`` (this project's format, every byte checked, or DeepSpeed's
+        ``torch.save`` format), from :attr:`read_ahead` when a load read it first.
 
-            raw = read_snapshot_file(path)
-            items = {}
-            for key, (view, meta) in raw.items():
-                if meta.kind == "object":
-                    items[key] = bytes(view)
-                elif meta.nbytes == 0:  # torch.frombuffer refuses an empty buffer
-                    t = torch.empty(tuple(meta.shape), dtype=getattr(torch, meta.dtype))
-                else:
-                    t = torch.frombuffer(view, dtype=torch.uint8).view(getattr(torch, meta.dtype))
-                    t = t.reshape(tuple(meta.shape))
-                    if isinstance(map_location, (str, torch.device)):
-                        t = t.to(map_location)
-                if meta.kind != "object":
-                    items[key] = t
-            return DictStateProvider.rebuild(items)
-        with torch.serialization.safe_globals(safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        Raises:
+            CheckpointCorruptError, CheckpointIncompleteError: see
+                :func:`~ds_dynatrain.checkpoint.state_file.read_state_file`.
+        """
+        kept = self.read_ahead.take(path)
+        return kept if kept is not None else read_state_file(path, map_location)
 
     # ---------------------------------------------------------------- waits
     def wait_captured(self) -> float:
