@@ -8,8 +8,8 @@ saved.SavedCheckpoint`), the planner intersects it with the live engine's layout
 the byte ranges of the fragments it will hold: with io_uring (``io_engine`` reader, one batch of
 ranges per file) from this project's files, through ``torch.load(mmap=True, weights_only=True)``
 (only the touched pages are read) from DeepSpeed's. Nothing is converted on disk and no rank holds
-more than its own new partitions. Every rank agrees that its reads succeeded before anything is
-installed.
+more than its own new partitions. Every rank agrees that its checks and reads succeeded before
+anything is installed; the client state comes back whole (every tensor read, whatever its size).
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
 
+from io_engine.errors import IOEngineError
+
 from ..elastic.collective import raise_on_every_rank
-from ..errors import CheckpointIncompleteError, LayoutMismatchError
+from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..planner.plan import plan_transition, scalars_for
 from ..transition.buffers import allocate_partitions
 from ..zero.geometry import fp32_partitions, is_zero3, layout_of, zero_optimizer_of
 from ..zero.state import install_master, install_optimizer_state
-from .saved import MOMENTS, OPTIM_FILE, SavedCheckpoint, numel_of, partitions_of
+from .fit import check_model, check_param_groups, check_partition_order
+from .saved import MOMENTS, OPTIM_FILE, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
 
 
 @dataclass
@@ -59,8 +62,11 @@ def load_resharded(
 ) -> Tuple[str, dict, LoadStats]:
     """Load a ZeRO checkpoint saved at any world size and ZeRO stage into ``engine``.
 
-    Collective (the final parameter all-gather at ZeRO-1/2): every rank of the engine calls it,
-    right after the engine is built. Each rank reads only its new partitions' fragments.
+    Collective (the agreement on the reads, the final parameter all-gather at ZeRO-1/2): every
+    rank of the engine calls it, right after the engine is built. Each rank reads only its new
+    partitions' fragments, the frozen parameters and buffers, and the model-state file's other
+    entries whole (the client state: every tensor of any size and dtype, nested in dicts, lists
+    and tuples, as saved).
 
     ``saved``: the checkpoint already opened (and checked) by the caller; it is closed here.
 
@@ -68,29 +74,33 @@ def load_resharded(
         ``(path of the model-state file, client state of the model-state file, LoadStats)``.
 
     Raises:
-        CheckpointIncompleteError: missing or damaged files (before anything is loaded).
+        CheckpointIncompleteError: missing or damaged files (its subclass
+            ``CheckpointCorruptError`` for bytes that fail their checksum).
         LayoutMismatchError: the checkpoint holds another model (names the first differing
-            parameter; before anything is loaded).
+            parameter).
+        Either on every rank, each distinct problem named once, before anything is installed.
     """
     t0 = time.perf_counter()
     if saved is None:
         saved = SavedCheckpoint(load_dir, tag)
     try:
-        live = layout_of(engine)
-        old = saved.layout_for(live)
-        rank, ws = tdist.get_rank(), live.world_size
-        src_ids = tuple(f"saved{r}" for r in range(saved.world_size))
-        dst_ids = tuple(f"rank{r}" for r in range(ws))
-        plan = plan_transition(old, live, src_ids, dst_ids, same_settings=False)
+        rank, ws = tdist.get_rank(), engine.dp_world_size
         kinds = ("fp32",) + (MOMENTS if load_optimizer_states else ())
-        device = fp32_partitions(zero_optimizer_of(engine))[0].device
-        dests = allocate_partitions(plan, dst_ids[rank], kinds, torch.float32, device)
-        plan_s = time.perf_counter() - t0
-        t = time.perf_counter()
-        nbytes, scalars0, problem = _read_fragments(saved, plan, rank, kinds, dests)
-        # every rank agrees before anything is installed: one rank's damaged file fails all
-        raise_on_every_rank(problem, CheckpointIncompleteError, "nothing was loaded")
-        read_s = time.perf_counter() - t
+        problem, nbytes, plan_s, read_s = None, 0, 0.0, 0.0
+        try:
+            live = layout_of(engine)
+            plan, dests = _plan(engine, saved, live, kinds, load_optimizer_states)
+            plan_s = time.perf_counter() - t0
+            t = time.perf_counter()
+            nbytes, scalars0 = _read_fragments(saved, plan, rank, kinds, dests)
+            frozen = _read_frozen(engine, saved)
+            state = _read_model_state(saved)
+            read_s = time.perf_counter() - t
+        except (DynatrainError, IOEngineError, OSError) as err:
+            problem = err
+        # every rank agrees before anything is installed: one rank's damaged file or a model that
+        # does not fit fails all, each distinct problem named once
+        raise_on_every_rank(problem, CheckpointIncompleteError, f"{saved.dir}: nothing was loaded")
         t = time.perf_counter()
         order = sorted(dests)
         install_master(engine, [dests[b]["fp32"] for b in order])
@@ -99,8 +109,10 @@ def load_resharded(
                 engine, [{k: dests[b][k] for k in MOMENTS} for b in order], scalars_for(plan, scalars0)
             )
         gather_s = _working_from_master(engine)
-        _load_frozen(engine, saved)
-        client = _load_non_tensor_state(engine, saved, load_optimizer_states, load_lr_scheduler_states)
+        with torch.no_grad():
+            for value, target in frozen:
+                target.data.view(-1).copy_(value)
+        client = _load_non_tensor_state(engine, saved, state, load_optimizer_states, load_lr_scheduler_states)
         install_s = time.perf_counter() - t
     finally:
         saved.close()
@@ -120,30 +132,98 @@ def load_resharded(
     return saved.model_file.path, client, stats
 
 
-def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tuple[int, list, Optional[str]]:
+def _plan(engine, saved: SavedCheckpoint, live, kinds, optimizer: bool):
+    """Check the checkpoint against the model, rebuild the saved layout, plan the reads and
+    allocate this rank's new partitions. Returns ``(plan, dests)``.
+
+    Raises:
+        LayoutMismatchError: the checkpoint does not fit the model.
+        CheckpointIncompleteError: an optimizer-state file without its partitions.
+    """
+    check_model(engine, saved, live, frozen_from_module=True)
+    check_partition_order(saved, live)
+    old = saved.layout_for(live)
+    check_param_groups(engine, saved, optimizer)
+    rank = tdist.get_rank()
+    src_ids = tuple(f"saved{r}" for r in range(saved.world_size))
+    dst_ids = tuple(f"rank{r}" for r in range(live.world_size))
+    plan = plan_transition(old, live, src_ids, dst_ids, same_settings=False)
+    device = fp32_partitions(zero_optimizer_of(engine))[0].device
+    return plan, allocate_partitions(plan, dst_ids[rank], kinds, torch.float32, device)
+
+
+def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tuple[int, list]:
     """Read this rank's fragments of every saved partition into ``dests``, one batch per saved
-    file. Returns ``(bytes read, rank 0's scalars per saved partition, problem or None)``: a
-    damaged or incomplete file is reported, not raised, so every rank can agree first."""
+    file. Returns ``(bytes read, rank 0's scalars per saved partition)``.
+
+    Raises:
+        CheckpointIncompleteError: a damaged or incomplete file (the caller has every rank agree).
+    """
     by_src: Dict[int, list] = defaultdict(list)
     for tr in plan.transfers:
         if tr.dst == rank:
             by_src[tr.src].append(tr)
     nbytes = 0
-    try:
-        for src in sorted(by_src):
-            parts = partitions_of(saved.optim(src).tree, saved.stage)
-            requests = []
-            for tr in by_src[src]:
-                for k in kinds:
-                    if k not in parts.tensors[tr.group]:
-                        raise CheckpointIncompleteError(f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}")
-                    dest = dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel)
-                    requests.append((parts.tensors[tr.group][k], tr.src_offset, dest))
-            nbytes += saved.optim(src).read_into(requests)
-        scalars0 = partitions_of(saved.optim(0).tree, saved.stage).scalars
-    except (CheckpointIncompleteError, LayoutMismatchError) as err:
-        return nbytes, [], f"{type(err).__name__}: {err}"
-    return nbytes, scalars0, None
+    for src in sorted(by_src):
+        parts = partitions_of(saved.optim(src).tree, saved.stage)
+        requests = []
+        for tr in by_src[src]:
+            for k in kinds:
+                if k not in parts.tensors[tr.group]:
+                    raise CheckpointIncompleteError(f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}")
+                dest = dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel)
+                requests.append((parts.tensors[tr.group][k], tr.src_offset, dest))
+        nbytes += saved.optim(src).read_into(requests)
+    return nbytes, partitions_of(saved.optim(0).tree, saved.stage).scalars
+
+
+def materialize(file: SavedFile, obj: Any, own: bool = True) -> Any:
+    """``obj`` (a value of ``file.tree``) with every :class:`TensorRef` in it read, in one batch
+    (:meth:`SavedFile.read_into`): tensors of their saved dtype and shape, at any depth of dicts
+    (their type and order kept), lists and tuples. ``own``: tensors that share memory with the
+    file (DeepSpeed's memory-mapped files) are copied, so the result outlives the file.
+
+    Raises:
+        CheckpointIncompleteError: a damaged range (``CheckpointCorruptError`` for bytes that fail
+            their checksum).
+    """
+    refs: List[TensorRef] = []
+
+    def collect(x):
+        if isinstance(x, TensorRef):
+            refs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(obj)
+    read: Dict[int, torch.Tensor] = {}
+    if refs:
+        dests = [torch.empty(r.numel(), dtype=r.dtype) for r in refs]
+        file.read_into([(r, 0, d) for r, d in zip(refs, dests)])
+        read = {id(r): d.reshape(r.shape) for r, d in zip(refs, dests)}
+
+    def rebuild(x):
+        if isinstance(x, TensorRef):
+            return read[id(x)]
+        if isinstance(x, torch.Tensor):
+            return x.clone() if own and not file.ours else x
+        if isinstance(x, dict):
+            out = type(x)() if type(x) is not dict else {}
+            for k, v in x.items():
+                out[k] = rebuild(v)
+            return out
+        if isinstance(x, list):
+            return [rebuild(v) for v in x]
+        if isinstance(x, tuple):
+            items = [rebuild(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+
+    return rebuild(obj)
 
 
 def _working_from_master(engine) -> float:
@@ -160,13 +240,15 @@ def _working_from_master(engine) -> float:
     return time.perf_counter() - t
 
 
-def _load_frozen(engine, saved: SavedCheckpoint) -> None:
+def _read_frozen(engine, saved: SavedCheckpoint) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Frozen parameters and persistent buffers are not in the optimizer's partitions; ZeRO-1/2
     model-state files hold them whole (``module``). At ZeRO-3 frozen parameters keep the values
-    the model was built with; buffers are loaded where the file has them.
+    the model was built with; buffers are loaded where the file has them. Returns ``[(saved
+    values, 1-D, the target parameter or buffer)]``, read in one batch, installed by the caller.
 
     Raises:
         LayoutMismatchError: a frozen parameter of the model is not in the checkpoint.
+        CheckpointIncompleteError: a damaged range.
     """
     module_sd = saved.model_state.get("module") or {}
     targets = []
@@ -183,40 +265,14 @@ def _load_frozen(engine, saved: SavedCheckpoint) -> None:
         src = module_sd.get(name)
         if src is not None and numel_of(src) == b.numel() and b.numel() > 0:
             targets.append((src, b))
-    for src, t in targets:
-        dest = torch.empty(t.numel(), dtype=src.dtype)
-        saved.model_file.read_into([(src, 0, dest)])
-        with torch.no_grad():
-            t.data.view(-1).copy_(dest)
+    values = [torch.empty(t.numel(), dtype=src.dtype) for src, t in targets]
+    saved.model_file.read_into([(src, 0, v) for (src, _t), v in zip(targets, values)])
+    return [(v, t) for v, (_src, t) in zip(values, targets)]
 
 
-def _load_non_tensor_state(engine, saved: SavedCheckpoint, optimizer: bool, scheduler: bool) -> dict:
-    """Step counters, LR scheduler, loss scaler; returns the client state (the model-state
-    file's keys DeepSpeed does not own)."""
-    ms = saved.model_state
-    engine.global_steps = int(ms.get("global_steps", 0))
-    engine.global_samples = int(ms.get("global_samples", engine.global_steps * engine.train_batch_size()))
-    engine.skipped_steps = int(ms.get("skipped_steps", 0))
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if scheduler and engine.lr_scheduler is not None and ms.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(ms["lr_scheduler"])
-    osd = saved.optim(0).tree.get("optimizer_state_dict", {})
-    base = osd.get("optimizer_state_dict" if saved.stage == 3 else "base_optimizer_state")
-    groups = base.get("param_groups") if isinstance(base, dict) else None
-    if optimizer and groups:
-        # the hyper-parameters of each group as saved (the LR the scheduler set last, betas, ...)
-        live = engine.optimizer.optimizer.param_groups
-        if len(groups) != len(live):
-            raise LayoutMismatchError(
-                f"the checkpoint has {len(groups)} optimizer parameter groups, the model {len(live)}"
-            )
-        for g, h in zip(live, groups):
-            g.update({k: v for k, v in h.items() if k != "params"})
-    if optimizer:
-        scaler, sent = getattr(engine.optimizer, "loss_scaler", None), osd.get("loss_scaler")
-        if scaler is not None and sent is not None and type(scaler).__name__ == type(sent).__name__:
-            scaler.__dict__.update(vars(sent))
-    own = {
+# the model-state file's keys DeepSpeed owns; the others are the client state
+DEEPSPEED_KEYS = frozenset(
+    {
         "module",
         "buffer_names",
         "optimizer",
@@ -236,4 +292,39 @@ def _load_non_tensor_state(engine, saved: SavedCheckpoint, optimizer: bool, sche
         "ds_config",
         "ds_version",
     }
-    return {k: v for k, v in ms.items() if k not in own}
+)
+
+
+def _read_model_state(saved: SavedCheckpoint) -> dict:
+    """The model-state dict with every tensor of the LR scheduler's state and of the client state
+    read; DeepSpeed's other entries as they are (the module state is read by :func:`_read_frozen`,
+    DeepSpeed's copies of frozen fragments are not needed)."""
+    ms = saved.model_state
+    read = materialize(
+        saved.model_file, {k: v for k, v in ms.items() if k not in DEEPSPEED_KEYS or k == "lr_scheduler"}
+    )
+    return {**ms, **read}
+
+
+def _load_non_tensor_state(engine, saved: SavedCheckpoint, ms: dict, optimizer: bool, scheduler: bool) -> dict:
+    """Step counters, LR scheduler, group hyper-parameters, loss scaler, from ``ms`` (the
+    model-state dict, read); returns the client state (the keys DeepSpeed does not own)."""
+    engine.global_steps = int(ms.get("global_steps", 0))
+    engine.global_samples = int(ms.get("global_samples", engine.global_steps * engine.train_batch_size()))
+    engine.skipped_steps = int(ms.get("skipped_steps", 0))
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if scheduler and engine.lr_scheduler is not None and ms.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(ms["lr_scheduler"])
+    osd = saved.optim(0).tree.get("optimizer_state_dict", {})
+    base = osd.get("optimizer_state_dict" if saved.stage == 3 else "base_optimizer_state")
+    groups = base.get("param_groups") if isinstance(base, dict) else None
+    if optimizer and groups:
+        # the hyper-parameters of each group as saved (the LR the scheduler set last, betas, ...);
+        # their number was checked before anything was installed (fit.check_param_groups)
+        for g, h in zip(engine.optimizer.optimizer.param_groups, groups):
+            g.update({k: v for k, v in h.items() if k != "params"})
+    if optimizer:
+        scaler, sent = getattr(engine.optimizer, "loss_scaler", None), osd.get("loss_scaler")
+        if scaler is not None and sent is not None and type(scaler).__name__ == type(sent).__name__:
+            scaler.__dict__.update(vars(sent))
+    return {k: v for k, v in ms.items() if k not in DEEPSPEED_KEYS}

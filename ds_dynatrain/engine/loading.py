@@ -1,16 +1,21 @@
 """``ElasticEngine.load_checkpoint``: a snapshot or a DeepSpeed ZeRO checkpoint, at the saving layout
-through DeepSpeed's own load, at any other world size or ZeRO stage through the resharded load."""
+through DeepSpeed's own load, at any other world size, ZeRO stage or partition layout through the
+resharded load. Either way the checkpoint is first checked against the model on every rank."""
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Optional, Tuple
 
+from io_engine.errors import IOEngineError
+
+from ..checkpoint.fit import check_model, saved_partition_keys
 from ..checkpoint.resharded import load_resharded
 from ..checkpoint.saved import SavedCheckpoint
 from ..elastic.collective import raise_on_every_rank
-from ..errors import CheckpointIncompleteError
+from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..log import logger
+from ..zero.geometry import layout_of
 from ..zero.state import relink_optimizer_state
 from .records import LoadRecord
 
@@ -28,45 +33,20 @@ def load_checkpoint(
     :meth:`~ds_dynatrain.engine.elastic_engine.ElasticEngine.load_checkpoint`.
 
     ``deepspeed_load``: DeepSpeed's own ``load_checkpoint`` of the engine (same arguments),
-    used at the saving world size and stage. Collective.
+    used when the checkpoint's partitions are the engine's (same world size, ZeRO stage and
+    parameters in each partition), and for ``load_module_only=True`` (the module state alone,
+    by name). Collective.
 
     Raises:
-        CheckpointIncompleteError: missing or damaged files of the saving world (on every rank).
-        LayoutMismatchError: the checkpoint holds another model (names the first parameter).
+        CheckpointIncompleteError: missing or damaged files of the saving world.
+        LayoutMismatchError: the checkpoint holds another model (names the first parameter),
+            at any world size.
+        Either on every rank, each distinct problem named once.
     """
-    saved = None
-    if engine.zero_optimization_stage() in (1, 2, 3) and (
-        tag is not None or os.path.isfile(os.path.join(load_dir, "latest"))
-    ):
-        saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
-    if saved is not None and (saved.world_size, saved.stage) != (
-        engine.dp_world_size,
-        engine.zero_optimization_stage(),
-    ):
-        path, client, stats = load_resharded(
-            engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved
-        )
-        if engine.global_rank == 0:
-            engine._dt.metrics.write(
-                LoadRecord(
-                    step=engine.global_steps,
-                    from_world_size=stats.saved_world_size,
-                    to_world_size=stats.world_size,
-                    saved_stage=stats.saved_stage,
-                    stage=stats.stage,
-                    bytes_read=stats.bytes_read,
-                    seconds=stats.seconds,
-                    plan_s=stats.plan_s,
-                    read_s=stats.read_s,
-                    dir=path,
-                )
-            )
-            logger.info(
-                f"loaded {path} (ZeRO-{stats.saved_stage}, {stats.saved_world_size} ranks) onto "
-                f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
-                f"on rank 0 in {stats.seconds:.2f} s"
-            )
-        return path, client
+    # DeepSpeed's load_module_only reads the module state by name and no partition: its own load
+    saved = None if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
+    if saved is not None and not _same_partitions(engine, saved):
+        return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states)
     if saved is not None:
         saved.close()  # the same layout: DeepSpeed's own load reads the files
     problem, out = None, (None, None)
@@ -79,9 +59,79 @@ def load_checkpoint(
             **kwargs,
         )
     except Exception as err:  # noqa: BLE001 - reported on every rank below, then raised
-        problem = f"{type(err).__name__}: {err}"
+        problem = _as_ours(err)
     # one rank's damaged file fails every rank (else the others train on and hang on it)
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} failed")
     if out[0] is not None:
         relink_optimizer_state(engine)
     return out
+
+
+def _open_checked(engine, load_dir: str, tag) -> Optional[SavedCheckpoint]:
+    """The checkpoint opened and checked against the model on every rank (one agreement), or
+    None when there is nothing of ours to check (no tag and no ``latest``: DeepSpeed's own load
+    reports that; an engine without ZeRO partitions).
+
+    Raises:
+        CheckpointIncompleteError, LayoutMismatchError: on every rank, before anything is read.
+    """
+    if engine.zero_optimization_stage() not in (1, 2, 3):
+        return None
+    if tag is None and not os.path.lexists(os.path.join(load_dir, "latest")):
+        return None
+    saved, problem = None, None
+    try:
+        saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
+        check_model(engine, saved, layout_of(engine))
+    except (DynatrainError, IOEngineError, OSError) as err:
+        problem = err
+    if problem is not None and saved is not None:
+        saved.close()
+    raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
+    return saved
+
+
+def _same_partitions(engine, saved: SavedCheckpoint) -> bool:
+    """Whether the saved partitions are the engine's: the same world size and ZeRO stage, and the
+    same parameters in each partition in the same order (a checkpoint saved with another
+    ``sub_group_size`` or ``round_robin_gradients`` goes through the resharded load)."""
+    if (saved.world_size, saved.stage) != (engine.dp_world_size, engine.zero_optimization_stage()):
+        return False
+    live = layout_of(engine)
+    return saved_partition_keys(saved) == [live.partition_keys(b) for b in range(live.num_partitions)]
+
+
+def _as_ours(err: Exception) -> Exception:
+    """DeepSpeed's own load refusing a module state of another model (``load_state_dict``'s
+    ``Error(s) in loading state_dict``) is a :class:`LayoutMismatchError`; other errors are
+    reported as they are."""
+    if isinstance(err, RuntimeError) and "Error(s) in loading state_dict" in str(err):
+        return LayoutMismatchError(str(err).strip())
+    return err
+
+
+def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states):
+    path, client, stats = load_resharded(
+        engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved
+    )
+    if engine.global_rank == 0:
+        engine._dt.metrics.write(
+            LoadRecord(
+                step=engine.global_steps,
+                from_world_size=stats.saved_world_size,
+                to_world_size=stats.world_size,
+                saved_stage=stats.saved_stage,
+                stage=stats.stage,
+                bytes_read=stats.bytes_read,
+                seconds=stats.seconds,
+                plan_s=stats.plan_s,
+                read_s=stats.read_s,
+                dir=path,
+            )
+        )
+        logger.info(
+            f"loaded {path} (ZeRO-{stats.saved_stage}, {stats.saved_world_size} ranks) onto "
+            f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
+            f"on rank 0 in {stats.seconds:.2f} s"
+        )
+    return path, client

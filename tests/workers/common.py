@@ -3,10 +3,49 @@ and a gather of the full training state through DeepSpeed's own accessors (the o
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import Dataset
 
 VOCAB = 37
+
+# Reproduces a CPU without fp16 kernels in mkldnn on any CPU: "0" makes torch's probe
+# (torch.ops.mkldnn._is_mkldnn_fp16_supported) answer False in the process importing this module.
+MKLDNN_FP16_ENV = "DT_TEST_MKLDNN_FP16"
+# "0" leaves DeepSpeed's fp16 check of the CPU accelerator as it is (to see the error it raises).
+CPU_FP16_SEAM_ENV = "DT_TEST_CPU_FP16_SEAM"
+
+
+class _NoFp16:
+    """torch's mkldnn fp16 probe answering False; everything else of the op (its overloads, which
+    torch's own op tables look up) is the real one's."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __call__(self, *args, **kwargs):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def allow_cpu_fp16() -> None:
+    """SEAM (tests only): DeepSpeed's CPU accelerator reports fp16 as supported only where mkldnn has
+    fp16 kernels (``deepspeed/accelerator/cpu_accelerator.py`` ``is_fp16_supported``, and through it
+    ``supported_dtypes``), and ``DeepSpeedEngine`` then refuses an fp16 config ("Type fp16 is not
+    supported on your device."). torch computes fp16 on any CPU without those kernels, so the fp16
+    tests override that check here, in every worker process that builds engines (the test
+    processes build none); a CPU on which torch itself cannot run the fp16 model is skipped by
+    the test, naming the reason. Applies to the CPU accelerator only."""
+    if os.environ.get(MKLDNN_FP16_ENV) == "0" and not isinstance(torch.ops.mkldnn._is_mkldnn_fp16_supported, _NoFp16):
+        torch.ops.mkldnn._is_mkldnn_fp16_supported = _NoFp16(torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    if os.environ.get(CPU_FP16_SEAM_ENV) == "0" or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
 
 
 class TinyLM(torch.nn.Module):

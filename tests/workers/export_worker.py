@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, base_config, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, base_config, gather_state  # noqa: E402
 
 
 def tiny_llama():
@@ -107,6 +107,7 @@ def run(kind: str, out: str, rank: int) -> None:
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--models", default="llama,extras,extras_z1")

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import ds_dynatrain  # noqa: E402
 from ds_dynatrain.zero.geometry import fp32_partitions, is_zero3, trainable_groups, working_partitions  # noqa: E402
 from ds_dynatrain.zero.state import relink_optimizer_state  # noqa: E402
-from tests.workers.common import VOCAB, Tokens, gather_state  # noqa: E402
+from tests.workers.common import VOCAB, Tokens, allow_cpu_fp16, gather_state  # noqa: E402
 
 # per group: the hyperparameters the client sets (they override the config's optimizer params)
 GROUP_HPARAMS = (
@@ -164,6 +164,7 @@ def rank_facts(engine, model, returned_opt) -> dict:
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)

@@ -22,7 +22,7 @@ from ds_dynatrain.zero.geometry import (  # noqa: E402
     layout_for_model,
     layout_of,
 )
-from tests.workers.common import TinyLM, exit_without_teardown  # noqa: E402
+from tests.workers.common import TinyLM, allow_cpu_fp16, exit_without_teardown  # noqa: E402
 
 
 class Frozen(torch.nn.Module):
@@ -68,6 +68,7 @@ def cases():
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     import deepspeed
     import deepspeed.ops
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, base_config, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, base_config, gather_state  # noqa: E402
 
 SAVE_STEPS = 3
 MORE_STEPS = 2
@@ -100,6 +100,7 @@ def refuse(a, rank: int, name: str, path: str, check_state: bool = True) -> None
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["save", "load"])
     p.add_argument("--out", required=True)

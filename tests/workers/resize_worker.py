@@ -18,10 +18,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
 from ds_dynatrain.errors import ResizeRefusedError  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state  # noqa: E402
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)

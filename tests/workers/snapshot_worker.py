@@ -20,10 +20,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
 from ds_dynatrain.errors import SnapshotWriteError  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state  # noqa: E402
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     out, cfg_path = sys.argv[1], sys.argv[sys.argv.index("--deepspeed_config") + 1]
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout

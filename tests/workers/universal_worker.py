@@ -15,10 +15,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.workers.common import TinyLM, exit_without_teardown, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, allow_cpu_fp16, exit_without_teardown, gather_state  # noqa: E402
 
 
 def main():
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     import deepspeed
     import deepspeed.ops
 
