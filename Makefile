@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test lint format install clean soak
 
 install: $(STAMP)
 
@@ -24,6 +24,13 @@ demo: $(STAMP)
 # lint and format check first (ruff, configured in pyproject.toml), then the suite
 test: lint
 	$(BIN)/python -m pytest
+
+# the soak and fuzz suite (tests/soak/, deselected by `make test`): 100 resize cycles in one job,
+# 100 SIGKILLs mid-flush, 10,000 corruptions put to four readers, 50 short resizing jobs; shorter
+# with SOAK_CYCLES=, SOAK_KILLS=, SOAK_CORRUPTIONS=, SOAK_JOBS= (SOAK_SEED= for the random parts);
+# each part prints its figures and writes them to runs/soak/<part>.json
+soak: $(STAMP)
+	$(BIN)/python -m pytest tests/soak -m soak -s
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
