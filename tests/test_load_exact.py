@@ -49,12 +49,31 @@ def loaded(tmp_path_factory):
     saved = tmp / "saved"
     saved.mkdir()
     _ok(run_plain(tmp, SCRIPT, 2, ["save", "--out", str(saved)], timeout=300, name="save"))
+    _damage(saved / "ours_std", saved / "ours_damaged")
     for ws in LOAD_SIZES:
         out = tmp / f"load{ws}"
         out.mkdir()
         args = ["load", "--out", str(out), "--load-from", str(saved)]
         _ok(run_plain(tmp, SCRIPT, ws, args, timeout=400, name=f"load{ws}"))
     return tmp
+
+
+def _damage(src, dst) -> None:
+    """A copy of ``src`` with one bit of an fp32-master element of rank 1's optimizer file flipped:
+    the module-state file rank 0 and 1 read first is intact, so DeepSpeed's own load (2 ranks)
+    would install it before it met the damage."""
+    import shutil
+
+    from io_engine.format import read_footer
+
+    shutil.copytree(src, dst)
+    path = dst / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    item = next(it for it in read_footer(str(path)).items if (it.attrs.get("vps") or {}).get("kind") == "fp32")
+    with open(path, "r+b") as f:
+        f.seek(item.offset + 7)
+        b = f.read(1)
+        f.seek(item.offset + 7)
+        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _unread(x, where="client"):
@@ -109,10 +128,14 @@ def test_client_state_comes_back_exactly(loaded, ws, fmt, stage):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("ws", LOAD_SIZES, ids=[f"2to{w}" for w in LOAD_SIZES])
-def test_another_model_refused_once_per_rank_and_the_engine_unchanged(loaded, ws):
+def test_another_model_or_a_damaged_file_refused_once_per_rank_and_the_engine_unchanged(loaded, ws):
     out = loaded / f"load{ws}"
     results = [json.loads((out / f"trial_rank{r}.json").read_text()) for r in range(ws)]
     for rank, r in enumerate(results):
+        damaged = r["errors"].pop("ours_damaged")
+        assert damaged is not None and damaged["type"] == "CheckpointCorruptError", (rank, ws, damaged)
+        assert damaged["message"].count("checksum mismatch for item") == 1, damaged["message"]
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in damaged["message"]
         for case, err in r["errors"].items():
             variant = case.split("_", 1)[1]
             where = f"rank {rank}, {case}, {ws} ranks"

@@ -12,6 +12,8 @@ from io_engine.errors import IOEngineError
 from ..checkpoint.fit import check_model, saved_partition_keys
 from ..checkpoint.resharded import load_resharded
 from ..checkpoint.saved import SavedCheckpoint
+from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..checkpoint.state_file import files_loaded_by
 from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..log import logger
@@ -48,7 +50,7 @@ def load_checkpoint(
     if saved is not None and not _same_partitions(engine, saved):
         return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states)
     if saved is not None:
-        saved.close()  # the same layout: DeepSpeed's own load reads the files
+        _read_ahead(engine, saved)  # the same layout: DeepSpeed's own load reads the files
     problem, out = None, (None, None)
     try:
         out = deepspeed_load(
@@ -60,6 +62,9 @@ def load_checkpoint(
         )
     except Exception as err:  # noqa: BLE001 - reported on every rank below, then raised
         problem = _as_ours(err)
+    finally:
+        if isinstance(engine.checkpoint_engine, SnapshotCheckpointEngine):
+            engine.checkpoint_engine.read_ahead.clear()  # what DeepSpeed did not ask for
     # one rank's damaged file fails every rank (else the others train on and hang on it)
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} failed")
     if out[0] is not None:
@@ -89,6 +94,30 @@ def _open_checked(engine, load_dir: str, tag) -> Optional[SavedCheckpoint]:
         saved.close()
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
     return saved
+
+
+def _read_ahead(engine, saved: SavedCheckpoint) -> None:
+    """Read (and check every byte of) the files DeepSpeed's own load will read on this rank before
+    it installs any of them, agreed on every rank: a damaged optimizer file found after the module
+    state was installed would leave the model holding the checkpoint's weights beside the old
+    optimizer state. The snapshot engine hands what was read back to DeepSpeed's load (no second
+    read). Closes ``saved``.
+
+    Raises:
+        CheckpointCorruptError, CheckpointIncompleteError: on every rank, before anything changes.
+    """
+    ce = engine.checkpoint_engine
+    problem = None
+    try:
+        if isinstance(ce, SnapshotCheckpointEngine):
+            ce.read_ahead.read(files_loaded_by(saved, engine.global_rank))
+    except DynatrainError as err:
+        problem = err
+    finally:
+        saved.close()
+    if problem is not None:
+        ce.read_ahead.clear()
+    raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {saved.dir} refused, nothing was loaded")
 
 
 def _same_partitions(engine, saved: SavedCheckpoint) -> bool:
