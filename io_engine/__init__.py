@@ -24,6 +24,7 @@ from .commit import (
     prune_snapshots,
     publish_dir,
     read_latest,
+    remove_stale,
     write_atomic,
 )
 from .errors import (
@@ -62,6 +63,7 @@ __all__ = [
     "prune_snapshots",
     "publish_dir",
     "read_latest",
+    "remove_stale",
     "check_tag",
     "write_atomic",
     "IOBackend",

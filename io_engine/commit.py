@@ -138,5 +138,33 @@ def prune_snapshots(
     tags.sort(key=_step_of)
     doomed = [t for t in tags[: max(0, len(tags) - keep_last)] if t not in protect]
     for t in doomed:
-        shutil.rmtree(os.path.join(save_dir, t), ignore_errors=True)
+        # renamed out of sight first (atomic), then deleted: a process killed while deleting
+        # leaves a hidden directory that remove_stale cleans, never a half-deleted snapshot
+        gone = os.path.join(save_dir, f"{TMP_PREFIX}pruned-{t}.{os.getpid()}")
+        try:
+            os.replace(os.path.join(save_dir, t), gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
     return doomed
+
+
+def remove_stale(save_dir: str) -> List[str]:
+    """Delete what killed writers left in ``save_dir``: hidden ``.tmp-`` directories and files
+    (unpublished snapshot directories, half-pruned ones, temporary ``latest`` files). Call it only
+    where no write of this directory is in flight (the snapshot engine does, on rank 0, right
+    after a commit). Returns the names deleted."""
+    out = []
+    for name in os.listdir(save_dir):
+        if not name.startswith(TMP_PREFIX):
+            continue
+        path = os.path.join(save_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+        out.append(name)
+    return out

@@ -23,7 +23,9 @@ torch.Size / dtype / device            ``{"__size__": [...]}``, ``{"__dtype__": 
 numpy array / numpy scalar             ``{"__ndarray__": {dtype, shape, data: base64}}``, ``{"__npscalar__": ...}``
 an allow-listed enum member            ``{"__enum__": ["module:Class", value]}``
 an allow-listed plain class            ``{"__object__": ["module:Class", {attribute: value}]}``
-a tensor                               ``{"__tensor__": index}`` (the caller stores the tensor)
+a tensor                               ``{"__tensor__": [index, dtype, shape]}`` (the caller stores
+                                       the tensor; its dtype and shape are checked when it is
+                                       read back; a bare ``index``, as older files hold, is read too)
 =====================================  ===============================================
 """
 
@@ -110,7 +112,7 @@ def encode(obj: Any, tensors: List[torch.Tensor], key: str = "") -> Any:
         tensors.append(obj)
         if isinstance(tensors, TensorSink):
             tensors.paths.append(key.lstrip("/"))
-        return {"__tensor__": len(tensors) - 1}
+        return {"__tensor__": [len(tensors) - 1, str(obj.dtype).removeprefix("torch."), list(obj.shape)]}
     if isinstance(obj, torch.Size):
         return {"__size__": list(obj)}
     if isinstance(obj, torch.dtype):
@@ -176,7 +178,16 @@ def decode(tree: Any, tensor_of: Callable[[int], torch.Tensor], key: str = "") -
 
 def _decode_tag(tag: str, val: Any, tensor_of, key: str) -> Any:
     if tag == "__tensor__":
-        return tensor_of(int(val))
+        if not isinstance(val, list):
+            return tensor_of(int(val))
+        index, dtype, shape = val
+        t = tensor_of(int(index))
+        got = (str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape])
+        if got != (dtype, shape):
+            raise DecodeError(
+                f"{key}: tensor {index} is {got[0]} {got[1]} in the file, {dtype} {shape} in its skeleton"
+            )
+        return t
     if tag == "__tuple__":
         return tuple(decode(v, tensor_of, f"{key}/{i}") for i, v in enumerate(val))
     if tag == "__dict__":

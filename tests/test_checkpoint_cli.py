@@ -219,21 +219,29 @@ def test_export_and_inspect_refuse_a_flipped_bit_in_a_master_partition(tinylm, t
     with ``EAGER_BYTES`` at 0 (a seam: every tensor becomes a lazy range read, as a large model's
     are) the range read checks the block it reads."""
     from ds_dynatrain import CheckpointCorruptError
-    from ds_dynatrain.checkpoint import saved
+    from ds_dynatrain.checkpoint import saved_file
     from ds_dynatrain.checkpoint.consolidate import export_safetensors
     from ds_dynatrain.checkpoint.inspect import inspect_report
     from io_engine.format import read_footer
 
     if eager == "read lazily by ranges":
-        monkeypatch.setattr(saved, "EAGER_BYTES", 0)
+        monkeypatch.setattr(saved_file, "EAGER_BYTES", 0)
     d = copy_ckpt(tinylm / "ours_z2", tmp_path / "ckpt")
     path = d / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     item = next(it for it in read_footer(str(path)).items if (it.attrs.get("vps") or {}).get("kind") == "fp32")
     flip_byte(path, item.offset + 4 * 3 + 3, 0x40)  # the exponent's top bit of element 3
     out = tmp_path / "w.safetensors"
-    where = rf"{re.escape(str(path))}: checksum mismatch for item '{item.key}', bytes \[{item.offset}, "
+    where = rf"zero_pp_rank_1_mp_rank_00_optim_states.pt: item {item.key} .* checksum mismatch in the bytes from offset"
     with pytest.raises(CheckpointCorruptError, match=where):
-        export_safetensors(str(d), str(out))
+        export_safetensors(str(d), str(out))  # every checksum first, then the export
+    if eager == "read lazily by ranges":  # the range a resharded load or export reads is checked itself
+        f = saved_file.SavedFile(str(path))
+        ref = f.tree["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+        assert isinstance(ref, saved_file.TensorRef)
+        at = rf"{re.escape(str(path))}: checksum mismatch for item '{item.key}', bytes \[{item.offset}, "
+        with pytest.raises(CheckpointCorruptError, match=at):
+            f.read_into([(ref, 2, torch.empty(4, dtype=torch.float32))])
+        f.close()
     assert not out.exists() and not any(p.name.startswith(out.name) for p in tmp_path.iterdir())
     with pytest.raises(CheckpointCorruptError, match=f"item {item.key}"):
         inspect_report(str(d))
@@ -416,7 +424,7 @@ def test_export_by_ranges_and_small_chunks_writes_the_same_file(tinylm, extras, 
     fragment cut, ends unaligned): the very same bytes as reading them whole. verify reads
     such files alike."""
     import ds_dynatrain.checkpoint.consolidate as consolidate
-    import ds_dynatrain.checkpoint.saved as migrate
+    import ds_dynatrain.checkpoint.saved_file as migrate
 
     root, rest = which.split("/", 1)
     d = (tinylm if root == "tinylm" else extras) / rest

@@ -158,3 +158,31 @@ def test_stale_temporary_directory_is_never_published(tmp_path):
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
+
+
+def test_prune_renames_before_it_deletes_and_leftovers_of_killed_writes_are_removed(tmp_path, monkeypatch):
+    """A prune killed half-way (here: ``rmtree`` stopped after the rename, a seam for the SIGKILL)
+    leaves a hidden directory, never a visible snapshot with files missing; ``remove_stale`` then
+    deletes it with the other leftovers (an unpublished snapshot, a temporary ``latest``) and
+    nothing else."""
+    import shutil
+
+    from ds_dynatrain.checkpoint.snapshot import PRUNABLE_TAG
+    from io_engine import commit, prune_snapshots, remove_stale
+
+    for d in ["best", "global_step10", "global_step20", "global_step30", ".tmp-global_step40-g0s3"]:
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / ".tmp-latest.123").write_text("global_step30")
+    (tmp_path / "latest").write_text("global_step30")
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(commit.shutil, "rmtree", lambda *a, **k: None)  # killed before deleting
+    assert prune_snapshots(str(tmp_path), 2, pattern=PRUNABLE_TAG) == ["global_step10"]
+    monkeypatch.setattr(commit.shutil, "rmtree", rmtree)
+    visible = sorted(x.name for x in tmp_path.iterdir() if not x.name.startswith("."))
+    assert visible == ["best", "global_step20", "global_step30", "latest"]
+    removed = remove_stale(str(tmp_path))
+    assert sorted(removed) == sorted(
+        [".tmp-global_step40-g0s3", ".tmp-latest.123", f".tmp-pruned-global_step10.{os.getpid()}"]
+    )
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["best", "global_step20", "global_step30", "latest"]

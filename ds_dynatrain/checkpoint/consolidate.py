@@ -51,6 +51,7 @@ import torch
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import ParamMeta, ZeroLayout
+from .integrity import refuse_damaged
 from .saved import MODEL_FILE_ZERO3, OPTIM_FILE, SavedCheckpoint, SavedFile, partitions_of
 
 CHUNK_ELEMENTS = 1 << 24  # elements read and written at a time (64 MiB of fp32)
@@ -427,6 +428,8 @@ def export_safetensors(
     ``latest`` names) to the safetensors file ``out_path``; floating-point tensors in ``dtype``.
 
     Raises:
+        CheckpointCorruptError: a checksum mismatch anywhere in this project's files (checked
+            before anything is written).
         CheckpointIncompleteError: missing, truncated or damaged files, a partition too short for
             its fragments (nothing is left at ``out_path``).
         LayoutMismatchError: partitions that do not fit the saved layout.
@@ -436,6 +439,7 @@ def export_safetensors(
     saved = SavedCheckpoint(load_dir, tag)
     writer = None
     try:
+        refuse_damaged(saved)  # every byte checked first, the ones export does not use included
         layout = saved_layout(saved)
         problems = coverage_problems(layout)
         if problems:

@@ -8,7 +8,7 @@ intact files), and refuses a damaged checkpoint; ``checksums=False`` reads only 
 reports (still verified, item by item).
 
 ``verify`` reads everything, one file at a time (peak memory: one of DeepSpeed's files, which
-``torch.load`` reads whole; this project's files are read in batches of :data:`VERIFY_BATCH_BYTES`):
+``torch.load`` reads whole; this project's files are read in batches, ``integrity.VERIFY_BATCH_BYTES``):
 
 1. every file of the saving world present and complete (``SavedCheckpoint``);
 2. every item of this project's files read with its CRC-32 checked against the footer (a flipped
@@ -31,10 +31,11 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError
+from ..errors import CheckpointIncompleteError
 from ..vps.layout import ZeroLayout
 from .consolidate import coverage_problems, plan_entries, saved_layout
 from .footer import fragment_mismatches
+from .integrity import check_items, refuse_damaged
 from .saved import (
     MODEL_FILE,
     MODEL_FILE_ZERO3,
@@ -46,7 +47,6 @@ from .saved import (
     resolve_tag,
 )
 
-VERIFY_BATCH_BYTES = 256 << 20  # bytes of items read (and checksummed) at a time by verify
 FORMAT_OURS = "dynatrain"  # this project's snapshot format
 FORMAT_DEEPSPEED = "deepspeed"  # DeepSpeed's torch.save format
 
@@ -83,12 +83,7 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
     saved = SavedCheckpoint(load_dir, tag)
     try:
         if checksums:
-            rep = VerifyReport(saved.dir)
-            for path in saved.files:
-                if is_snapshot_file(path):
-                    _check_items(path, rep)
-            if rep.problems:
-                raise CheckpointCorruptError(f"checkpoint {saved.dir} is damaged: " + "; ".join(rep.problems))
+            refuse_damaged(saved)
         ms = saved.model_state
         layout = saved_layout(saved)
         params = [
@@ -152,53 +147,6 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_items(path: str, rep: VerifyReport):
-    """Every item of one of this project's files, read with CRC verification, in batches.
-    Returns the footer's items (``io_engine.format.ItemMeta``; empty when the footer is
-    unreadable); problems go to ``rep`` (one per damaged item)."""
-    from io_engine import FileReader
-    from io_engine.errors import ChecksumMismatchError, IOEngineError
-
-    name = os.path.basename(path)
-    try:
-        reader = FileReader(path)
-    except (IOEngineError, OSError) as err:
-        rep.problems.append(f"{name}: damaged ({err})")
-        return []
-    with reader:
-        items = list(reader.layout.items)
-        batches, cur, size = [], [], 0
-        for m in items:
-            if cur and size + m.nbytes > VERIFY_BATCH_BYTES:
-                batches.append(cur)
-                cur, size = [], 0
-            cur.append(m)
-            size += m.nbytes
-        if cur:
-            batches.append(cur)
-        for batch in batches:
-            try:
-                reader.read_items([m.key for m in batch], verify=True)
-                continue
-            except ChecksumMismatchError:
-                pass
-            except IOEngineError as err:
-                rep.problems.append(f"{name}: unreadable ({err})")
-                return items
-            for m in batch:  # find every damaged item of the batch, not only the first
-                try:
-                    reader.read_item(m.key, verify=True)
-                except ChecksumMismatchError as err:
-                    what = (m.attrs or {}).get("path")
-                    where = f"offset {m.offset}" if err.offset is None else f"bytes from offset {err.offset}"
-                    rep.problems.append(
-                        f"{name}: item {m.key}{f' ({what})' if what else ''}, {m.kind} of "
-                        f"{m.nbytes} bytes at offset {m.offset}: checksum mismatch in the {where} (footer "
-                        f"{err.expected}, data {err.actual})"
-                    )
-    return items
-
-
 def _check_partitions(
     saved: SavedCheckpoint, layout: ZeroLayout, rank: int, f: SavedFile, footer: list, rep: VerifyReport
 ) -> None:
@@ -260,7 +208,7 @@ def verify_checkpoint(load_dir: str, tag: Optional[str] = None) -> VerifyReport:
             if os.path.basename(path) in str(err):
                 continue  # already named
             if is_snapshot_file(path):
-                _check_items(path, rep)
+                check_items(path, rep.problems)
             else:
                 try:
                     SavedFile(path).close()
@@ -301,7 +249,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         before = len(rep.problems)
         footer = []
         if path in ours:
-            footer = _check_items(path, rep)
+            footer = check_items(path, rep.problems)
             items += len(footer)
             if len(rep.problems) == before:
                 rep.notes.append(f"{name}: {len(footer)} items, every checksum matches")

@@ -21,27 +21,23 @@ import os
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, LayoutMismatchError
+from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
+from .saved_file import SavedFile, TensorRef, is_snapshot_file
 
 OPTIM_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one, written by rank 0
 MODEL_FILE_ZERO3 = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
-EAGER_BYTES = 64 << 10  # tensors up to this size are read with the skeleton (scalars, small states)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def safe_globals() -> list:
-    """Types DeepSpeed puts in its checkpoint dicts, allowed for ``weights_only`` loading (loading
-    never executes code from a file)."""
-    from state_providers.serialize import allowed_classes
-
-    return list(allowed_classes().values())
+# the first bytes of torch's legacy (non-zip) format: its magic number, pickled with protocol 2
+_TORCH_LEGACY_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
@@ -63,162 +59,6 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
     if found is None:
         raise CheckpointIncompleteError(f"{load_dir}: no tag given and no 'latest' file")
     return found
-
-
-def _reason(err: BaseException, path: str) -> str:
-    """An exception as one readable clause: its type when its text is empty (a truncated
-    pickle raises a bare ``EOFError``), without repeating ``path``."""
-    text = str(err).strip()
-    if text.startswith(path):
-        text = text[len(path) :].lstrip(": ")
-    return f"{type(err).__name__}: {text}" if text else f"{type(err).__name__} (the file ends early or is corrupt)"
-
-
-def is_snapshot_file(path: str) -> bool:
-    """Whether ``path`` is in this project's snapshot format (by its magic bytes)."""
-    from io_engine.format import MAGIC
-
-    with open(path, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor of a snapshot file that was not read: where its bytes are.
-
-    Attributes: ``path`` of the file, ``key`` of its item, ``dtype`` (torch dtype), ``shape``,
-    ``offset`` and ``nbytes`` (bytes in the file).
-    """
-
-    path: str
-    key: str
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-class SavedFile:
-    """One file of a checkpoint, opened for reading only what is asked.
-
-    ``tree`` is the file's state dict. In this project's format every tensor above
-    :data:`EAGER_BYTES` is a :class:`TensorRef` (its bytes are read by :meth:`read_into`); in
-    DeepSpeed's format tensors are memory-mapped (``torch.load(mmap=True, weights_only=True)``,
-    DeepSpeed's types allow-listed), so only the pages that are copied are read.
-
-    Raises:
-        CheckpointIncompleteError: the file is missing, truncated or its footer is damaged.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        if not os.path.isfile(path):
-            raise CheckpointIncompleteError(f"missing file {path}")
-        self.ours = is_snapshot_file(path)
-        self._reader = None
-        if self.ours:
-            from io_engine import FileReader
-            from io_engine.errors import IOEngineError
-            from state_providers.serialize import loads
-
-            try:
-                self._reader = FileReader(path)
-            except IOEngineError as err:
-                raise CheckpointIncompleteError(f"damaged file {path}: {_reason(err, path)}") from None
-            metas = {m.key: m for m in self._reader.layout.items}
-            eager = [k for k, m in metas.items() if m.kind == "object" or m.nbytes <= EAGER_BYTES]
-            views = dict(zip(eager, self._read_verified([(k, 0, metas[k].nbytes) for k in eager])))
-            if "__skeleton__" not in views:
-                raise CheckpointIncompleteError(f"damaged file {path}: no '__skeleton__' item (not a state file)")
-
-            def tensor_of(i: int):
-                m = metas[f"t/{i}"]
-                dtype = getattr(torch, m.dtype)
-                if m.key in views:
-                    if m.nbytes == 0:
-                        return torch.empty(tuple(m.shape), dtype=dtype)
-                    return torch.frombuffer(bytearray(views[m.key]), dtype=dtype).reshape(tuple(m.shape))
-                return TensorRef(path, m.key, dtype, tuple(m.shape), m.offset, m.nbytes)
-
-            try:
-                self.tree = loads(bytes(views["__skeleton__"]), tensor_of, key="__skeleton__")
-            except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as err:
-                raise CheckpointIncompleteError(
-                    f"damaged file {path}: its skeleton does not fit its items ({_reason(err, path)})"
-                ) from None
-        else:
-            # DeepSpeed's default engine writes torch's legacy (non-zip) format, which cannot be
-            # memory-mapped: such a file is read whole (only the files this rank needs are opened)
-            try:
-                with torch.serialization.safe_globals(safe_globals()):
-                    self.tree = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-            except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as err:
-                raise CheckpointIncompleteError(f"damaged file {path}: {_reason(err, path)}") from None
-            except Exception as err:  # noqa: BLE001 - the unpickler raises anything on a damaged file
-                raise CheckpointIncompleteError(f"damaged file {path}: {type(err).__name__}: {err}") from None
-
-    @torch.no_grad()
-    def read_into(self, requests: Sequence[Tuple[Any, int, torch.Tensor]]) -> int:
-        """Fill each ``dest`` (a 1-D tensor) with ``dest.numel()`` elements of ``source`` (a
-        tensor of :attr:`tree` or a :class:`TensorRef`) from element ``offset`` on. Returns the
-        bytes read. From this project's files all ranges are read in one io_uring batch.
-        """
-        refs = [(s, off, d) for s, off, d in requests if isinstance(s, TensorRef)]
-        done = 0
-        if refs:
-            ranges = []
-            for s, off, d in refs:
-                es = torch.empty((), dtype=s.dtype).element_size()
-                if off < 0 or (off + d.numel()) * es > s.nbytes:
-                    raise CheckpointIncompleteError(
-                        f"{self.path}: item {s.key} has {s.nbytes} bytes, a read of "
-                        f"elements [{off}, {off + d.numel()}) lies outside it"
-                    )
-                ranges.append((s.key, off * es, d.numel() * es))
-            views = self._read_verified(ranges)
-            for (s, _off, d), v in zip(refs, views):
-                if len(v):
-                    d.copy_(torch.frombuffer(v, dtype=s.dtype))
-                done += len(v)
-        for s, off, d in requests:
-            if isinstance(s, TensorRef):
-                continue
-            flat = s.reshape(-1)
-            if off < 0 or off + d.numel() > flat.numel():
-                raise CheckpointIncompleteError(
-                    f"{self.path}: a tensor of {flat.numel()} elements, a read of "
-                    f"elements [{off}, {off + d.numel()}) lies outside it"
-                )
-            d.copy_(flat[off : off + d.numel()])
-            done += d.numel() * d.element_size()
-        return done
-
-    def _read_verified(self, ranges: List[Tuple[str, int, int]]) -> list:
-        """``(key, start, length)`` byte ranges of items, every byte checked against its checksum.
-
-        Raises:
-            CheckpointCorruptError: naming the file, the item and the byte range that differ.
-            CheckpointIncompleteError: the read fails or a range lies outside its item.
-        """
-        from io_engine.errors import ChecksumMismatchError, IOEngineError
-
-        try:
-            return self._reader.read_item_ranges(ranges)
-        except ChecksumMismatchError as err:
-            raise CheckpointCorruptError(str(err)) from None
-        except (IOEngineError, KeyError) as err:
-            raise CheckpointIncompleteError(f"damaged file {self.path}: {_reason(err, self.path)}") from None
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
 
 
 def _shape_of(x) -> Tuple[int, ...]:
@@ -305,7 +145,15 @@ class SavedCheckpoint:
             raise CheckpointIncompleteError(
                 f"{self.dir}: missing model-state file ({MODEL_FILE} or {MODEL_FILE_ZERO3.format(0)})"
             )
+        self._optim: Dict[int, SavedFile] = {}
         self.model_file = SavedFile(first)
+        try:
+            self._read_metadata(first)
+        except BaseException:
+            self.close()  # a refused checkpoint leaves no file open
+            raise
+
+    def _read_metadata(self, first: str) -> None:
         self.model_state = self.model_file.tree
         try:
             self.world_size = int(self.model_state["dp_world_size"])
@@ -321,7 +169,6 @@ class SavedCheckpoint:
             )
         self.files = self.expected_files()
         self.check_complete()
-        self._optim: Dict[int, SavedFile] = {}
 
     def expected_files(self) -> List[str]:
         """Every file the saving world wrote (paths)."""
@@ -347,12 +194,19 @@ class SavedCheckpoint:
                 continue
             try:
                 if is_snapshot_file(path):
-                    read_footer(path)
+                    problems += [f"{name}: {p}" for p in self._identity_problems(name, read_footer(path).file_attrs)]
                 elif zipfile.is_zipfile(path):
                     with zipfile.ZipFile(path) as z:
                         z.namelist()
                 elif os.path.getsize(path) == 0:
                     problems.append(f"{name}: empty")
+                else:
+                    with open(path, "rb") as f:
+                        head = f.read(len(_TORCH_LEGACY_HEAD))
+                    if head != _TORCH_LEGACY_HEAD:
+                        problems.append(
+                            f"{name}: damaged (neither this project's format nor torch's: starts {head[:8]!r})"
+                        )
                 # torch's legacy format has no directory to check: a damaged file is found when it
                 # is read, and every rank agrees on that before anything is installed
             except (IOEngineError, zipfile.BadZipFile, OSError) as err:
@@ -362,6 +216,19 @@ class SavedCheckpoint:
                 f"checkpoint {self.dir} (saved by {self.world_size} ranks at ZeRO stage {self.stage}) is incomplete: "
                 + "; ".join(problems)
             )
+
+    def _identity_problems(self, name: str, attrs) -> List[str]:
+        """The saving rank and world size this project's file records (footer ``file_attrs``)
+        against its name and the model-state file's: a file of another rank or job copied into
+        place is refused. Files that record neither are not checked."""
+        out = []
+        ws, rank = attrs.get("world_size"), attrs.get("rank")
+        if ws is not None and ws != self.world_size:
+            out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size}")
+        want = int(name[len("zero_pp_rank_") :].split("_", 1)[0]) if name.startswith("zero_pp_rank_") else 0
+        if rank is not None and rank != want:
+            out.append(f"written by rank {rank}, its name is rank {want}'s")
+        return out
 
     def optim(self, rank: int) -> SavedFile:
         """The optimizer-state file of saving rank ``rank`` (opened once)."""

@@ -52,7 +52,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from io_engine import LATEST, TMP_PREFIX, check_snapshot_dir, prune_snapshots, publish_dir, write_atomic
+from io_engine import LATEST, TMP_PREFIX, check_snapshot_dir, prune_snapshots, publish_dir, remove_stale, write_atomic
 from io_engine.errors import IOEngineError, errno_name
 from state_providers import DictStateProvider, TensorItem
 
@@ -295,6 +295,9 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
                 write_atomic(os.path.join(snap.info.save_dir, LATEST), snap.info.tag.encode())
             if self.keep_last is not None:
                 prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag], pattern=PRUNABLE_TAG)
+            stale = remove_stale(snap.info.save_dir)  # what killed flushes and prunes left
+            if stale:
+                logger.info(f"snapshot {snap.info.tag}: removed {len(stale)} leftover(s) of killed writes")
             st.set(outcome, encode(True, seconds=time.perf_counter() - snap.t0))
         except OSError as err:
             shutil.rmtree(snap.tmp_dir, ignore_errors=True)

@@ -18,7 +18,8 @@ import torch
 from io_engine.format import MAGIC
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError
-from .saved import MODEL_FILE, MODEL_FILE_ZERO3, OPTIM_FILE, safe_globals
+from .saved import MODEL_FILE, MODEL_FILE_ZERO3, OPTIM_FILE
+from .saved_file import safe_globals
 
 
 def read_state_file(path: str, map_location=None) -> Any:
