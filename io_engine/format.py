@@ -459,8 +459,8 @@ def _check_blocks(path: str, layout: FileLayout) -> None:
             raise CorruptFooterError(path, "a version-1 footer with block checksums")
         return
     b = layout.block_bytes
-    if not isinstance(b, int) or isinstance(b, bool) or b <= 0 or b % layout.alignment:
-        raise CorruptFooterError(path, f"block size {b!r} is not a positive multiple of the alignment")
+    if b != BLOCK_BYTES or isinstance(b, bool):
+        raise CorruptFooterError(path, f"block size {b!r}, version 2 blocks are {BLOCK_BYTES} bytes")
     for it in layout.items:
         want = block_count(layout.extent(it), b) if it.kind == KIND_TENSOR else None
         got = None if it.blocks is None else len(it.blocks)

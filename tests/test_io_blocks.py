@@ -157,6 +157,7 @@ def _rewrite_footer(path: str, edit) -> None:
         (lambda d: d["items"][0]["blocks"].pop(), "block checksums"),
         (lambda d: d["items"][0].update(nbytes=d["items"][0]["nbytes"] - 8192, shape=None), "are in no item"),
         (lambda d: d.__setitem__("block_bytes", 1000), "block size"),
+        (lambda d: d.__setitem__("block_bytes", 2 << 20), "version 2 blocks are"),
         (lambda d: d["items"][0].__setitem__("checksum", "crc32:00000000"), "block list"),
         (lambda d: d["items"][1].__setitem__("shape", [7]), "is not 100 B"),
     ],

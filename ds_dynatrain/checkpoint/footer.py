@@ -88,11 +88,22 @@ def fragment_mismatches(
     ``rank``'s file whose recorded fragments are not those of ``layout`` (a partition index the
     layout does not have counts as a mismatch). ``kinds``: only items of these state kinds."""
     expected = expected_fragments(layout, rank)
+    attrs_of = VPSAttributes(layout, rank)
     for m in items:
         vps = (m.attrs or {}).get(VPS_ATTR)
         if not vps or (kinds is not None and vps.get("kind") not in kinds):
             continue
-        b = int(vps.get("group", -1))
-        got = [list(x) for x in vps.get("fragments", [])]
+        try:
+            b = int(vps.get("group", -1))
+            got = [list(x) for x in vps.get("fragments", [])]
+        except (TypeError, ValueError):
+            b, got = -1, []
         if not 0 <= b < layout.num_partitions or got != expected.get(b, []):
             yield FragmentMismatch(m.key, vps.get("kind"), b, got[:1], expected.get(b, [])[:1])
+            continue
+        # every other attribute (kind, partition, rank, world, stage) must be what the item's
+        # path in the saved dict means under the layout
+        want = attrs_of(str((m.attrs or {}).get("path", ""))).get(VPS_ATTR)
+        if want != vps:
+            field = next((k for k in sorted(set(vps) | set(want or {})) if vps.get(k) != (want or {}).get(k)), "")
+            yield FragmentMismatch(m.key, vps.get("kind"), b, [field, vps.get(field)], [field, (want or {}).get(field)])

@@ -347,7 +347,7 @@ class SavedCheckpoint:
 
     def _check_footer_fragments(self, rank: int, layout: ZeroLayout) -> None:
         """This project's snapshots record each partition's fragments; they must be the layout's."""
-        for bad in fragment_mismatches(self.optim(rank)._reader.layout.items, layout, rank, kinds=("fp32",)):
+        for bad in fragment_mismatches(self.optim(rank)._reader.layout.items, layout, rank):
             raise LayoutMismatchError(
                 f"{OPTIM_FILE.format(rank)}: partition {bad.partition} holds fragments "
                 f"other than the rebuilt layout's (first {bad.got} vs {bad.want})"
