@@ -142,10 +142,8 @@ def _check(save_dir: str, in_flight: int, committed: int, problems: list):
         if in_flight in published
         else "before publication"
     )
+    # what killed writes left; the engine's next commit removes them (io_engine.remove_stale)
     tmp = [d for d in os.listdir(save_dir) if d.startswith(".tmp-")]
-    for d in tmp:  # the engine does not clean up after a killed flush; keep the disk flat here
-        path = os.path.join(save_dir, d)
-        shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
     return latest, where, len(tmp), half_pruned
 
 
@@ -157,7 +155,7 @@ def test_sigkill_during_snapshot_flushes(tmp_path):
     flush_s = _calibrate(ctx, save_dir)
     rng = random.Random(soaklib.seed())
     committed = 3  # the calibration's
-    problems, where, leftovers, half_pruned = [], {}, 0, 0
+    problems, where, leftovers, half_pruned = [], {}, 0, 0  # leftovers: the most present after a kill
     next_step = committed + 1
     for _ in range(KILLS):
         before = rng.randint(0, 2)
@@ -191,7 +189,7 @@ def test_sigkill_during_snapshot_flushes(tmp_path):
         latest, landed, left, pruned = _check(save_dir, in_flight, committed, problems)
         half_pruned += pruned
         where[landed] = where.get(landed, 0) + 1
-        leftovers += left
+        leftovers = max(leftovers, left)
         next_step = (latest or 0) + 1
     seconds = time.monotonic() - t_start
     unloadable = where.get("unloadable", 0)
@@ -213,7 +211,7 @@ def test_sigkill_during_snapshot_flushes(tmp_path):
             f"seed {soaklib.seed()}",
             f"unloadable latest: {unloadable}; other problems: {len(problems) - unloadable}",
             soaklib.table(["where the kill landed", "kills"], sorted(where.items())),
-            f"temporary directories left behind by killed flushes: {leftovers}",
+            f"leftovers of killed writes present after a kill, at most (each later commit removes them): {leftovers}",
             f"older snapshot directories left half-deleted by a killed prune (files missing; fail loudly): "
             f"{half_pruned}",
             f"{seconds:.0f} s",
@@ -222,3 +220,4 @@ def test_sigkill_during_snapshot_flushes(tmp_path):
     )
     soaklib.write_figures("snapshot_kills", figures, text)
     assert not problems, problems[:20]
+    assert leftovers <= 2, f"{leftovers} leftovers of killed writes at once: the commits do not remove them"
