@@ -7,6 +7,7 @@ Knows nothing of training, ranks or DeepSpeed. Modules, one concept each:
 * ``ioqueue``    — io_uring and thread-pool operation queues
 * ``backend``    — queue / O_DIRECT choice with logged fallbacks; per-file operation channel
 * ``flusher``    — writing (buffer, offset) extents into a file
+* ``validate``   — reading a file's header, trailer and footer back, every value checked
 * ``reader``     — reading byte ranges and verified items back
 * ``writer``     — the write/read facade for one snapshot file
 * ``commit``     — crash-consistent publication of a snapshot directory
@@ -49,10 +50,11 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .flusher import Flusher, WriteReport, WriteSession
-from .format import DEFAULT_ALIGNMENT, FORMAT_VERSION, FileLayout, ItemMeta, ItemSpec, plan_layout, read_footer
+from .format import DEFAULT_ALIGNMENT, FORMAT_VERSION, FileLayout, ItemMeta, ItemSpec, plan_layout
 from .host_cache import HostBuffer, HostCache
 from .reader import FileReader, read_ranges
 from .storage_check import DirCheck, check_snapshot_dir
+from .validate import read_footer
 from .writer import SnapshotFileWriter, WriteItem, WriteResult, read_snapshot_file, write_snapshot_file
 
 __all__ = [

@@ -25,9 +25,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .backend import FileChannel, IOBackend, IOConfig, Op
 from .errors import ChecksumMismatchError, StorageReadError
-from .format import FileLayout, ItemMeta, align_down, align_up, crc32_update, format_checksum, read_footer
+from .format import FileLayout, ItemMeta, align_down, align_up, crc32_update, format_checksum
 from .host_cache import alloc_aligned
 from .ioqueue import QueueFactory
+from .validate import read_footer
 
 Range = Tuple[int, int]
 _EMPTY = memoryview(b"")

@@ -163,7 +163,7 @@ def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
     """One byte flipped in the middle of each item of each file in turn (tensors and the
     serialized skeleton): verify fails, naming the file and the item."""
     from ds_dynatrain.checkpoint.inspect import verify_checkpoint
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     d = copy_ckpt(tinylm / f"ours_z{stage}", tmp_path / "ckpt")
     tried = 0
@@ -190,7 +190,7 @@ def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
 @pytest.mark.timeout(200)
 def test_verify_cli_exit_status_on_a_flipped_tensor_byte(tinylm, tmp_path):
     """The installed entry point: status 1 and the file and item on stderr; 2 for bad usage."""
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     d = copy_ckpt(tinylm / "ours_z2", tmp_path / "ckpt")
     path = d / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -222,7 +222,7 @@ def test_export_and_inspect_refuse_a_flipped_bit_in_a_master_partition(tinylm, t
     from ds_dynatrain.checkpoint import saved_file
     from ds_dynatrain.checkpoint.consolidate import export_safetensors
     from ds_dynatrain.checkpoint.inspect import inspect_report
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     if eager == "read lazily by ranges":
         monkeypatch.setattr(saved_file, "EAGER_BYTES", 0)

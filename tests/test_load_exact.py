@@ -64,7 +64,7 @@ def _damage(src, dst) -> None:
     would install it before it met the damage."""
     import shutil
 
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     shutil.copytree(src, dst)
     path = dst / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"

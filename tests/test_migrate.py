@@ -62,7 +62,7 @@ def migrated(tmp_path_factory):
     flipped = broken / "flipped"
     shutil.copytree(tmp / "save2" / "ours_z2", flipped)
     victim = flipped / "ckpt" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     item = max(read_footer(str(victim)).items, key=lambda m: m.nbytes)
     data = bytearray(victim.read_bytes())

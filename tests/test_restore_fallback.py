@@ -30,7 +30,7 @@ def _config(metrics: str, snaps) -> dict:
 
 
 def _flip_master_bit(path) -> None:
-    from io_engine.format import read_footer
+    from io_engine import read_footer
 
     item = next(it for it in read_footer(str(path)).items if (it.attrs.get("vps") or {}).get("kind") == "fp32")
     with open(path, "r+b") as f:

@@ -183,8 +183,8 @@ class SavedCheckpoint:
         Raises:
             CheckpointIncompleteError: listing every missing or damaged file.
         """
+        from io_engine import read_footer
         from io_engine.errors import IOEngineError
-        from io_engine.format import read_footer
 
         problems = []
         for path in self.files:

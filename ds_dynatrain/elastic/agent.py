@@ -21,6 +21,16 @@ publishes a restart: every agent kills its workers and starts its share of a new
 largest world size the live workers can serve, from the latest complete snapshot
 (``DYNATRAIN_RESTORE``; the workers load it at that world size). Otherwise a failure ends the job:
 every agent kills its workers and exits with the failing worker's status.
+
+SIGTERM or SIGINT to an agent (a scheduler ending the job, Ctrl-C) stops the whole job: the agent
+marks the stop in the store, rank 0 reads it at the next step boundary and the step's vote carries
+it to every rank, which takes a final snapshot there and exits with status 0; the agents exit with
+128 + the signal. The agent tells the workers through the store rather than by signal: SIGTERM to
+a worker already means that *this one* worker is preempted (it leaves, the job shrinks), a signal
+reaches a process only once it has installed a handler (one still importing torch would die), and
+the store reaches every rank of every host at the same step. Workers start with SIGINT ignored (a
+terminal's Ctrl-C reaches the whole foreground process group; the agent alone decides what it
+means). A second signal to the agent kills the workers at once.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from typing import Dict, Optional, Sequence
 
 import torch.distributed as tdist
 
-from io_engine import read_latest
+from io_engine import BadLatestError, read_latest
 
 from ..log import logger
 from .keys import (
@@ -58,7 +68,10 @@ from .keys import (
     RESTART_KEY,
     SPAWN_COUNT,
     SPAWN_KEY,
+    STOP_KEY,
+    STOPPED_KEY,
     SWITCH_KEY,
+    WAVE_KEY,
 )
 from .launch_env import LaunchContext, member_id
 from .membership import connect_store, next_generation
@@ -66,6 +79,12 @@ from .placement import HEARTBEAT_LOST_S
 
 POLL_S = 0.05
 GRACE_S = 10.0
+
+
+def _ignore_sigint() -> None:
+    """In a worker, between fork and exec: SIGINT ignored (kept through exec; Python then installs
+    no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Agent:
@@ -121,8 +140,10 @@ class Agent:
         self.exit_codes: Dict[str, int] = {}
         self._spawns_seen = 0
         self._cancels_seen = 0
-        self._stopping = False
+        self._stopping = False  # a signal asked the job to stop at its next step boundary
         self._stop_signal: Optional[int] = None
+        self._killed = False  # a second signal: the workers were killed
+        self._wave_stores: Dict[int, tdist.TCPStore] = {}  # node 0: the scripts' own stores, per start wave
         self.restore_dir = restore_dir  # snapshots to restart from when a worker dies (None: do not)
         self.largest = largest or (lambda alive: alive)  # the largest world size <= alive that keeps the batch
         self.restores_left = max_restores
@@ -135,7 +156,24 @@ class Agent:
     def _nodes(self) -> int:
         return int(self.store.add(NODE_COUNT, 0))
 
-    def _start(self, ctx: LaunchContext) -> None:
+    def _wave_port(self, wave: int) -> int:
+        """The port of the store that the processes of start ``wave`` (0: the launch, i: the i-th
+        restart) hand a script's own ``init_process_group`` (node 0 hosts one per wave, so a
+        restart never meets the keys of the group before it)."""
+        key = WAVE_KEY.format(wave)
+        if self.master and wave not in self._wave_stores:
+            st = tdist.TCPStore(
+                self.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+            )
+            self._wave_stores[wave] = st
+            self.store.set(key, str(st.port))
+        self.store.wait([key], timedelta(seconds=60))
+        return int(self.store.get(key))
+
+    def _start(self, ctx: LaunchContext, wave: Optional[int] = None) -> None:
+        """Start the worker of ``ctx``; ``wave``: the start it belongs to (None: a joiner)."""
+        if self._killed:
+            return
         # the local rank is this host's own index of the process (its device), whatever its rank
         used = {self.local_ranks.get(m) for m, p in self.workers.items() if p.poll() is None}
         local = next(i for i in range(len(used) + 1) if i not in used)
@@ -144,11 +182,10 @@ class Agent:
         if self._restore_env:
             ctx = dataclasses.replace(ctx, restore_dir=self.restore_dir)
         env = dict(os.environ)
-        env.update(ctx.worker_environ())
-        env["MASTER_PORT"] = str(self.store_port)
+        env.update(ctx.worker_environ(0 if wave is None else self._wave_port(wave)))
         cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
         self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
-        self.workers[ctx.member] = subprocess.Popen(cmd, env=env)
+        self.workers[ctx.member] = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_sigint)
 
     def _poll_spawns(self) -> None:
         n = int(self.store.add(SPAWN_COUNT, 0))
@@ -198,8 +235,22 @@ class Agent:
                         p.wait()
 
     def _on_signal(self, signum, _frame) -> None:
-        self._stop_signal = signum
-        self._stop_all(signal.Signals(signum))
+        """SIGTERM/SIGINT: the job stops at its next step boundary (after a final snapshot); a
+        second one kills the workers at once."""
+        name = signal.Signals(signum).name
+        if self._stopping:
+            logger.info(f"agent: {name} again: killing the workers now")
+            self._killed = True
+            for p in self.workers.values():
+                if p.poll() is None:
+                    p.kill()
+            return
+        self._stopping, self._stop_signal = True, signum
+        self.store.set(STOP_KEY, json.dumps({"signal": int(signum), "node": self.node}))
+        logger.info(
+            f"agent: {name}: the job stops at its next step boundary, after a final snapshot when it "
+            "takes snapshots (a second signal kills it at once)"
+        )
 
     def _stop_all(self, sig=signal.SIGTERM) -> None:
         self._stopping = True
@@ -234,11 +285,20 @@ class Agent:
             self.store.set(NODE_ALIVE_KEY.format(self.node), json.dumps({"alive": alive, "time": time.time()}))
             self._alive_sent, self._beat_sent = alive, now
 
+    def _latest(self) -> Optional[str]:
+        """What the snapshot directory's ``latest`` names; a damaged ``latest`` is reported as such
+        (the restarted workers' restore then tries the directory's older snapshots)."""
+        try:
+            return read_latest(self.restore_dir)
+        except BadLatestError as err:
+            logger.warning(f"agent: {err}; the restore will try the other snapshots of {self.restore_dir}")
+            return "(damaged latest)"
+
     def _restart(self, dead: str, why: str) -> bool:
         """Publish a restart of the job from its latest snapshot on the live workers of every node
         (or the largest size below their number that keeps the global batch), in a new
         generation; every agent applies it (:meth:`_poll_restarts`). False when it cannot."""
-        if self.restore_dir is None or self.restores_left <= 0 or read_latest(self.restore_dir) is None:
+        if self.restore_dir is None or self.restores_left <= 0 or self._latest() is None:
             return False
         self._publish_alive()
         alive = {}
@@ -257,7 +317,7 @@ class Agent:
             if k > 0:
                 ranks[str(node)] = list(range(r, r + k))
                 r += k
-        tag = read_latest(self.restore_dir)
+        tag = self._latest()
         logger.info(
             f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
             f"{tag} in {self.restore_dir}"
@@ -289,7 +349,8 @@ class Agent:
             self._restore_env = True
             g, size = int(rec["generation"]), int(rec["world_size"])
             for r in rec["ranks"].get(str(self.node), []):
-                self._start(LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False))
+                ctx = LaunchContext(self.store_host, self.store_port, member_id(g, r), g, r, size, r, False)
+                self._start(ctx, wave=self._restarts_seen)
         return None
 
     def _request_join(self) -> None:
@@ -320,82 +381,113 @@ class Agent:
 
     def _end(self, rc: int) -> int:
         self.store.set(NODE_DONE_KEY.format(self.node), str(rc))
-        if self.master:
+        if self.master and not self._killed:
             while self._others_running():  # the store must outlive every node's workers
                 time.sleep(POLL_S * 4)
         return rc
 
+    def _final_status(self) -> int:
+        """Every worker of this node has exited: the job's status from here."""
+        if self.store.check([ENDED_KEY]):
+            logger.info(
+                f"agent: every member was preempted after step {self.store.get(ENDED_KEY).decode()}; "
+                "the job did not finish"
+            )
+            return 128 + signal.SIGTERM
+        if self.store.check([STOPPED_KEY]):
+            stop = json.loads(self.store.get(STOPPED_KEY))
+            logger.info(f"agent: the job was stopped after step {stop['step']} ({signal.Signals(stop['signal']).name})")
+            return 128 + int(stop["signal"])
+        if self._killed or (self._stopping and any(self.exit_codes.values())):
+            return 128 + (self._stop_signal or signal.SIGTERM)
+        return 0  # also when a signal came after the last step boundary: the job had finished
+
+    def _watch(self, member: str, rc: int) -> Optional[int]:
+        """A worker exited with ``rc`` != 0. Returns the status to end this agent with, -1 when the
+        loop must look afresh (a restart), None when the job goes on."""
+        self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
+        if member not in self.workers:
+            return None
+        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
+        if self._died_before_joining(member):
+            logger.info(
+                f"agent: joiner {member} died before it joined ({why}); the job gives its generation up and goes on"
+            )
+            return None
+        if self._stopping:  # its peers would wait for it at the stop's boundary
+            logger.info(f"agent: worker {member} failed ({why}) while the job was stopping; killing the others")
+            self._stop_all(signal.SIGKILL)
+            return self._end(128 + (self._stop_signal or signal.SIGTERM))
+        seen = self._restarts_seen
+        stopped = self._poll_restarts()
+        if stopped is not None:
+            return self._end(stopped)
+        if self._restarts_seen != seen or not self.workers:
+            return -1  # another agent restarted the job first: look afresh
+        if self._restart(member, why):
+            return -1  # the restart is applied at the top of the loop
+        logger.info(f"agent: worker {member} failed ({why}); stopping the job")
+        code = rc if rc > 0 else 128 - rc
+        self._post_restart({"stop": code})
+        # not SIGTERM: a worker takes that as a preemption notice and would wait for a step
+        # boundary its failed peer never reaches
+        self._stop_all(signal.SIGKILL)
+        return self._end(code)
+
+    def _poll(self) -> Optional[int]:
+        """What the store asks of this agent; a status to end with, or None."""
+        if self._killed:
+            return None
+        if not self._stopping:  # a stopping job restarts nothing; it may still be mid-resize
+            stopped = self._poll_restarts()
+            if stopped is not None:
+                return self._end(stopped)
+        self._poll_cancels()
+        self._poll_spawns()
+        refused = self._join_refused()
+        if refused:
+            logger.info(f"agent: the job refused to grow: {refused}")
+            return self._end(2)
+        return None
+
     def run(self) -> int:
         """Start this node's workers and wait for them. Returns 0 when every worker exited with 0,
-        else the first failing worker's status."""
-        if self.joining:
-            self._request_join()
-        else:
-            world = self.nproc * self.nnodes
-            for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
-                self._start(LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, world, r, False))
+        128 + the signal when SIGTERM or SIGINT stopped the job, else the first failing worker's
+        status."""
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.joining:
+                self._request_join()
+            else:
+                world = self.nproc * self.nnodes
+                for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
+                    self._start(
+                        LaunchContext(self.store_host, self.store_port, member_id(0, r), 0, r, world, r, False), 0
+                    )
             while True:
-                if not self._stopping:
-                    stopped = self._poll_restarts()
-                    if stopped is not None:
-                        return self._end(stopped)
-                    self._poll_cancels()
-                    self._poll_spawns()
-                    refused = self._join_refused()
-                    if refused:
-                        logger.info(f"agent: the job refused to grow: {refused}")
-                        return self._end(2)
+                ended = self._poll()
+                if ended is not None:
+                    return ended
                 self._publish_alive()
                 for member, p in list(self.workers.items()):
-                    if member in self.exit_codes:
-                        continue
-                    rc = p.poll()
+                    rc = p.poll() if member not in self.exit_codes else None
                     if rc is None:
                         continue
                     self.exit_codes[member] = rc
-                    if rc != 0 and not self._stopping:
-                        self._poll_cancels()  # a cancelled joiner may have exited before we stopped it
-                        if member not in self.workers:
-                            continue
-                        why = f"status {rc}" if rc > 0 else f"signal {signal.Signals(-rc).name}"
-                        if self._died_before_joining(member):
-                            logger.info(
-                                f"agent: joiner {member} died before it joined ({why}); the job gives its "
-                                "generation up and goes on"
-                            )
-                            continue
-                        seen = self._restarts_seen
-                        stopped = self._poll_restarts()
-                        if stopped is not None:
-                            return self._end(stopped)
-                        if self._restarts_seen != seen or not self.workers:
-                            break  # another agent restarted the job first: look afresh
-                        if self._restart(member, why):
-                            break  # the restart is applied at the top of the loop
-                        logger.info(f"agent: worker {member} failed ({why}); stopping the job")
-                        code = rc if rc > 0 else 128 - rc
-                        self._post_restart({"stop": code})
-                        # not SIGTERM: a worker takes that as a preemption notice and would wait for
-                        # a step boundary its failed peer never reaches
-                        self._stop_all(signal.SIGKILL)
-                        return self._end(code)
+                    if rc != 0 and not self._killed:
+                        ended = self._watch(member, rc)
+                        if ended == -1:
+                            break
+                        if ended is not None:
+                            return ended
                 waiting_for_join = self.joining and self._join_request is not None
                 if len(self.exit_codes) == len(self.workers) and not waiting_for_join:
-                    self._poll_cancels()
-                    self._poll_spawns()
+                    if not self._killed:
+                        self._poll_cancels()
+                        self._poll_spawns()
                     if len(self.exit_codes) == len(self.workers):
                         self._publish_alive()
-                        if self._stopping:
-                            return self._end(128 + (self._stop_signal or signal.SIGTERM))
-                        if self.store.check([ENDED_KEY]):
-                            logger.info(
-                                f"agent: every member was preempted after step "
-                                f"{self.store.get(ENDED_KEY).decode()}; the job did not finish"
-                            )
-                            return self._end(128 + signal.SIGTERM)
-                        return self._end(0)
+                        return self._end(self._final_status())
                 time.sleep(POLL_S)
         finally:
             for s, h in handlers.items():

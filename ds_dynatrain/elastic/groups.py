@@ -241,13 +241,18 @@ class GroupCache:
         return reused
 
     def detach(self) -> None:
-        """Unregister the default group (it stays cached), remembering its subgroup counter."""
+        """Unregister the default group (it stays cached), remembering its subgroup counter. A
+        default group that is none of this cache's (the script's own ``init_process_group``
+        before ``ds_dynatrain.initialize``) is shut down: the job's group replaces it."""
         current = self._builds.get(self.active) if self.active is not None else None
         if current is not None and tdist.is_initialized():
             from torch.distributed import distributed_c10d as c10d
 
             current.group_count = c10d._world.group_count
-        detach_default()
+        foreign = self.active is None
+        old = detach_default()
+        if old is not None and foreign and not any(b.pg is old for b in self._builds.values()):
+            old.shutdown()  # nothing of the job runs on it; its last reference goes with the caller's
         self.active = None
 
     def evict(self, keep: Callable[[Tuple[str, ...]], bool]) -> int:

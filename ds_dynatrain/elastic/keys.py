@@ -31,6 +31,10 @@ Requests and the job:
   ``dynatrain/request/<i>/answer``: ``{"ok", "message", "record", "aborted"}``;
   ``dynatrain/request/served``: requests answered so far.
 * ``dynatrain/last_step``, ``dynatrain/done``, ``dynatrain/ended_by_preemption``.
+* ``dynatrain/stop``: ``{"signal", "node"}``, an agent was sent SIGTERM or SIGINT: the job stops at
+  its next step boundary; ``dynatrain/stopped``: ``{"step", "signal"}``, it did (rank 0).
+* ``dynatrain/wave/<i>``: the port of the store that the ``i``-th set of workers started together
+  (the launch, each restart) hands to a script's own ``init_process_group`` (node 0 hosts it).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ SERVED_KEY = "dynatrain/request/served"  # requests answered so far (a restored 
 LAST_STEP_KEY = "dynatrain/last_step"  # the last optimizer step the job completed
 ENDED_KEY = "dynatrain/ended_by_preemption"  # every member was preempted: the job stopped early
 DONE_KEY = "dynatrain/done"  # the job finished: standby processes leave
+STOP_KEY = "dynatrain/stop"  # {"signal", "node"}: a launcher was told to stop the job
+STOPPED_KEY = "dynatrain/stopped"  # {"step", "signal"}: the job stopped at that step boundary
+WAVE_KEY = "dynatrain/wave/{}"  # port of the store of the scripts' own process groups, per start wave
 SPAWN_COUNT = "dynatrain/spawn/count"
 SPAWN_KEY = "dynatrain/spawn/{}"
 CANCEL_COUNT = "dynatrain/cancel/count"

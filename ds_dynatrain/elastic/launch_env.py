@@ -13,7 +13,28 @@ ones; ours are:
 ``DYNATRAIN_GEN``      the generation this process starts in
 ``DYNATRAIN_JOIN``     ``1`` when the process joins a running job at a resize
 ``DYNATRAIN_RESTORE``  the snapshot directory to restore from (a restart after a worker died)
+``DYNATRAIN_RANK``     this process's rank in the generation it starts in (not rewritten later)
+``DYNATRAIN_WORLD``    that generation's world size
 =====================  ======================================================================
+
+A script may start ``torch.distributed`` itself before ``ds_dynatrain.initialize``
+(``deepspeed.init_distributed()``, ``init_process_group("gloo")``: env://). The job's store cannot
+serve as its rendezvous (the launcher hosts it on its own port, and every group of the job has its
+own prefix there), so the launcher hands such a call a store of its own through the usual
+variables, with torchelastic's semantics (``TORCHELASTIC_USE_AGENT_STORE``: every rank connects
+as a client, none binds ``MASTER_PORT``):
+
+* processes started together (the launch, a restart) get ``MASTER_ADDR:MASTER_PORT`` of one store
+  per such start that the launcher hosts, and their true ``RANK`` and ``WORLD_SIZE``: the script's
+  group is a real one over them;
+* a joiner, started while the others train, cannot form a group with them before it joins (they
+  are inside a step): it gets ``RANK=0``, ``WORLD_SIZE=1`` and ``MASTER_PORT=0`` (a store of its own,
+  any free port), so the script's own call forms a group of one. ``DYNATRAIN_RANK`` and
+  ``DYNATRAIN_WORLD`` hold its place in the job, and :func:`enter_generation` makes ``RANK`` and
+  ``WORLD_SIZE`` true when it joins.
+
+``ds_dynatrain.initialize`` replaces a default group the script made with the job's own
+(:meth:`~ds_dynatrain.elastic.groups.GroupCache.activate`).
 """
 
 from __future__ import annotations
@@ -27,6 +48,8 @@ MEMBER = "DYNATRAIN_MEMBER"
 GENERATION = "DYNATRAIN_GEN"
 JOIN = "DYNATRAIN_JOIN"
 RESTORE = "DYNATRAIN_RESTORE"
+RANK = "DYNATRAIN_RANK"
+WORLD = "DYNATRAIN_WORLD"
 
 
 @dataclass(frozen=True)
@@ -55,29 +78,48 @@ class LaunchContext:
             store_port=int(port),
             member=env[MEMBER],
             generation=int(env.get(GENERATION, "0")),
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            rank=int(env.get(RANK, env["RANK"])),
+            world_size=int(env.get(WORLD, env["WORLD_SIZE"])),
+            local_rank=int(env.get("LOCAL_RANK", env.get(RANK, env["RANK"]))),
             joiner=env.get(JOIN, "0") == "1",
             restore_dir=env.get(RESTORE) or None,
         )
 
-    def worker_environ(self) -> dict:
-        """The variables the launcher sets for a worker with this context."""
+    def worker_environ(self, script_store_port: Optional[int] = None) -> dict:
+        """The variables the launcher sets for a worker with this context.
+
+        ``script_store_port``: the port of the store (hosted at ``store_host``) that a script's own
+        ``init_process_group`` connects to, shared by the processes started with this one; 0: a
+        store of its own, so the script's own call forms a group of one (a joiner: ``RANK`` 0 and
+        ``WORLD_SIZE`` 1 until it joins, see the module docstring); None: no ``MASTER_*``
+        variables.
+        """
         env = {
             STORE: f"{self.store_host}:{self.store_port}",
             MEMBER: self.member,
             GENERATION: str(self.generation),
             JOIN: "1" if self.joiner else "0",
+            RANK: str(self.rank),
+            WORLD: str(self.world_size),
             "RANK": str(self.rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank),
             "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.store_host,
         }
+        if script_store_port == 0:
+            env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        elif script_store_port is not None:
+            env.update(MASTER_ADDR=self.store_host, MASTER_PORT=str(script_store_port))
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if self.restore_dir:
             env[RESTORE] = self.restore_dir
         return env
+
+
+def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process was started by ``dynatrain launch`` (or ``join``)."""
+    return STORE in (os.environ if environ is None else environ)
 
 
 def member_id(generation: int, rank: int) -> str:

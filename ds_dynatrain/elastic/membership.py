@@ -43,6 +43,8 @@ from .keys import (
     SPAWN_COUNT,
     SPAWN_KEY,
     STANDBY_GONE_KEY,
+    STOP_KEY,
+    STOPPED_KEY,
     SWITCH_KEY,
     group_prefix,
 )
@@ -271,8 +273,20 @@ class Membership:
         return tuple(m for m in members if self.store.check([JOINER_FAILED_KEY.format(m)]))
 
     def job_over(self) -> bool:
-        """The job finished, or every member was preempted."""
-        return self.store.check([DONE_KEY]) or self.store.check([ENDED_KEY])
+        """The job finished, was stopped, or every member was preempted."""
+        return any(self.store.check([k]) for k in (DONE_KEY, ENDED_KEY, STOPPED_KEY))
+
+    def stop_requested(self) -> int:
+        """The signal a launcher agent was sent to stop the job (SIGTERM, SIGINT), 0 if none (rank 0
+        reads it at every step boundary; the step's vote carries it to every rank)."""
+        if not self.store.check([STOP_KEY]):
+            return 0
+        return int(json.loads(self.store.get(STOP_KEY))["signal"])
+
+    def stopped(self, step: int, signum: int) -> None:
+        """Rank 0: the job stopped after ``step`` because of signal ``signum`` (the agents exit
+        with 128 + ``signum``; standby processes leave)."""
+        self.store.set(STOPPED_KEY, json.dumps({"step": step, "signal": signum}))
 
     def done(self) -> None:
         """The job finished: standby processes leave."""

@@ -1,24 +1,28 @@
 """The step boundary: what happens after each optimizer step, the same decision on every rank.
 
 One all-reduce (:mod:`~ds_dynatrain.engine.vote`) carries the loss, rank 0's pending request,
-the preemption notices, the standby processes found gone and how the background builds of a
-prepared request stand. Then, in this order: the step record, the periodic snapshot, and at most
-one change of the world: a prepared request given up (a preemption, a scheduled resize or a
-failed build came first), the preempted members leaving, the scheduled resize, the switch to a
-prepared world, or a new request served; finally joiners of a scheduled grow are started ahead.
+the preemption notices, the standby processes found gone, a stop of the job (a signal to the
+launcher) and how the background builds of a prepared request stand. Then, in this order: the
+step record; the end of the job when it was stopped or every member was preempted (a final
+snapshot, then every process exits: :func:`~ds_dynatrain.engine.lifecycle.stop_job`); the
+periodic snapshot; and at most one change of the world: a prepared request given up (a
+preemption, a scheduled resize or a failed build came first), the preempted members leaving, the
+scheduled resize, the switch to a prepared world, or a new request served; finally joiners of a
+scheduled grow are started ahead.
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Optional, Tuple
 
-import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from ..batch import largest_world_size
 from ..elastic.keys import ENDED_KEY
 from ..log import logger
 from ..zero.state import relink_optimizer_state
+from .lifecycle import stop_job
 from .members import request_joiners
 from .records import StepRecord, format_step
 from .requests import abandon, finish_request, serve_request
@@ -41,6 +45,7 @@ def after_optimizer_step(engine) -> None:
     ready, error = prep.state(dt, engine.global_rank == 0) if prep is not None else (False, None)
     request = _read_request(engine) if prep is None and step not in dt.schedule else None
     gone = _gone_standby(engine)
+    stop = dt.membership.stop_requested() if dt.membership is not None and engine.global_rank == 0 else 0
     vote = StepVote(
         loss_sum=dt.loss_sum,
         loss_count=dt.loss_count,
@@ -49,6 +54,7 @@ def after_optimizer_step(engine) -> None:
         standby_gone=gone,
         ready=ready,
         failed=error is not None,
+        stop=stop,
     )
     tally = exchange(
         vote, engine.global_rank, engine.dp_world_size, len(dt.standby), get_accelerator().current_device_name()
@@ -57,6 +63,8 @@ def after_optimizer_step(engine) -> None:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
     _record_step(engine, tally)
+    if tally.stop or len(tally.preempted) == engine.dp_world_size:
+        _end_job(engine, tally)  # raises SystemExit(0) on every rank
     _snapshot(engine)
     _decide(engine, tally, error)
 
@@ -145,17 +153,20 @@ def leave_preempted(engine, ranks) -> None:
     )
     if engine.global_rank == 0:
         logger.info(
-            f"preemption of {list(leavers)} after step {engine.global_steps}: "
-            + (f"the job goes on with {size} ranks" if size else "no member is left; the job ends")
+            f"preemption of {list(leavers)} after step {engine.global_steps}: the job goes on with {size} ranks"
         )
-    if size == 0:
-        if engine.global_rank == 0:
-            dt.membership.store.set(ENDED_KEY, str(engine.global_steps))  # the launcher exits non-zero
-        dt.retired = True
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-        return
     engine.resize(size, must_leave=leavers)
+
+
+def _end_job(engine, tally: StepTally) -> None:
+    """The launcher was sent SIGTERM/SIGINT, or every member was preempted: the job ends at this
+    boundary (the stop comes before any change of the world), after a final snapshot."""
+    dt = engine._dt
+    if tally.stop:
+        stop_job(engine, tally.stop, "the launcher was signalled")
+    if engine.global_rank == 0:
+        dt.membership.store.set(ENDED_KEY, str(engine.global_steps))  # the launcher says why
+    stop_job(engine, signal.SIGTERM, "every member was preempted")
 
 
 def spawn_ahead(engine) -> None:

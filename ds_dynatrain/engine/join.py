@@ -64,19 +64,7 @@ def join_generation(
     timeout = dt.group_timeout_s
     membership = dt.membership
     dt.published_step[rec.generation] = rec.step
-    # built in the background, so that a request given up (or the job's end) does not leave this
-    # process stuck in a rendezvous its peers never reach
-    membership.prepare(rec.generation, rec.members, rec.step, timeout)
-    wait_unless_given_up(
-        dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built", timeout + 5.0
-    )
-    failed = membership.groups.error(rec.members)
-    if failed is not None:
-        # no second rendezvous in the foreground: the survivors' builds failed with this one and
-        # they give the request up (raised here as "given up"; a standby process then waits on)
-        wait_unless_given_up(
-            dt, rec, lambda: False, f"the process group was not built ({failed}) and it was not given up", timeout
-        )
+    _build_groups(dt, rec, timeout)
     reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
@@ -124,6 +112,27 @@ def join_generation(
         wait_transition(engine)
     evict_groups(dt)
     return record
+
+
+def _build_groups(dt, rec: GenerationRecord, timeout: float) -> None:
+    """The generation's process groups, built in the background, so that a request given up (or
+    the job's end) does not leave this process stuck in a rendezvous its peers never reach.
+
+    Raises:
+        TransitionAbortedError: the request was given up (also after a failed build: no second
+            rendezvous in the foreground, the survivors' builds failed with this one and they give
+            the request up; a standby process then waits on).
+    """
+    membership = dt.membership
+    membership.prepare(rec.generation, rec.members, rec.step, timeout)
+    wait_unless_given_up(
+        dt, rec, lambda: membership.groups.ready(rec.members), "the process group was not built", timeout + 5.0
+    )
+    failed = membership.groups.error(rec.members)
+    if failed is not None:
+        wait_unless_given_up(
+            dt, rec, lambda: False, f"the process group was not built ({failed}) and it was not given up", timeout
+        )
 
 
 def stand_by(engine, formed: int, model, basic, scheduler) -> Optional[JoinRecord]:

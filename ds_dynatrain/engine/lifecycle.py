@@ -1,5 +1,5 @@
-"""A worker's life around training: preemption notices (SIGTERM), the restore of a restarted job
-from its latest snapshot, and what runs when the process exits."""
+"""A worker's life around training: preemption notices (SIGTERM to one worker), the stop of the
+whole job at a step boundary (a signal to the launcher), and what runs when the process exits."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import atexit
 import os
 import signal
 import threading
-
-from io_engine import read_latest
+from typing import Optional
 
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.groups import close_all
-from ..errors import SnapshotNotFoundError
+from ..errors import SnapshotWriteError
 from ..log import logger
+from ..zero.comm import release_process_groups
 from .pending import wait_transition
-from .records import RestoreRecord
 from .requests import cancel_pending_joiners
 from .state import ElasticState
 
@@ -41,50 +40,59 @@ def take_preemption_notices(dt: ElasticState) -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def check_restorable(snapshot_dir: str) -> str:
-    """The tag a restore of ``snapshot_dir`` would load (what its ``latest`` names).
+def stop_job(engine, signum: int, why: str) -> None:
+    """End the job at this step boundary, on every rank alike (each learned ``signum`` from the
+    step's vote): joiners that will never be needed are stopped, a final snapshot of this step is
+    taken and committed when the job takes snapshots (``latest`` names it), and the process ends
+    with status 0 (``SystemExit(0)``, raised from ``engine.step()``: the script's code after its
+    training loop does not run; the exit hooks do). Collective. A final snapshot that cannot be
+    written is logged on every rank; ``latest`` then keeps naming the previous one.
 
     Raises:
-        SnapshotNotFoundError: the directory holds no complete snapshot.
-    """
-    tag = read_latest(snapshot_dir) if os.path.isdir(snapshot_dir) else None
-    if tag is None:
-        raise SnapshotNotFoundError(
-            f"no snapshot to restore from in {snapshot_dir}: it has no readable 'latest' "
-            "(the job failed before its first snapshot was committed)"
-        )
-    return tag
-
-
-def restore(engine, snapshot_dir: str) -> None:
-    """Load the latest complete snapshot of ``snapshot_dir`` (any saving world size) into a job the
-    launcher restarted after a worker died; log and record how many steps were lost. Collective.
-
-    Raises:
-        SnapshotNotFoundError: no complete snapshot (before anything is loaded).
-        CheckpointIncompleteError, LayoutMismatchError: as ``load_checkpoint``.
+        SystemExit: always (status 0).
     """
     dt = engine._dt
-    check_restorable(snapshot_dir)
-    last = dt.membership.last_step()
-    path, _client = engine.load_checkpoint(snapshot_dir)
-    if path is None:
-        raise SnapshotNotFoundError(f"no snapshot to restore from in {snapshot_dir}")
-    lost = max(0, last - engine.global_steps)
+    step, name = engine.global_steps, signal.Signals(signum).name
+    cancel_pending_joiners(engine)  # rank 0: a prepared request is given up, its joiners stopped
+    snap = dt.config.snapshot
+    committed = None
+    if snap.interval_steps:
+        problem = _final_snapshot(engine, snap.dir, f"global_step{step}")
+        if problem is None:
+            committed = os.path.join(snap.dir, f"global_step{step}")
+        else:
+            logger.error(f"member {dt.member}: the final snapshot of step {step} failed: {problem}")
     if engine.global_rank == 0:
-        dt.metrics.write(
-            RestoreRecord(
-                step=engine.global_steps,
-                world_size=engine.dp_world_size,
-                lost_steps=lost,
-                last_step=last,
-                dir=os.path.dirname(path),
-            )
-        )
+        if dt.membership is not None:
+            dt.membership.stopped(step, signum)
         logger.info(
-            f"restored {os.path.dirname(path)} on {engine.dp_world_size} ranks: the job goes on after step "
-            f"{engine.global_steps}; {lost} step(s) since that snapshot were lost"
+            f"job stopped after step {step} ({why}, {name})"
+            + (f": final snapshot {committed} committed" if committed else "")
+            + ("; no snapshot (snapshots are off)" if not snap.interval_steps else "")
         )
+    raise SystemExit(0)
+
+
+def _final_snapshot(engine, directory: str, tag: str) -> Optional[str]:
+    """Save ``tag`` and wait for its commit; None when committed, else why not. A failure of an
+    earlier snapshot that the next save raises (``on_write_error: "raise"``) is reported and the
+    save tried once more: the final one must not be lost to an older one's failure."""
+    problems = []
+    for _attempt in range(2):
+        try:
+            engine.save_checkpoint(directory, tag=tag)
+        except SnapshotWriteError as err:  # an earlier snapshot's failure, raised at this save
+            problems.append(str(err))
+            continue
+        ce = engine.checkpoint_engine
+        try:
+            if isinstance(ce, SnapshotCheckpointEngine):
+                ce.wait()
+            return None
+        except SnapshotWriteError as err:  # this snapshot itself
+            problems.append(str(err))
+            break
+    return "; ".join(problems)
 
 
 def at_thread_shutdown(fn, *args) -> None:
@@ -104,7 +112,9 @@ def at_thread_shutdown(fn, *args) -> None:
 
 def close_at_exit(engine) -> None:
     """At exit: stop joiners that will never be needed; let the last snapshot finish and publish
-    (bounded by the collective timeout)."""
+    (bounded by the collective timeout); then drop DeepSpeed's references to its process groups,
+    so that their gloo threads end now, not during the interpreter's teardown
+    (:func:`~ds_dynatrain.zero.comm.release_process_groups`)."""
     dt = getattr(engine, "_dt", None)
     if dt is not None and engine.is_member:
         cancel_pending_joiners(engine)
@@ -117,17 +127,19 @@ def close_at_exit(engine) -> None:
     ce = getattr(engine, "checkpoint_engine", None)
     if isinstance(ce, SnapshotCheckpointEngine):
         ce.close()
+    release_process_groups(engine)
 
 
 def shutdown() -> None:
-    """Before the interpreter exits: destroy the process group (left to the interpreter's
-    teardown, gloo's threads can outlive it and abort the process, status -6, after training
-    finished), and move every object into the garbage collector's permanent generation
-    (``gc.freeze``). The collections Python runs while it tears down modules otherwise traverse
-    the whole object graph of torch, DeepSpeed and transformers again and again: about 2.5 s of
-    CPU in a process that leaves a job at a resize, taken from the survivors' first steps on a
-    shared host. Nothing is lost: the process is ending, and only cyclic garbage is left for the
-    operating system to reclaim."""
+    """Before the interpreter exits: destroy the process group and every cached one (left to the
+    interpreter's teardown, gloo's threads can outlive it and abort the process, status -6, after
+    training finished: see :func:`~ds_dynatrain.zero.comm.release_process_groups`), and move
+    every object into the garbage collector's permanent generation (``gc.freeze``). The
+    collections Python runs while it tears down modules otherwise traverse the whole object graph
+    of torch, DeepSpeed and transformers again and again: about 2.5 s of CPU in a process that
+    leaves a job at a resize, taken from the survivors' first steps on a shared host. Nothing is
+    lost: the process is ending, and only cyclic garbage is left for the operating system to
+    reclaim."""
     import gc
 
     import torch.distributed as tdist

@@ -109,12 +109,16 @@ def abandon(engine, prep: Preparation, why: str) -> None:
 
 
 def cancel_pending_joiners(engine) -> None:
-    """Stop joiners started for a generation that will not be formed (the job is ending)."""
+    """Stop joiners started for a generation that will not be formed (the job is ending). A
+    prepared request is given up on every rank (each closes its background builds); rank 0 asks
+    the agents to stop the joiners."""
     dt = engine._dt
-    if dt.membership is None or engine.global_rank != 0:
+    if dt.membership is None:
         return
     if dt.preparing is not None:
         abandon(engine, dt.preparing, "the job ended first")
+    if engine.global_rank != 0:
+        return
     for g, joiners in sorted(dt.spawned_for.items()):
         if g > dt.generation and joiners:
             dt.membership.cancel_spawn(g, joiners)

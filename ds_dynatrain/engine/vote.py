@@ -1,8 +1,9 @@
 """The step-boundary vote: what every rank brings to the one all-reduce after each optimizer step,
 encoded and decoded here alone.
 
-Each rank's :class:`StepVote` (its loss, rank 0's pending request and the standby processes it
-found gone, whether this rank received a preemption notice, how its background builds stand) is
+Each rank's :class:`StepVote` (its loss, rank 0's pending request, the standby processes it
+found gone and the signal the launcher was sent, whether this rank received a preemption notice,
+how its background builds stand) is
 encoded as a float64 vector; the vectors are summed by one ``all_reduce``; :func:`decode` turns the
 sum into a :class:`StepTally` that every rank reads alike, so every rank decides the same at this
 step.
@@ -25,6 +26,7 @@ from ..errors import DynatrainError
 
 WORD_BITS = 52
 _HEAD = 6  # loss_sum, loss_count, request world size, request index + 1, ready, failed
+_TAIL = 1  # after the masks: the signal that stops the job (0: none)
 
 
 def words_for(n: int) -> int:
@@ -34,7 +36,7 @@ def words_for(n: int) -> int:
 
 def vote_length(world_size: int, n_standby: int) -> int:
     """Elements of the encoded vote at ``world_size`` ranks with ``n_standby`` standby processes."""
-    return _HEAD + words_for(world_size) + words_for(n_standby)
+    return _HEAD + words_for(world_size) + words_for(n_standby) + _TAIL
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class StepVote:
         standby_gone: rank 0 only: indices (into the job's standby list) of standby processes
             that are gone.
         ready, failed: this rank's background builds of a prepared request are done / failed.
+        stop: rank 0 only: the signal number sent to the launcher to stop the job (SIGTERM,
+            SIGINT), read from the store; 0: none.
     """
 
     loss_sum: float = 0.0
@@ -58,6 +62,7 @@ class StepVote:
     standby_gone: FrozenSet[int] = frozenset()
     ready: bool = False
     failed: bool = False
+    stop: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class StepTally:
         loss_sum, loss_count: over every rank.  request: ``(index, world size)`` or None.
         preempted: the ranks that received a preemption notice.  standby_gone: indices of the
         standby processes that are gone.  ready, failed: how many ranks have their builds done /
-        failed.
+        failed.  stop: the signal that stops the job at this boundary (0: none).
     """
 
     loss_sum: float
@@ -78,6 +83,7 @@ class StepTally:
     standby_gone: FrozenSet[int]
     ready: int
     failed: int
+    stop: int = 0
 
     @property
     def loss(self) -> float:
@@ -114,11 +120,13 @@ def encode(vote: StepVote, rank: int, world_size: int, n_standby: int) -> List[f
     """The float64 vector of ``vote`` from ``rank`` (length :func:`vote_length`).
 
     Raises:
-        ValueError: a rank other than 0 carries a request or standby marks, or a standby index
-            is out of range.
+        ValueError: a rank other than 0 carries a request, standby marks or a stop, a standby
+            index is out of range, or the stop is not a signal number.
     """
-    if rank != 0 and (vote.request is not None or vote.standby_gone):
-        raise ValueError(f"rank {rank}: only rank 0 votes requests and gone standby processes")
+    if rank != 0 and (vote.request is not None or vote.standby_gone or vote.stop):
+        raise ValueError(f"rank {rank}: only rank 0 votes requests, gone standby processes and stops")
+    if not 0 <= int(vote.stop) < 2**WORD_BITS:
+        raise ValueError(f"stop {vote.stop!r}: expected a signal number (0: none)")
     index, size = vote.request if vote.request is not None else (-1, 0)
     head = [
         float(vote.loss_sum),
@@ -128,28 +136,34 @@ def encode(vote: StepVote, rank: int, world_size: int, n_standby: int) -> List[f
         float(vote.ready),
         float(vote.failed),
     ]
-    return head + _pack([rank] if vote.preempted else [], world_size) + _pack(vote.standby_gone, n_standby)
+    masks = _pack([rank] if vote.preempted else [], world_size) + _pack(vote.standby_gone, n_standby)
+    return head + masks + [float(vote.stop)]
 
 
 def decode(totals: Sequence[float], world_size: int, n_standby: int) -> StepTally:
     """The :class:`StepTally` of the summed votes ``totals``.
 
     Raises:
-        DynatrainError: ``totals`` has the wrong length or a mask word is not a sum of distinct bits.
+        DynatrainError: ``totals`` has the wrong length, a mask word is not a sum of distinct bits
+            or the stop is not a signal number.
     """
     totals = [float(x) for x in totals]
     if len(totals) != vote_length(world_size, n_standby):
         raise DynatrainError(f"step vote: {len(totals)} elements, expected {vote_length(world_size, n_standby)}")
     size, index = int(totals[2]), int(totals[3]) - 1
     w = words_for(world_size)
+    stop = totals[-1]
+    if stop != int(stop) or not 0 <= stop < 2**WORD_BITS:
+        raise DynatrainError(f"step vote: stop is {stop!r}, not a signal number (more than rank 0 voted one?)")
     return StepTally(
         loss_sum=totals[0],
         loss_count=int(totals[1]),
         request=(index, size) if index >= 0 else None,
         preempted=_unpack(totals[_HEAD : _HEAD + w], world_size, "preemption"),
-        standby_gone=_unpack(totals[_HEAD + w :], n_standby, "standby"),
+        standby_gone=_unpack(totals[_HEAD + w : len(totals) - _TAIL], n_standby, "standby"),
         ready=int(totals[4]),
         failed=int(totals[5]),
+        stop=int(stop),
     )
 
 

@@ -56,3 +56,82 @@ def skip_cpu_shm_op(accelerator) -> None:
     import deepspeed.ops as ops
 
     ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _skip_in_launched_workers() -> None:
+    """In a process ``dynatrain launch`` started, :func:`skip_cpu_shm_op` as soon as this module is
+    imported (``import ds_dynatrain``): a script may start DeepSpeed's comm itself
+    (``deepspeed.init_distributed()``) before ``ds_dynatrain.initialize``, and that start would
+    otherwise build the op in every worker, joiners included."""
+    from ..elastic.launch_env import launched
+
+    if launched():
+        from deepspeed.accelerator import get_accelerator
+
+        skip_cpu_shm_op(get_accelerator())
+
+
+_skip_in_launched_workers()
+
+
+def _holds_group(value) -> bool:
+    import torch.distributed as tdist
+
+    if isinstance(value, tdist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(isinstance(v, tdist.ProcessGroup) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, tdist.ProcessGroup) for v in value.values())
+    return False
+
+
+def _release_default_arguments() -> int:
+    """``torch.distributed.nn.functional`` defines ``group=group.WORLD`` defaults: imported once a
+    default group exists (DeepSpeed imports it while it builds the engine), every such function
+    keeps that group alive for good. Put None (the current default group) in their place."""
+    import sys
+
+    import torch.distributed as tdist
+
+    module = sys.modules.get("torch.distributed.nn.functional")
+    gone = 0
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if callable(fn) and defaults and any(isinstance(d, tdist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, tdist.ProcessGroup) else d for d in defaults)
+            gone += 1
+    return gone
+
+
+def release_process_groups(engine) -> int:
+    """Drop every reference a DeepSpeed engine keeps to a ``torch.distributed`` process group (in
+    the engine, its optimizers, the model's parameters, DeepSpeed's module globals and the
+    default arguments of ``torch.distributed.nn.functional``), so that the groups are destroyed
+    once ``torch.distributed`` lets them go, their gloo threads joined. Call it when the engine will run no
+    collective any more (at exit). Returns how many references went.
+
+    Why: ``shutdown()`` of a gloo group does not stop its threads; only its destruction does.
+    DeepSpeed's own data-parallel subgroup (``new_group``) is held by the engine, the ZeRO
+    optimizer and every parameter, in reference cycles that live until the interpreter tears
+    down. A gloo worker thread that then frees a finished collective needs the GIL to release
+    its tensors; during interpreter finalization Python ends such a thread with
+    ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``:
+    "terminate called without an active exception", status -6, after training finished.
+    """
+    objects = [engine, getattr(engine, "optimizer", None)]
+    inner = getattr(objects[-1], "optimizer", None)
+    objects.append(inner)
+    module = getattr(engine, "module", None)
+    if module is not None:
+        objects.extend(module.parameters())
+    gone = _release_default_arguments()
+    for obj in objects:
+        attrs = getattr(obj, "__dict__", None)
+        if not attrs:
+            continue
+        for name in [k for k, v in attrs.items() if _holds_group(v)]:
+            attrs[name] = None
+            gone += 1
+    reset_deepspeed_comm()
+    return gone
