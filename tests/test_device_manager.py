@@ -214,7 +214,13 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
             cwd=ROOT,
             env=env,
         )
-        time.sleep(1.0)  # queued first; the join comes while it is pending (its joiner takes seconds to start)
+        # the join comes while the resize is pending: wait until the job prepares the resize (its
+        # request queued first: a requester's start-up takes seconds on a busy machine), never a
+        # fixed sleep; its joiner takes seconds to start, so the join is posted while it is pending
+        deadline = time.monotonic() + 150
+        while "resize request 0: preparing generation" not in (tmp_path / "host_a.log").read_text():
+            assert time.monotonic() < deadline and resize.poll() is None, "the resize was not prepared"
+            time.sleep(0.2)
         j, jlog = _launch(
             tmp_path, "join_b", cfg, 24, ["join", "--nproc", "1", "--store", store], hold, 0.2, in_b, env_b
         )
