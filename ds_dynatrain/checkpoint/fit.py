@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 from ..errors import LayoutMismatchError
 from ..vps.layout import ZeroLayout, round_robin_order
-from .saved import SavedCheckpoint, numel_of
+from .saved import SavedCheckpoint, check_parameters, numel_of
 
 
 def _shape(p) -> Tuple[int, ...]:
@@ -49,24 +49,8 @@ def check_model(engine, saved: SavedCheckpoint, live: ZeroLayout, frozen_from_mo
     """
     # the trainable parameters, as DeepSpeed partitions them (none without elements)
     saved_shapes = {n: s for n, s in saved.param_shapes().items() if math.prod(s) > 0}
-    for gi, params in enumerate(live.groups):
-        for p in params:
-            if p.key not in saved_shapes:
-                raise LayoutMismatchError(
-                    f"parameter group {gi}: parameter {p.key} {list(p.shape)} of the model "
-                    f"is not in the checkpoint {saved.dir}"
-                )
-            if saved_shapes[p.key] != tuple(p.shape):
-                raise LayoutMismatchError(
-                    f"parameter group {gi}: {p.key} is {list(saved_shapes[p.key])} in the checkpoint "
-                    f"and {list(p.shape)} in the model"
-                )
+    check_parameters(saved_shapes, live, saved.dir)
     live_keys = {p.key for g in live.groups for p in g}
-    for name, shape in saved_shapes.items():
-        if name not in live_keys:
-            raise LayoutMismatchError(
-                f"checkpoint parameter {name} {list(shape)} is not a trainable parameter of the model"
-            )
     _check_frozen(engine, saved, live_keys, frozen_from_module)
 
 

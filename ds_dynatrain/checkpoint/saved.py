@@ -121,6 +121,34 @@ def partitions_of(tree: dict, stage: int) -> RankPartitions:
     return RankPartitions(tensors, scalars)
 
 
+def check_parameters(saved_shapes: Dict[str, Tuple[int, ...]], live: ZeroLayout, where: str) -> None:
+    """The trainable parameters a checkpoint records (``name -> shape``) are the live layout's:
+    the same names, the same shapes.
+
+    Raises:
+        LayoutMismatchError: the first parameter of the model missing from the checkpoint (in
+            ``where``) or of another shape, else the first of the checkpoint's the model does not train.
+    """
+    for gi, params in enumerate(live.groups):
+        for p in params:
+            if p.key not in saved_shapes:
+                raise LayoutMismatchError(
+                    f"parameter group {gi}: parameter {p.key} {list(p.shape)} of the model "
+                    f"is not in the checkpoint {where}"
+                )
+            if saved_shapes[p.key] != tuple(p.shape):
+                raise LayoutMismatchError(
+                    f"parameter group {gi}: {p.key} is {list(saved_shapes[p.key])} in the checkpoint "
+                    f"and {list(p.shape)} in the model"
+                )
+    live_keys = {p.key for g in live.groups for p in g}
+    for name, shape in saved_shapes.items():
+        if name not in live_keys:
+            raise LayoutMismatchError(
+                f"checkpoint parameter {name} {list(shape)} is not a trainable parameter of the model"
+            )
+
+
 class SavedCheckpoint:
     """A checkpoint directory at one tag, checked complete, with its saved layout.
 
@@ -286,25 +314,7 @@ class SavedCheckpoint:
             LayoutMismatchError: naming the first parameter that differs, or a partition whose
                 size does not fit.
         """
-        saved = self.param_shapes()
-        for gi, params in enumerate(live.groups):
-            for p in params:
-                if p.key not in saved:
-                    raise LayoutMismatchError(
-                        f"parameter group {gi}: parameter {p.key} {list(p.shape)} of the model "
-                        f"is not in the checkpoint {self.dir}"
-                    )
-                if saved[p.key] != tuple(p.shape):
-                    raise LayoutMismatchError(
-                        f"parameter group {gi}: {p.key} is {list(saved[p.key])} in the checkpoint "
-                        f"and {list(p.shape)} in the model"
-                    )
-        live_keys = {p.key for g in live.groups for p in g}
-        extra = [n for n in saved if n not in live_keys]
-        if extra:
-            raise LayoutMismatchError(
-                f"checkpoint parameter {extra[0]} {list(saved[extra[0]])} is not a trainable parameter of the model"
-            )
+        check_parameters(self.param_shapes(), live, self.dir)
         dtype = self.working_dtype()
         groups = tuple(tuple(ParamMeta(p.key, p.shape, dtype) for p in g) for g in live.groups)
         z = self.ds_config.get("zero_optimization") or {}
