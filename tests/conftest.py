@@ -69,6 +69,7 @@ def launch(
         "launch",
         "--nproc",
         str(nproc),
+        "--allow-oversubscribe",  # CPU workers: the tests grow jobs past the host's --nproc on purpose
         "--config",
         cfg_path,
         script,

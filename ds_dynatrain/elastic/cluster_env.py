@@ -86,10 +86,10 @@ def _slurm(env: Mapping[str, str]) -> Optional[dict]:
         nnodes = next(iter(counts.values()), None)
     names = [n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)]
     if nnodes is None or not names:
-        missing = ("SLURM_NNODES" if nnodes is None else "") + (" SLURM_JOB_NODELIST" if not names else "")
+        missing = " and ".join(n for n, m in (("SLURM_NNODES", nnodes is None), ("SLURM_JOB_NODELIST", not names)) if m)
         raise ConfigError(
             f"partial SLURM variables: a node rank ({'SLURM_NODEID' if node is not None else 'SLURM_PROCID'}="
-            f"{rank}) without {missing.strip()}; run under srun, or give --nnodes, --node-rank and --store"
+            f"{rank}) without {missing}; run under srun, or give --nnodes, --node-rank and --store"
         )
     try:
         hosts = hostlist.expand_hostlist(env[names[0]])
