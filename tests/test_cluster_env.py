@@ -5,6 +5,8 @@ node count, rank and store address written by hand for each environment."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ds_dynatrain.elastic.cluster_env import SLURM_PORT_BASE, NodePlace, node_place
@@ -113,3 +115,57 @@ def test_a_malformed_store_is_refused():
         node_place(None, None, "host:port", environ={})
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
         node_place(None, None, "host:70000", environ={})
+
+
+def test_launch_refuses_a_bad_place_or_slots_with_one_line_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """`dynatrain launch` (its ``main``, in this process) under partial SLURM variables, with
+    --slots below --nproc, and with a resize_schedule past the host's slots: status 2, one line
+    naming the reason on stderr, no worker started."""
+    import json
+
+    from ds_dynatrain.cli.main import main
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 12,
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 2},
+                "dynatrain": {"resize_schedule": [{"step": 3, "world_size": 3}, {"step": 6, "world_size": 2}]},
+            }
+        )
+    )
+    marker = tmp_path / "started"
+    script = tmp_path / "script.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    cases = [
+        (
+            ["--nproc", "2", "--slots", "3"],
+            {"SLURM_NODEID": "1", "SLURM_JOB_ID": "7"},
+            "dynatrain launch: partial SLURM variables: a node rank (SLURM_NODEID=1) without SLURM_NNODES and "
+            "SLURM_JOB_NODELIST; run under srun, or give --nnodes, --node-rank and --store",
+        ),
+        (
+            ["--nproc", "2", "--slots", "1"],
+            {},
+            "dynatrain launch: --slots 1 is less than --nproc 2: a host starts at most its slots",
+        ),
+        (
+            ["--nproc", "2"],
+            {},
+            "dynatrain launch: dynatrain.resize_schedule grows to 3 ranks at step 3, but the job has 2 slot(s) "
+            "(1 host(s) x 2); give --slots, more hosts, or --allow-oversubscribe",
+        ),
+        (["--nproc", "2", "--slots", "0"], {}, "dynatrain launch: --slots must be >= 1"),
+    ]
+    for args, env, line in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            rc = main(["launch", *args, "--config", str(cfg), str(script)])
+        err = capsys.readouterr().err
+        assert rc == 2 and [x for x in err.splitlines() if x.startswith("dynatrain")] == [line], (args, err)
+    assert not marker.exists()
