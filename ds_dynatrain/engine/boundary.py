@@ -87,6 +87,8 @@ def _read_request(engine) -> Optional[Tuple[int, int]]:
         dt.join_node = (index, int(body["join"]))
         return index, engine.dp_world_size + int(body["slots"])
     world_size = int(body["world_size"])
+    if dt.membership.answered(index):
+        return index, REFUSED  # refused when read at an earlier boundary that served something else
     new = world_size - len(dt.members) - len(dt.standby)  # standby processes are taken back first
     if new > 0:
         try:
