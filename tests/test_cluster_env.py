@@ -43,6 +43,20 @@ def test_a_step_on_part_of_the_allocation_reads_the_step_variables():
     assert node_place(None, None, None, environ=env) == NodePlace(2, 1, "gpu08", SLURM_PORT_BASE + 3456, "SLURM")
 
 
+def test_a_batch_script_on_one_node_launches_itself():
+    """sbatch --nodes=1 --ntasks=4: the batch script's variables, no step; SLURM_NTASKS counts the
+    workers `dynatrain launch --nproc 4` starts, not agents."""
+    env = {
+        "SLURM_JOB_ID": "99",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu07",
+    }
+    assert node_place(None, None, None, environ=env) == NodePlace(1, 0, "gpu07", SLURM_PORT_BASE + 99, "SLURM")
+
+
 def test_flags_win_over_the_environment():
     assert node_place(None, 0, "10.0.0.5:5000", environ=SRUN) == NodePlace(4, 0, "10.0.0.5", 5000, "SLURM")
     assert node_place(1, 0, "127.0.0.1:0", environ=SRUN) == NodePlace(1, 0, "127.0.0.1", 0, "flags")

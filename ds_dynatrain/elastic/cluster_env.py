@@ -19,7 +19,8 @@ store port                              the port of ``--store`` when given (``--
 
 The variables must be whole and agree: a node rank without a node list, a node list whose length
 is not the node count, more tasks than nodes (several agents on one host) are refused with the
-reason (:class:`~ds_dynatrain.errors.ConfigError`).
+reason (:class:`~ds_dynatrain.errors.ConfigError`). A batch script on one node may also run
+``dynatrain launch`` itself (its ``--ntasks`` then counts the workers, not agents).
 
 Kubernetes, one agent per pod, the store on pod 0 (``--store POD0:PORT`` and ``--nnodes N`` in the
 manifest): the node rank is ``JOB_COMPLETION_INDEX`` (an Indexed Job), else, in a pod
@@ -97,7 +98,7 @@ def _slurm(env: Mapping[str, str]) -> Optional[dict]:
         raise ConfigError(f"{names[0]}={env[names[0]]!r} is not a SLURM hostlist: {err}") from None
     if len(hosts) != nnodes:
         raise ConfigError(f"{names[0]}={env[names[0]]!r} names {len(hosts)} host(s), but the node count is {nnodes}")
-    tasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS")  # srun's; a batch script's SLURM_NTASKS may be the workers
     if tasks is not None and tasks > nnodes:
         raise ConfigError(
             f"SLURM started {tasks} tasks on {nnodes} node(s); dynatrain launch is one agent per node: "
