@@ -86,6 +86,8 @@ class Job:
                 "launch",
                 "--nproc",
                 "2",
+                "--slots",
+                "4",  # the request grows the job to 4 workers on this host
                 "--config",
                 cfg_path,
                 "--store",

@@ -233,6 +233,8 @@ def run_ours(n: int, m: int, a, work: str, batch: int) -> dict:
         "launch",
         "--nproc",
         str(n),
+        "--slots",
+        str(max(n, m)),
         "--config",
         cfg_path,
         WORKER,

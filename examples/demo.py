@@ -2,7 +2,7 @@
 
     python examples/demo.py --compare-static --out runs/demo
 
-runs ``dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py``,
+runs ``dynatrain launch --nproc 2 --slots 3 --config configs/zero2_elastic.json examples/train_lm.py``,
 then (with ``--compare-static``) the same job with the resize schedule removed, and writes
 ``OUT/metrics.jsonl``, ``OUT/static.jsonl`` and ``OUT/loss.png``.
 """
@@ -20,6 +20,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def slots_for(config: str, nproc: int) -> int:
+    """The workers this host must hold: the largest world size of the config's resize schedule."""
+    with open(config) as f:
+        schedule = json.load(f).get("dynatrain", {}).get("resize_schedule", [])
+    return max([nproc] + [int(e["world_size"]) for e in schedule])
+
+
 def run_job(config: str, out: str, metrics: str, steps: int, nproc: int, extra=()) -> float:
     cmd = [
         sys.executable,
@@ -28,6 +35,8 @@ def run_job(config: str, out: str, metrics: str, steps: int, nproc: int, extra=(
         "launch",
         "--nproc",
         str(nproc),
+        "--slots",
+        str(slots_for(config, nproc)),
         "--config",
         config,
         os.path.join(HERE, "train_lm.py"),

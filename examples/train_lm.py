@@ -3,7 +3,7 @@ resized online by ds_dynatrain.
 
 Run it under the launcher (which adds ``--deepspeed_config``)::
 
-    dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py --steps 60
+    dynatrain launch --nproc 2 --slots 3 --config configs/zero2_elastic.json examples/train_lm.py --steps 60
 
 The loop below is an ordinary DeepSpeed loop; the resizes happen inside ``engine.step()`` and the
 loader returned by ``ds_dynatrain.initialize`` follows them. A process that leaves the job at a

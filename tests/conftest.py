@@ -17,6 +17,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# the tests start their own jobs on this host: a SLURM step or a Kubernetes Indexed Job they run in
+# must not place those jobs' agents on several nodes (dynatrain launch reads these variables)
+for _name in [n for n in os.environ if n.startswith("SLURM_") or n == "JOB_COMPLETION_INDEX"]:
+    del os.environ[_name]
 
 
 @dataclass
@@ -69,6 +73,7 @@ def launch(
         "launch",
         "--nproc",
         str(nproc),
+        "--allow-oversubscribe",  # CPU workers: the tests grow jobs past the host's --nproc on purpose
         "--config",
         cfg_path,
         script,

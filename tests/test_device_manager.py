@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -152,7 +153,9 @@ def _netns(*args):
 
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces joined by a veth pair: 10.77.0.1 (host a) and 10.77.0.2 (host b)."""
+    """Two network namespaces joined by a veth pair: 10.77.0.1 (host a) and 10.77.0.2 (host b), each
+    with a hosts file that names them ``<tag>n1`` and ``<tag>n2`` (``ip netns exec`` shows
+    ``/etc/netns/<ns>/hosts`` as ``/etc/hosts`` to what it runs: the names resolve only there)."""
     if shutil.which("ip") is None:
         pytest.skip("iproute2's `ip` is not installed")
     tag = f"dt{os.getpid() % 100000}"
@@ -160,7 +163,12 @@ def two_hosts():
     made = _netns("netns", "add", a)
     if made.returncode != 0:
         pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+    etc = [os.path.join("/etc/netns", ns) for ns in (a, b)]
     try:
+        for d in etc:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n10.77.0.1 {tag}n1\n10.77.0.2 {tag}n2\n")
         _netns("netns", "add", b)
         for cmd in (
             ["link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y"],
@@ -175,33 +183,62 @@ def two_hosts():
         ):
             r = _netns(*cmd)
             assert r.returncode == 0, (cmd, r.stderr)
-        yield {"a": (a, f"{tag}x", "10.77.0.1"), "b": (b, f"{tag}y", "10.77.0.2")}
+        yield {"a": (a, f"{tag}x", "10.77.0.1"), "b": (b, f"{tag}y", "10.77.0.2"), "names": f"{tag}n[1-2]"}
     finally:
         _netns("netns", "del", a)
         _netns("netns", "del", b)
+        for d in etc:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _srun_env(job_id: int, nodelist: str, node: int) -> dict:
+    """What ``srun --nodes=2 --ntasks-per-node=1`` sets in its task on node ``node`` (the variables
+    ``dynatrain launch`` reads, and a few it must not be misled by)."""
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": str(node),
+        "SLURM_PROCID": str(node),
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+    }
 
 
 @pytest.mark.timeout(500)
-def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
-    """`dynatrain launch --nnodes 2` on two hosts (namespaces, traffic only over their veth).
-    A `dynatrain resize` to 3 and, while it is pending, a `dynatrain join` from host b: both are
-    served, in order (2 -> 3 -> 4), the join's worker under host b's joining agent. Then a
+def test_two_hosts_under_srun_join_while_a_resize_is_pending(tmp_path, two_hosts):
+    """`dynatrain launch --nproc 1 --slots 2` on two hosts (namespaces, traffic only over their
+    veth) as `srun --ntasks-per-node=1` starts it: no --nnodes, --node-rank or --store; each agent
+    reads its node rank, the node count and node 0's name (a compressed hostlist, the names
+    resolved by the hosts' own hosts files) from the SLURM variables, the store's port from the
+    job id. A `dynatrain resize` to 3 and, while it is pending, a `dynatrain join` from host b:
+    both are served, in order (2 -> 3 -> 4), the join's worker under host b's joining agent. Then a
     shrink to 2. The steps go on, every agent exits 0, and the final state equals a static run's."""
-    (ns_a, if_a, ip_a), (ns_b, if_b, _) = two_hosts["a"], two_hosts["b"]
-    port = free_port()
+    from ds_dynatrain.elastic.cluster_env import SLURM_PORT_BASE
+
+    (ns_a, if_a, _), (ns_b, if_b, _) = two_hosts["a"], two_hosts["b"]
+    job_id = 4000 + os.getpid() % 5000
+    port = SLURM_PORT_BASE + job_id % 10000  # the documented rule (a fresh namespace: the port is free)
     cfg = _config(str(tmp_path / "mh.jsonl"))
-    store = f"{ip_a}:{port}"
-    node = ["launch", "--nnodes", "2", "--nproc", "1", "--store", store]
+    first = two_hosts["names"].replace("[1-2]", "1")
+    store = f"{first}:{port}"  # what the requesters are told: node 0's name, resolved in either namespace
+    node = ["launch", "--nproc", "1", "--slots", "2"]
     in_a, in_b = ["ip", "netns", "exec", ns_a], ["ip", "netns", "exec", ns_b]
-    env_a, env_b = {"GLOO_SOCKET_IFNAME": if_a}, {"GLOO_SOCKET_IFNAME": if_b}
+    env_a = {"GLOO_SOCKET_IFNAME": if_a, **_srun_env(job_id, two_hosts["names"], 0)}
+    env_b = {"GLOO_SOCKET_IFNAME": if_b, **_srun_env(job_id, two_hosts["names"], 1)}
     # the job's end is held (--until, every worker) until the last request is answered
     until = tmp_path / "mh.until"
     until.write_text("")
     hold = ["--until", str(until)]
-    a, alog = _launch(tmp_path, "host_a", cfg, 24, node + ["--node-rank", "0"], hold, sleep=0.2, prefix=in_a, env=env_a)
+    a, alog = _launch(tmp_path, "host_a", cfg, 24, node, hold, sleep=0.2, prefix=in_a, env=env_a)
     time.sleep(1.0)
-    b, blog = _launch(tmp_path, "host_b", cfg, 24, node + ["--node-rank", "1"], hold, sleep=0.2, prefix=in_b, env=env_b)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, **env_a)
+    b, blog = _launch(tmp_path, "host_b", cfg, 24, node, hold, sleep=0.2, prefix=in_b, env=env_b)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=if_a)
     resize = j = None
     jrc = None
     try:
@@ -222,7 +259,15 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
             assert time.monotonic() < deadline and resize.poll() is None, "the resize was not prepared"
             time.sleep(0.2)
         j, jlog = _launch(
-            tmp_path, "join_b", cfg, 24, ["join", "--nproc", "1", "--store", store], hold, 0.2, in_b, env_b
+            tmp_path,
+            "join_b",
+            cfg,
+            24,
+            ["join", "--nproc", "1", "--store", store],
+            hold,
+            0.2,
+            in_b,
+            {"GLOO_SOCKET_IFNAME": if_b},
         )
         rout, rerr = resize.communicate(timeout=200)
         _wait_for_step(tmp_path / "mh.jsonl", 12, a, timeout=180)
@@ -232,7 +277,7 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
             text=True,
             timeout=200,
             cwd=ROOT,
-            env=dict(env, **env_b),
+            env=dict(env, GLOO_SOCKET_IFNAME=if_b),
         )
         until.unlink()
         jrc = _finish(j, jlog, timeout=200)
@@ -248,6 +293,8 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     assert arc == 0 and brc == 0 and jrc == 0, {n: t[-2500:] for n, t in logs.items()}
     assert resize.returncode == 0 and "resized 2 -> 3" in rout, rerr
     assert shrink.returncode == 0 and "resized 4 -> 2" in shrink.stdout, shrink.stderr
+    assert f"agent: node 0 of 2, store at {first}:{port} (from SLURM)" in logs["host_a"]
+    assert f"agent: node 1 of 2, store at {first}:{port} (from SLURM)" in logs["host_b"]
     assert "asks the job to grow by 1 rank(s)" in logs["join_b"]
     assert "agent: starting joiner g2r" in logs["join_b"]  # the join's worker started on host b
     recs = read_jsonl(tmp_path / "mh.jsonl")
@@ -259,21 +306,36 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
 
 
 @pytest.mark.timeout(300)
-def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
-    """A joiner killed while the job prepares its grow held no state: the request is given up
-    (the requester is told why, exit 1 of `dynatrain resize`), training goes on at the old size and
-    the job finishes with status 0. Fault injected at a seam: SIGKILL to the joiner's process."""
+def test_no_free_slot_refuses_and_a_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
+    """A host of 3 slots running 2 workers. A resize to 6 needs 6 slots: `dynatrain resize` refuses
+    it with the reason on one line (exit 2) and queues nothing; the same request queued without the
+    requester's check (a seam: written into the store's queue as a requester would) is refused by
+    the job when it reads it, the 4 new workers having 1 free slot. Then a resize to 3: a joiner
+    killed while the job prepares the grow held no state, the request is given up (the requester is
+    told why, exit 1 of `dynatrain resize`), training goes on at the old size and the job finishes
+    with status 0. Fault injected at a seam: SIGKILL to the joiner's process."""
+    from ds_dynatrain.elastic.keys import ANSWER_KEY, REQUEST_COUNT, REQUEST_KEY
+    from ds_dynatrain.elastic.membership import connect_store
+
     port = free_port()
     cfg = _config(str(tmp_path / "jd.jsonl"))
     # the job's end is held (--until) until the request is answered: it is given up because its
     # joiner died, never because the job ran out of steps first
     until = tmp_path / "jd.until"
     until.write_text("")
-    launch_args = ["launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"]
+    launch_args = ["launch", "--nproc", "2", "--slots", "3", "--store", f"127.0.0.1:{port}"]
     job, log = _launch(tmp_path, "jd", cfg, 40, launch_args, ["--until", str(until)], sleep=0.2)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     try:
         _wait_for_step(tmp_path / "jd.jsonl", 2, job)
+        big = subprocess.run(
+            resize_command(f"127.0.0.1:{port}", 6, 150), capture_output=True, text=True, cwd=ROOT, env=env, timeout=200
+        )
+        store = connect_store("127.0.0.1", port, 30)
+        queued = int(store.add(REQUEST_COUNT, 1)) - 1
+        store.set(REQUEST_KEY.format(queued), json.dumps({"world_size": 6}))
+        store.wait([ANSWER_KEY.format(queued)], timedelta(seconds=150))
+        raw = json.loads(store.get(ANSWER_KEY.format(queued)))
         req = subprocess.Popen(
             resize_command(f"127.0.0.1:{port}", 3, 150),
             stdout=subprocess.PIPE,
@@ -294,6 +356,16 @@ def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
         rc = _finish(job, log)
     out = (tmp_path / "jd.log").read_text()
     assert rc == 0, out[-4000:]
+    assert big.returncode == 2 and big.stdout == "", (big.stdout, big.stderr)
+    assert big.stderr.strip().splitlines()[-1] == (
+        "dynatrain resize: refused: world size 6 needs 6 slots, but the job's hosts have 3 (node 0: 3); "
+        "add hosts with dynatrain join, or launch with --slots or --allow-oversubscribe"
+    ), big.stderr
+    assert queued == 0 and raw["ok"] is False and not raw["aborted"], raw  # the refused resize queued nothing
+    assert raw["message"] == (
+        "resize to 6 ranks refused: 4 new worker(s) need a free slot each, but the job's hosts have 1 free "
+        "(node 0: 2 of 3 used); add hosts with dynatrain join, or launch with --slots or --allow-oversubscribe"
+    ), raw
     assert req.returncode == 1 and "abandoned" in rerr and "died before they joined" in rerr, (rout, rerr)
     assert "died before it joined" in out
     steps = _steps(tmp_path / "jd.jsonl")

@@ -62,6 +62,7 @@ def _start(tmp_path, nproc: int, steps: int, name: str, worker_args=()):
             "launch",
             "--nproc",
             str(nproc),
+            "--allow-oversubscribe",  # CPU workers: grown past --nproc on purpose
             "--config",
             str(cfg_path),
             "--store",

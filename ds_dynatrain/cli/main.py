@@ -4,6 +4,7 @@
 
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
     dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
+    srun --ntasks-per-node=1 dynatrain launch --nproc 2 --config CFG script.py [ARGS...]
     dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
     dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
@@ -34,9 +35,12 @@ def _cmd_launch(a) -> int:
             a.nproc,
             a.config,
             a.store,
-            nnodes=getattr(a, "nnodes", 1),
-            node_rank=getattr(a, "node_rank", 0),
+            nnodes=getattr(a, "nnodes", None),
+            node_rank=getattr(a, "node_rank", None),
             join=a.command == "join",
+            slots=getattr(a, "slots", None),
+            allow_oversubscribe=a.allow_oversubscribe,
+            max_refills=getattr(a, "max_refills", 0),
         )
     except ConfigError as err:
         print(f"dynatrain {a.command}: {err}", file=sys.stderr)
@@ -145,7 +149,13 @@ def _cmd_export(a) -> int:
 
 
 def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: str) -> None:
-    """The arguments ``launch`` and ``join`` share: the config, the script and its arguments."""
+    """The arguments ``launch`` and ``join`` share: oversubscription, the config, the script and its
+    arguments."""
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="joiners may start on this host past its slots (several workers on one device)",
+    )
     p.add_argument("--config", required=True, help=config_help)
     p.add_argument("script", help=script_help)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -168,8 +178,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run one ``dynatrain`` command; returns its exit status (0 ok, 1 failed, 2 refused input)."""
     a = build_parser().parse_args(argv)
     log_to_console()
-    if getattr(a, "nproc", 1) is not None and getattr(a, "nproc", 1) < 1:
-        print(f"dynatrain {a.command}: --nproc must be >= 1", file=sys.stderr)
+    for flag in ("nproc", "slots", "nnodes"):
+        if getattr(a, flag, None) is not None and getattr(a, flag) < 1:
+            print(f"dynatrain {a.command}: --{flag} must be >= 1", file=sys.stderr)
+            return 2
+    if getattr(a, "max_refills", 0) < 0:
+        print(f"dynatrain {a.command}: --max-refills must be >= 0", file=sys.stderr)
         return 2
     return a.func(a)
 
@@ -177,14 +191,38 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _add_job_commands(sub) -> None:
     """``launch`` and ``join``: run this host's share of a job."""
     lp = sub.add_parser("launch", help="start a job: host the membership store and the worker processes")
-    lp.add_argument("--nproc", type=int, required=True, help="workers of this host at launch (its slots)")
-    lp.add_argument("--nnodes", type=int, default=1, help="hosts at launch (world size = nnodes * nproc)")
-    lp.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 hosts the store")
+    lp.add_argument("--nproc", type=int, required=True, help="workers this host starts (also its slots unless --slots)")
+    lp.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="hosts at launch (world size = nnodes * nproc; default: SLURM's node count under srun, else 1)",
+    )
+    lp.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's index; node 0 hosts the store (default: SLURM_NODEID under srun, "
+        "JOB_COMPLETION_INDEX or the pod ordinal on Kubernetes, else 0)",
+    )
     lp.add_argument(
         "--store",
         default=None,
-        help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; "
-        "on several hosts an address of node 0 and a fixed port)",
+        help="HOST:PORT for the job's TCPStore (default: 127.0.0.1, any port; on several hosts an address of "
+        "node 0 and a fixed port; under srun the first host of the node list, :PORT names only the port)",
+    )
+    lp.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="workers this host can hold, one per device (default: --nproc); joiners of a grow start in free slots",
+    )
+    lp.add_argument(
+        "--max-refills",
+        type=int,
+        default=0,
+        help="after a worker failure shrank the job (restore_on_failure), grow it back to its slots "
+        "at most this many times (default: 0, the job stays smaller)",
     )
     _job_arguments(
         lp,

@@ -8,19 +8,23 @@ for at a resize (store keys of :mod:`ds_dynatrain.elastic.keys`).
 
 Several hosts: the same agent runs on each, ``dynatrain launch --nnodes N --node-rank R --nproc K
 --store HOST:PORT``; node 0 hosts the store at HOST:PORT (an address of node 0 the others reach),
-node R starts ranks ``R*K .. R*K+K-1``. ``dynatrain join --store HOST:PORT --nproc K`` starts an
-agent on one more host that asks the job to grow by K ranks there (a request in the same queue as
-``dynatrain resize``). Joiners of a grow start on the host the request names, else on the host with
-the most free slots (each agent offers ``--nproc`` slots). Node 0's agent keeps the store up until
-every agent's workers have exited.
+node R starts ranks ``R*K .. R*K+K-1`` (under ``srun`` or on Kubernetes the node count, rank and
+store host come from the scheduler's variables: :mod:`~ds_dynatrain.elastic.cluster_env`).
+``dynatrain join --store HOST:PORT --nproc K`` starts an agent on one more host that asks the job
+to grow by K ranks there (a request in the same queue as ``dynatrain resize``). Joiners of a grow
+start on the host the request names, else in the free slots of the host with the most (each agent
+offers ``--slots``, default ``--nproc``; never past them without ``--allow-oversubscribe``:
+:mod:`~ds_dynatrain.elastic.placement`). Node 0's agent keeps the store up until every agent's
+workers have exited.
 
 A worker that exits with status 0 has finished or left the job at a resize. When a worker fails
 (killed without notice, or an error; a whole host lost makes its peers fail within
 ``collective_timeout_s``) and the job takes snapshots with ``restore_on_failure``, its agent
 publishes a restart: every agent kills its workers and starts its share of a new generation on the
 largest world size the live workers can serve, from the latest complete snapshot
-(``DYNATRAIN_RESTORE``; the workers load it at that world size). Otherwise a failure ends the job:
-every agent kills its workers and exits with the failing worker's status.
+(``DYNATRAIN_RESTORE``; the workers load it at that world size); with ``--max-refills N`` that
+agent then asks the job to grow back to its slots (:mod:`~ds_dynatrain.elastic.refill`). Otherwise
+a failure ends the job: every agent kills its workers and exits with the failing worker's status.
 
 SIGTERM or SIGINT to an agent (a scheduler ending the job, Ctrl-C) stops the whole job: the agent
 marks the stop in the store, rank 0 reads it at the next step boundary and the step's vote carries
@@ -75,7 +79,8 @@ from .keys import (
 )
 from .launch_env import LaunchContext, member_id
 from .membership import connect_store, next_generation
-from .placement import HEARTBEAT_LOST_S
+from .placement import alive_workers, others_running
+from .refill import Refill
 
 POLL_S = 0.05
 GRACE_S = 10.0
@@ -94,7 +99,9 @@ class Agent:
         script: the training script.  script_args: its arguments.
         nproc: workers at launch.  config: path of the DeepSpeed config (passed on).
         store_host, store_port: where the store listens (port 0: any free port).
-        python: interpreter for the workers.
+        python: interpreter for the workers.  slots, oversubscribe: what this host offers joiners
+        (:class:`~ds_dynatrain.elastic.placement.Host`; default ``nproc`` slots, not past them).
+        max_refills: grows back to the slots after a restart shrank the job (0: none).
     """
 
     def __init__(
@@ -113,6 +120,9 @@ class Agent:
         node_rank: int = 0,
         join: bool = False,
         connect_timeout_s: float = 60.0,
+        slots: Optional[int] = None,
+        oversubscribe: bool = False,
+        max_refills: int = 0,
     ):
         self.script = script
         self.script_args = list(script_args)
@@ -130,7 +140,8 @@ class Agent:
         else:
             self.store = connect_store(store_host, store_port, connect_timeout_s)
         self.node = int(self.store.add(NODE_COUNT, 1)) - 1 if join else node_rank
-        self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": nproc}))
+        self.slots = nproc if slots is None else slots
+        self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": self.slots, "oversubscribe": oversubscribe}))
         self.store_host = store_host
         self._restarts_seen = 0
         self.local_ranks: Dict[str, int] = {}
@@ -147,14 +158,12 @@ class Agent:
         self.restore_dir = restore_dir  # snapshots to restart from when a worker dies (None: do not)
         self.largest = largest or (lambda alive: alive)  # the largest world size <= alive that keeps the batch
         self.restores_left = max_restores
+        self.refill = Refill(self.store, max_refills, self.largest)  # grow back after a restart shrank the job
         self._restore_env = False
 
     @property
     def store_port(self) -> int:
         return self.store.port
-
-    def _nodes(self) -> int:
-        return int(self.store.add(NODE_COUNT, 0))
 
     def _wave_port(self, wave: int) -> int:
         """The port of the store that the processes of start ``wave`` (0: the launch, i: the i-th
@@ -301,13 +310,7 @@ class Agent:
         if self.restore_dir is None or self.restores_left <= 0 or self._latest() is None:
             return False
         self._publish_alive()
-        alive = {}
-        for i in range(self._nodes()):
-            key = NODE_ALIVE_KEY.format(i)
-            if self.store.check([key]):
-                beat = json.loads(self.store.get(key))
-                if i == self.node or time.time() - beat["time"] <= HEARTBEAT_LOST_S:  # a lost host serves nothing
-                    alive[i] = int(beat["alive"])
+        alive = alive_workers(self.store, self.node)  # a lost host serves nothing
         size = self.largest(sum(alive.values()))
         if size == 0:
             return False
@@ -323,6 +326,7 @@ class Agent:
             f"{tag} in {self.restore_dir}"
         )
         self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
+        self.refill.after_restart(size)
         return True
 
     def _post_restart(self, rec: dict) -> None:
@@ -367,22 +371,10 @@ class Agent:
         self._join_request = None
         return None if answer["ok"] else answer["message"]
 
-    def _others_running(self) -> bool:
-        """Whether another node's agent still runs workers (node 0 keeps the store up for them)."""
-        for i in range(self._nodes()):
-            if i == self.node or self.store.check([NODE_DONE_KEY.format(i)]):
-                continue
-            key = NODE_ALIVE_KEY.format(i)
-            if not self.store.check([key]):
-                continue
-            if time.time() - json.loads(self.store.get(key))["time"] < HEARTBEAT_LOST_S:
-                return True
-        return False
-
     def _end(self, rc: int) -> int:
         self.store.set(NODE_DONE_KEY.format(self.node), str(rc))
         if self.master and not self._killed:
-            while self._others_running():  # the store must outlive every node's workers
+            while others_running(self.store, self.node):  # the store must outlive every node's workers
                 time.sleep(POLL_S * 4)
         return rc
 
@@ -444,6 +436,7 @@ class Agent:
                 return self._end(stopped)
         self._poll_cancels()
         self._poll_spawns()
+        self.refill.poll()
         refused = self._join_refused()
         if refused:
             logger.info(f"agent: the job refused to grow: {refused}")

@@ -27,7 +27,8 @@ Requests and the job:
 
 * ``dynatrain/job``: what a requester checks a world size against.
 * ``dynatrain/request/count`` and ``dynatrain/request/<i>``: ``{"world_size": N}`` from
-  ``dynatrain resize``, or ``{"join": node, "slots": K}`` from ``dynatrain join``;
+  ``dynatrain resize`` (``"refill": true`` added when an agent grows the job back after a restart),
+  or ``{"join": node, "slots": K}`` from ``dynatrain join``;
   ``dynatrain/request/<i>/answer``: ``{"ok", "message", "record", "aborted"}``;
   ``dynatrain/request/served``: requests answered so far.
 * ``dynatrain/last_step``, ``dynatrain/done``, ``dynatrain/ended_by_preemption``.
@@ -64,7 +65,7 @@ CANCEL_KEY = "dynatrain/cancel/{}"
 STANDBY_GONE_KEY = "dynatrain/standby/{}/gone"  # a standby process left (preempted)
 JOINER_FAILED_KEY = "dynatrain/joiner/{}/failed"  # a joiner died before its generation formed
 NODE_COUNT = "dynatrain/node/count"  # agents registered (node ids 0 .. count-1)
-NODE_KEY = "dynatrain/node/{}"  # {"slots": K}
+NODE_KEY = "dynatrain/node/{}"  # {"slots": K, "oversubscribe": bool}: what that agent offers joiners
 NODE_DONE_KEY = "dynatrain/node/{}/done"  # that agent's workers have all exited
 NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time": heartbeat, unix seconds}
 MEMBER_NODE_KEY = "dynatrain/member/{}/node"  # the node a member runs on

@@ -1,26 +1,19 @@
-"""``dynatrain launch`` and ``dynatrain join`` on one host: check the config and the store address,
-then run this host's :class:`~ds_dynatrain.elastic.agent.Agent`."""
+"""``dynatrain launch`` and ``dynatrain join`` on one host: check the config, this host's place in
+the job (flags, else SLURM's or Kubernetes' variables: :mod:`~ds_dynatrain.elastic.cluster_env`)
+and the store address, then run this host's :class:`~ds_dynatrain.elastic.agent.Agent`."""
 
 from __future__ import annotations
 
 import socket
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from ..batch import largest_world_size
 from ..config import check_elastic_config, check_snapshot_storage, load_ds_config, resolve_global_batch
 from ..errors import ConfigError, DynatrainError
 from ..log import logger
 from .agent import Agent
+from .cluster_env import node_place, parse_store
 from .requests import probe_store
-
-
-def _parse_store(store: Optional[str]) -> Tuple[str, int]:
-    if not store:
-        return "127.0.0.1", 0
-    host, _, p = store.rpartition(":")
-    if not host or not p.isdigit() or not 0 <= int(p) < 65536:
-        raise ConfigError(f"--store {store!r}: expected HOST:PORT with a port in 0-65535")
-    return host, int(p)
 
 
 def launch(
@@ -29,47 +22,56 @@ def launch(
     nproc: int,
     config: str,
     store: Optional[str] = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
+    nnodes: Optional[int] = None,
+    node_rank: Optional[int] = None,
     join: bool = False,
+    slots: Optional[int] = None,
+    allow_oversubscribe: bool = False,
+    max_refills: int = 0,
 ) -> int:
     """Validate ``config``, then run this node's share of the job under an :class:`Agent`.
     Returns the exit status.
 
     Args:
-        nproc: workers (slots) of this node.  nnodes, node_rank: the hosts at launch and this one's
-            index (node 0 hosts the store).  join: this host joins a running job (``dynatrain join``).
+        nproc: workers this node starts.  nnodes, node_rank: the hosts at launch and this one's
+            index (node 0 hosts the store); None: from the scheduler's variables, else 1 and 0.
+        join: this host joins a running job (``dynatrain join``).
+        slots: the workers this host can hold (default ``nproc``); joiners of a grow go to free
+            slots.  allow_oversubscribe: joiners may start on this host past its slots.
+        max_refills: after a failure shrank the job, grow it back to its slots at most this often.
 
     Raises:
-        ConfigError: a bad config, store address or node rank; a world size the batch cannot serve;
-            a ``snapshot.dir`` that is not a writable directory and cannot be created.
+        ConfigError: a bad config, store address, node place or slot count; a world size the batch
+            cannot serve; a ``resize_schedule`` past the slots; a ``snapshot.dir`` that is not a
+            writable directory and cannot be created.
     """
     ds_config, dt_cfg = load_ds_config(config)  # refuse a bad config before any process starts
     storage = check_snapshot_storage(dt_cfg)  # and a snapshot directory that cannot be written
     if storage is not None:
         logger.info(storage.describe())
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ConfigError(f"--node-rank {node_rank} with --nnodes {nnodes}: expected 0 <= node rank < nnodes")
-    host, port = _parse_store(store)
-    if (nnodes > 1 or node_rank or join) and not port:
-        raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
+    slots = nproc if slots is None else slots
+    if slots < nproc:
+        raise ConfigError(f"--slots {slots} is less than --nproc {nproc}: a host starts at most its slots")
     if join:
+        (host, port), nnodes, node_rank = parse_store(store), 1, 0
+        if not host or not port:
+            raise ConfigError("dynatrain join needs --store HOST:PORT of the running job")
         try:
             probe_store(host, port)  # a job runs there already: fail at once when nothing listens
         except DynatrainError as err:
             raise ConfigError(str(err)) from None
-    elif node_rank == 0:
-        try:
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-                s.bind((host, 0))
-        except OSError as err:
-            raise ConfigError(
-                f"--store {host}:{port}: node 0 hosts the store, but {host} is not an address of this host ({err})"
-            ) from None
-    if join:
         global_batch, micro = resolve_global_batch(ds_config, 1)
     else:
+        place = node_place(nnodes, node_rank, store)
+        nnodes, node_rank, host, port = place.nnodes, place.node_rank, place.store_host or "127.0.0.1", place.store_port
+        if place.source != "flags":
+            logger.info(f"agent: node {node_rank} of {nnodes}, store at {host}:{port} (from {place.source})")
+        if (nnodes > 1 or node_rank) and not port:
+            raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
+        if node_rank == 0:
+            _check_store_host(host, port)
         global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes, elastic=True)
+        _check_schedule_slots(dt_cfg, nnodes, slots, allow_oversubscribe)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
 
     def largest(alive: int) -> int:
@@ -88,9 +90,35 @@ def launch(
             nnodes=nnodes,
             node_rank=node_rank,
             join=join,
+            slots=slots,
+            oversubscribe=allow_oversubscribe,
+            max_refills=max_refills,
         )
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None
     what = "joining the job with" if join else f"node {agent.node} of {nnodes}, starting"
-    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {nproc} workers")
+    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {nproc} workers ({slots} slots)")
     return agent.run()
+
+
+def _check_store_host(host: str, port: int) -> None:
+    """Node 0 hosts the store: ``host`` must be an address of this host."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError as err:
+        raise ConfigError(
+            f"--store {host}:{port}: node 0 hosts the store, but {host} is not an address of this host ({err})"
+        ) from None
+
+
+def _check_schedule_slots(dt_cfg, nnodes: int, slots: int, oversubscribe: bool) -> None:
+    """A ``resize_schedule`` grow past ``nnodes * slots`` (hosts alike) is refused at launch."""
+    if oversubscribe or not dt_cfg.resize_schedule:
+        return
+    top = max(dt_cfg.resize_schedule, key=lambda e: e.world_size)
+    if top.world_size > nnodes * slots:
+        raise ConfigError(
+            f"dynatrain.resize_schedule grows to {top.world_size} ranks at step {top.step}, but the job has "
+            f"{nnodes * slots} slot(s) ({nnodes} host(s) x {slots}); give --slots, more hosts, or --allow-oversubscribe"
+        )

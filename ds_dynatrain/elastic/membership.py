@@ -170,6 +170,10 @@ class Membership:
         )
         self.store.set(SERVED_KEY, str(index + 1))
 
+    def answered(self, index: int) -> bool:
+        """Whether request ``index`` has its answer."""
+        return self.store.check([ANSWER_KEY.format(index)])
+
     def served(self) -> int:
         """Requests answered so far in this job (0 if none)."""
         return int(self.store.get(SERVED_KEY)) if self.store.check([SERVED_KEY]) else 0

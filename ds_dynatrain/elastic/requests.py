@@ -12,6 +12,7 @@ from ..batch import split_global_batch
 from ..errors import ResizeRefusedError, TransitionAbortedError
 from .keys import ANSWER_KEY, JOB_KEY, REQUEST_COUNT, REQUEST_KEY
 from .membership import connect_store
+from .placement import check_slots
 
 CONNECT_TIMEOUT_S = 10.0  # how long a requester tries to reach a job's store
 
@@ -19,13 +20,15 @@ CONNECT_TIMEOUT_S = 10.0  # how long a requester tries to reach a job's store
 def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> dict:
     """Ask the job whose store listens at ``host:port`` to change its world size to ``world_size``
     (``dynatrain resize``). Requests are queued in the store and served one per step boundary, in
-    order. The size is checked against the job's global batch and ``max_world_size`` first.
+    order. The size is checked against the job's global batch, ``max_world_size`` and its hosts'
+    slots (:func:`~ds_dynatrain.elastic.placement.check_slots`) first.
 
     Returns:
         The job's answer: ``{"ok": True, "message": ..., "record": <resize record>}``.
 
     Raises:
-        ResizeRefusedError: the size cannot serve the job (nothing was queued), or the job refused it.
+        ResizeRefusedError: the size cannot serve the job or needs more slots than its hosts have
+            (nothing was queued), or the job refused it.
         TransitionAbortedError: no job at the store, or no answer within ``timeout_s``.
     """
     probe_store(host, port)
@@ -37,6 +40,7 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     except RuntimeError as err:
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None
     split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), world_size, job["max_world_size"])
+    check_slots(store, world_size)
     i = int(store.add(REQUEST_COUNT, 1)) - 1
     store.set(REQUEST_KEY.format(i), json.dumps({"world_size": world_size}))
     t0 = time.monotonic()

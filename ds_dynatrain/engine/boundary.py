@@ -20,12 +20,14 @@ from deepspeed.accelerator import get_accelerator
 
 from ..batch import largest_world_size
 from ..elastic.keys import ENDED_KEY
+from ..elastic.placement import place_joiners
+from ..errors import ResizeRefusedError
 from ..log import logger
 from ..zero.state import relink_optimizer_state
 from .lifecycle import stop_job
 from .members import request_joiners
 from .records import StepRecord, format_step
-from .requests import abandon, finish_request, serve_request
+from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
 from .vote import StepTally, StepVote, exchange
 
@@ -71,7 +73,9 @@ def after_optimizer_step(engine) -> None:
 
 def _read_request(engine) -> Optional[Tuple[int, int]]:
     """Rank 0: the next request of the store as ``(index, world size)`` (a ``dynatrain join`` is a
-    grow by its slots, its joiners placed on its node), or None."""
+    grow by its slots, its joiners placed on its node), or None. A grow whose new workers find no
+    free slot (:mod:`~ds_dynatrain.elastic.placement`) is refused here and answered: its world size
+    is :data:`~ds_dynatrain.engine.requests.REFUSED`."""
     dt = engine._dt
     if dt.membership is None or engine.global_rank != 0:
         return None
@@ -82,7 +86,18 @@ def _read_request(engine) -> Optional[Tuple[int, int]]:
     if "join" in body:
         dt.join_node = (index, int(body["join"]))
         return index, engine.dp_world_size + int(body["slots"])
-    return index, int(body["world_size"])
+    world_size = int(body["world_size"])
+    if dt.membership.answered(index):
+        return index, REFUSED  # refused when read at an earlier boundary that served something else
+    new = world_size - len(dt.members) - len(dt.standby)  # standby processes are taken back first
+    if new > 0:
+        try:
+            place_joiners(dt.membership.store, tuple(dt.members) + tuple(dt.standby), [f"new{i}" for i in range(new)])
+        except ResizeRefusedError as err:
+            dt.membership.answer(index, False, f"resize to {world_size} ranks refused: {err}")
+            logger.info(f"resize request {index}: refused: {err}")
+            return index, REFUSED  # every rank counts it served
+    return index, world_size
 
 
 def _gone_standby(engine) -> frozenset:

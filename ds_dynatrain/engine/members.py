@@ -8,6 +8,8 @@ from typing import Sequence, Tuple
 from ..elastic.launch_env import enter_generation, member_id
 from ..elastic.membership import GenerationRecord
 from ..elastic.placement import place_joiners
+from ..errors import ResizeRefusedError
+from ..log import logger
 from ..planner.assignment import next_members
 from ..zero.comm import start_deepspeed_comm
 from ..zero.geometry import layout_of
@@ -66,7 +68,14 @@ def _publish_generation(
     if join is not None and join[0] == dt.requests_seen - 1:
         nodes = {j: join[1] for j in joiners}
     else:
-        nodes = place_joiners(dt.membership.store, tuple(members) + tuple(dt.standby), joiners)
+        staying = tuple(members) + tuple(dt.standby)
+        try:
+            nodes = place_joiners(dt.membership.store, staying, joiners)
+        except ResizeRefusedError as err:
+            # requests were checked when rank 0 read them and the schedule at launch: only a host
+            # lost since (or hosts unlike node 0) gets here, and the ranks are past the decision
+            logger.warning(f"generation {g}: {err}; its joiners start on the least loaded hosts")
+            nodes = place_joiners(dt.membership.store, staying, joiners, force=True)
     dt.membership.request_spawn(g, world_size, [members.index(j) for j in joiners], joiners, nodes)
 
 

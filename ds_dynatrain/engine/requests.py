@@ -16,6 +16,8 @@ from .resize import resize
 from .state import Preparation
 from .transfer import background_xfer
 
+REFUSED = 0  # the world size of a request rank 0 refused as it read it (already answered)
+
 
 def serve_request(engine, index: int, world_size: int) -> None:
     """``dynatrain resize`` request ``index``, at this step boundary on every rank (each learned
@@ -26,6 +28,8 @@ def serve_request(engine, index: int, world_size: int) -> None:
     the first step boundary where every rank has it ready (:func:`finish_request`)."""
     dt = engine._dt
     dt.requests_seen = index + 1  # before the resize: its header hands the count to joiners
+    if world_size == REFUSED:
+        return  # rank 0 refused it when it read it (no free slots) and answered the requester
     try:
         if dt.config.background_groups and world_size != engine.dp_world_size:
             dt.split(world_size)

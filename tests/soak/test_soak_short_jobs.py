@@ -47,7 +47,7 @@ def _one(tmp_path, n: int) -> dict:
     d = tmp_path / f"job{n}"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(_config(d)))
-    cmd = soaklib.dynatrain("launch", "--nproc", "2", "--config", str(d / "config.json"), WORKER)
+    cmd = soaklib.dynatrain("launch", "--nproc", "2", "--slots", "3", "--config", str(d / "config.json"), WORKER)
     t0 = time.monotonic()
     job = soaklib.Proc(cmd + ["--out", str(d), "--steps", "6"], str(d / "stdout.log"), str(d / "stderr.log"))
     try:
