@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test lint format install clean soak
+.PHONY: demo test test-slow lint format install clean soak
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ demo: $(STAMP)
 # lint and format check first (ruff, configured in pyproject.toml), then the suite
 test: lint
 	$(BIN)/python -m pytest
+
+# the slow multi-process cases (marked slow, deselected by `make test`): a path a faster test also covers,
+# at another ZeRO stage, signal or length (the main job under ZeRO-3, SIGINT to the launcher, ten 4→2→4 cycles)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 # the soak and fuzz suite (tests/soak/, deselected by `make test`): 100 resize cycles in one job,
 # 100 SIGKILLs mid-flush, 10,000 corruptions put to four readers, 50 short resizing jobs; shorter

@@ -71,6 +71,7 @@ def _resources(tmp_path):
     return out
 
 
+@pytest.mark.slow  # soak-like: make soak runs 100 such cycles
 @pytest.mark.timeout(600)
 def test_ten_cycles_4_2_4_reuse_groups_with_resources_flat(tmp_path):
     """Twenty `dynatrain resize` requests, 4 -> 2 -> 4 ten times, with standby processes: no hang,

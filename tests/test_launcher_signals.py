@@ -98,7 +98,10 @@ def _pids_gone(tmp_path) -> bool:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT takes the same path as SIGTERM (one handler for both): make test runs SIGTERM only
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"]
+)
 def test_a_signal_to_the_launcher_ends_the_job_with_a_final_snapshot(tmp_path, sig):
     flag = tmp_path / "go"
     job, logs = _launch(tmp_path, "job", _config(tmp_path, "job"), ["--hold-at", str(HOLD), "--flag", str(flag)])

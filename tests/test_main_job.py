@@ -35,7 +35,12 @@ def job_config(tmp_path, name, config="zero2_elastic.json"):
     return cfg
 
 
-@pytest.fixture(scope="module", params=["zero2_elastic.json", "zero3_elastic.json"], ids=["zero2", "zero3"])
+# ZeRO-3 resizes are also covered, state bitwise, by test_resize_zero3; the whole main job under ZeRO-3 is slow
+@pytest.fixture(
+    scope="module",
+    params=["zero2_elastic.json", pytest.param("zero3_elastic.json", marks=pytest.mark.slow)],
+    ids=["zero2", "zero3"],
+)
 def main_job(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main_job")
     el = launch(tmp, SCRIPT, 2, job_config(tmp, "elastic", request.param), ARGS, timeout=240, name="elastic")
