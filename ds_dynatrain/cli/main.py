@@ -21,7 +21,7 @@ import sys
 from typing import List, Optional
 
 from ..errors import ConfigError, DynatrainError, ResizeRefusedError, TransitionAbortedError
-from ..log import log_to_console
+from ..log import log_to_console, plural
 
 
 def _cmd_launch(a) -> int:
@@ -139,8 +139,10 @@ def _cmd_export(a) -> int:
         return 1
     print(
         f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
-        f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s"
+        f"(step {st.step}, saved by {plural(st.world_size, 'rank')} at ZeRO-{st.stage}) in {st.seconds:.2f} s"
     )
+    if st.config:
+        print(f"wrote {st.config}: the model's Hugging Face config (from_pretrained loads the directory)")
     return 0
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple
 from ..batch import largest_world_size
 from ..config import check_elastic_config, check_snapshot_storage, load_ds_config, resolve_global_batch
 from ..errors import ConfigError, DynatrainError
-from ..log import logger
+from ..log import logger, plural
 from .agent import Agent
 from .requests import probe_store
 
@@ -92,5 +92,5 @@ def launch(
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None
     what = "joining the job with" if join else f"node {agent.node} of {nnodes}, starting"
-    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {nproc} workers")
+    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {plural(nproc, 'worker')}")
     return agent.run()
