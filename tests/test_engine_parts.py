@@ -182,3 +182,18 @@ def test_log_to_console_prints_the_plugins_lines_once(capsys):
         for h in saved[0]:
             logger.addHandler(h)
         logger.propagate, logger.level = saved[1], saved[2]
+
+
+def test_tokens_per_sample_of_a_batch():
+    """The loader's batch shapes the records' tokens/s: ``[samples, tokens]`` integer ids, bare or
+    as ``input_ids``; anything else (floats, one dimension, other objects) is unknown."""
+    import torch
+
+    from ds_dynatrain.data import tokens_per_sample
+
+    assert tokens_per_sample(torch.zeros(4, 128, dtype=torch.long)) == 128
+    assert tokens_per_sample({"input_ids": torch.zeros(2, 7, dtype=torch.int32), "labels": None}) == 7
+    assert tokens_per_sample(torch.zeros(4, 128)) is None
+    assert tokens_per_sample(torch.zeros(4, dtype=torch.long)) is None
+    assert tokens_per_sample({"x": torch.zeros(2, 7, dtype=torch.long)}) is None
+    assert tokens_per_sample([torch.zeros(2, 7, dtype=torch.long)]) is None
