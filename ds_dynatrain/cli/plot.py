@@ -121,7 +121,7 @@ def _phases_panel(ax, resizes: List[dict]) -> None:
     ax.set_xlabel("seconds")
     ax.set_title(PHASES_TITLE, loc="left", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(1, len(resizes)) ** 0.5), fontsize=7, ncol=6)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(1, len(resizes)) ** 0.5), fontsize=7, ncol=4)
 
 
 def build_figure(recs: List[dict], static: Optional[List[dict]] = None, title: str = ""):
