@@ -121,7 +121,6 @@ def _phases_panel(ax, resizes: List[dict]) -> None:
     ax.set_xlabel("seconds")
     ax.set_title(PHASES_TITLE, loc="left", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(1, len(resizes)) ** 0.5), fontsize=7, ncol=4)
 
 
 def build_figure(recs: List[dict], static: Optional[List[dict]] = None, title: str = ""):
@@ -151,6 +150,8 @@ def build_figure(recs: List[dict], static: Optional[List[dict]] = None, title: s
         axes[1].sharex(axes[0])
     if resizes:
         _phases_panel(axes[-1], resizes)
+        # the phases' legend below the figure (constrained layout makes room; in the panel it hides bars)
+        fig.legend(*axes[-1].get_legend_handles_labels(), loc="outside lower center", fontsize=7, ncol=4)
     (axes[1] if static is not None else axes[0]).set_xlabel("optimizer step")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
