@@ -125,6 +125,14 @@ def test_cli_writes_the_png_and_refuses_bad_input(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n")
-    assert main(["plot", str(bad), "--out", str(tmp_path / "b.png")]) == 2
-    assert not (tmp_path / "b.png").exists()
+    for text, why in [
+        ("not json\n", "line 1 is not JSON"),
+        ('{"event": "step", "step": 1, "loss": 2.0, "world_size": 2}\n\n{"event": "step", "step": 2}\n',
+         "line 3: a step record without loss, world_size"),
+        ('{"event": "resize", "step": 1, "from": 2, "to": 3}\n', "line 1: a resize record without seconds"),
+        ("[1, 2]\n", "line 1 is not a JSON object"),
+    ]:  # fmt: skip
+        bad.write_text(text)
+        assert main(["plot", str(bad), "--out", str(tmp_path / "b.png")]) == 2
+        assert f"dynatrain plot: {bad}: {why}" in capsys.readouterr().err
+        assert not (tmp_path / "b.png").exists()

@@ -30,14 +30,38 @@ PHASES = (
 LOSS_TITLE, DIFF_TITLE, PHASES_TITLE = "loss", "elastic − static loss", "resize phases"
 
 
+# the fields each drawn event needs (a record of another event is left out of the figure)
+NEEDED = {
+    "step": ("step", "loss", "world_size"),
+    "resize": ("step", "from", "to", "seconds"),
+    "snapshot": ("step", "ok"),
+}
+
+
 def read_metrics(path: str) -> List[dict]:
     """The records of a metrics file (JSON lines; blank lines skipped).
 
     Raises:
-        OSError: the file cannot be read.  ValueError: a line is not JSON.
+        OSError: the file cannot be read.
+        ValueError: a line is not a JSON object, or a step, resize or snapshot record lacks a field
+            the figure needs (the message names the file, the line and the field).
     """
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path}: line {n} is not JSON ({err})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}: line {n} is not a JSON object")
+            missing = [k for k in NEEDED.get(rec.get("event"), ()) if k not in rec]
+            if missing:
+                raise ValueError(f"{path}: line {n}: a {rec['event']} record without {', '.join(missing)}")
+            out.append(rec)
+    return out
 
 
 def label_rows(xs: Sequence[float], min_gap: float) -> List[int]:
