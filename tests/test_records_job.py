@@ -152,3 +152,19 @@ def test_parameter_count_under_zero3(job):
     n = sum(p.numel() for p in build_model(SEQ_LEN, LAYERS, HIDDEN).parameters())
     assert f"model: Llama, {n / 1e6:.2f} M parameters" in output and n > 10_000, output[:3000]
     assert "ZeRO stage 3" in output
+
+
+def test_plot_of_the_job(job, tmp_path):
+    """``dynatrain plot`` draws the real metrics file: the loss panel and one bar per resize."""
+    pytest.importorskip("matplotlib")
+    from ds_dynatrain.cli.main import main
+    from ds_dynatrain.cli.plot import LOSS_TITLE, PHASES_TITLE, build_figure
+
+    tmp, _, _, recs = job
+    fig = build_figure(recs)
+    assert [a.get_title(loc="left") for a in fig.axes] == [LOSS_TITLE, PHASES_TITLE]
+    (resize,) = [r for r in recs if r["event"] == "resize"]
+    plan = next(c for c in fig.axes[1].containers if c.get_label() == "plan")
+    assert [p.get_width() for p in plan.patches] == pytest.approx([resize["plan_s"]])
+    assert main(["plot", str(tmp / "metrics.jsonl"), "--out", str(tmp_path / "job.png")]) == 0
+    assert (tmp_path / "job.png").stat().st_size > 0
