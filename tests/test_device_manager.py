@@ -248,7 +248,7 @@ def test_two_hosts_join_while_a_resize_is_pending(tmp_path, two_hosts):
     assert arc == 0 and brc == 0 and jrc == 0, {n: t[-2500:] for n, t in logs.items()}
     assert resize.returncode == 0 and "resized 2 -> 3" in rout, rerr
     assert shrink.returncode == 0 and "resized 4 -> 2" in shrink.stdout, shrink.stderr
-    assert "asks the job to grow by 1 rank(s)" in logs["join_b"]
+    assert "asks the job to grow by 1 rank (request" in logs["join_b"]
     assert "agent: starting joiner g2r" in logs["join_b"]  # the join's worker started on host b
     recs = read_jsonl(tmp_path / "mh.jsonl")
     assert [(r["from"], r["to"]) for r in recs if r["event"] == "resize"] == [(2, 3), (3, 4), (4, 2)]
@@ -294,7 +294,7 @@ def test_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
         rc = _finish(job, log)
     out = (tmp_path / "jd.log").read_text()
     assert rc == 0, out[-4000:]
-    assert req.returncode == 1 and "abandoned" in rerr and "died before they joined" in rerr, (rout, rerr)
+    assert req.returncode == 1 and "abandoned" in rerr and "died before it joined" in rerr, (rout, rerr)
     assert "died before it joined" in out
     steps = _steps(tmp_path / "jd.jsonl")
     last = steps[-1]["step"]

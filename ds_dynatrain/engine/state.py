@@ -142,7 +142,8 @@ class Preparation:
         if err is None and check_joiners:
             dead = dt.membership.failed_joiners([m for m in self.members if m not in dt.members])
             if dead:
-                err = f"{'joiner' if len(dead) == 1 else 'joiners'} {list(dead)} died before joining"
+                one = len(dead) == 1
+                err = f"{'joiner' if one else 'joiners'} {list(dead)} died before {'it' if one else 'they'} joined"
         ready = self.xfer.ready() and (not mine or groups.ready(self.members))
         if ready and self.ready_at is None:
             self.ready_at = time.perf_counter()
