@@ -87,7 +87,9 @@ class DynatrainConfig(_Strict):
     max_world_size: Optional[int] = Field(None, ge=1, description="largest data-parallel world size allowed")
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     metrics_path: Optional[str] = Field(None, description="JSON-lines file of step and resize records (rank 0)")
-    log_interval_steps: int = Field(1, ge=1, description="print one step line every this many steps")
+    log_interval_steps: int = Field(
+        1, ge=1, description="print one step line every this many steps (step time and throughput averaged over them)"
+    )
     collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every wait of a transition, seconds")
     join_timeout_s: float = Field(
         600.0, gt=0, description="how long a spawned joiner waits for its generation, seconds"

@@ -11,11 +11,23 @@ job stands: no sample is seen twice or skipped, whatever the world sizes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
+
+
+def tokens_per_sample(batch) -> Optional[int]:
+    """Tokens of one sample of ``batch``: the second dimension of an integer tensor of at least two
+    dimensions (``[samples, tokens]``), or of the ``input_ids`` of a mapping; None otherwise (the
+    records then carry no tokens/s)."""
+    if isinstance(batch, Mapping):
+        batch = batch.get("input_ids")
+    if isinstance(batch, torch.Tensor) and batch.dim() >= 2 and not batch.is_floating_point():
+        return int(batch.shape[1])
+    return None
 
 
 class ElasticDataLoader:
@@ -97,4 +109,8 @@ class ElasticDataLoader:
                 step, self._micro, engine.global_rank, engine.dp_world_size, engine.train_micro_batch_size_per_gpu()
             )
             self._micro += 1
-            yield self.collate_fn([self.dataset[int(i)] for i in idx])
+            batch = self.collate_fn([self.dataset[int(i)] for i in idx])
+            dt = getattr(engine, "_dt", None)
+            if dt is not None and dt.tokens_per_sample is None:
+                dt.tokens_per_sample = tokens_per_sample(batch)  # the step records' tokens/s
+            yield batch

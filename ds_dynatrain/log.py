@@ -7,8 +7,11 @@ the same, or configure :mod:`logging` as it likes (the logger is ``"ds_dynatrain
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+import tempfile
 from typing import IO, Optional
 
 logger = logging.getLogger("ds_dynatrain")
@@ -45,3 +48,35 @@ def log_to_console(stream: Optional[IO[str]] = None, level: int = logging.INFO) 
     logger.setLevel(level)
     logger.propagate = False
     return h
+
+
+@contextlib.contextmanager
+def native_stderr_hidden():
+    """Discard what native code writes to file descriptor 2 while the block runs.
+
+    torch's C++ store client logs each failed connection attempt with a C++ stack trace (dozens
+    of lines) before it raises; the command line (``dynatrain resize``, an agent joining a job)
+    says in one line what failed instead. For a command-line process between its threads' work
+    only: every thread's writes to fd 2 are discarded meanwhile (Python's ``sys.stderr`` is
+    flushed first, so nothing written before is lost)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no fd 2 (an embedding application)
+        yield
+        return
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+def plural(n: int, word: str, many: Optional[str] = None) -> str:
+    """``"1 rank"``, ``"2 ranks"``: ``n`` and ``word``, in the plural (``many``, default ``word + "s"``)
+    unless ``n`` is 1."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"

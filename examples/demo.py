@@ -93,6 +93,9 @@ def main() -> int:
             )
     el = losses(metrics)
     print(f"elastic run: {len(el)} steps in {t_elastic:.0f} s, final loss {el[max(el)]['loss']:.4f}")
+    for ws in sorted({r["world_size"] for r in el.values()}):
+        rates = sorted(r["samples_per_s"] for r in el.values() if r["world_size"] == ws)
+        print(f"  world size {ws}: {len(rates)} steps, median {rates[len(rates) // 2]:.1f} samples/s")
     if a.compare_static:
         st = losses(static)
         diff = max(abs(el[s]["loss"] - st[s]["loss"]) for s in el if s in st)

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         model=model, model_parameters=model.parameters(), training_data=dataset, config=config, seed=args.seed
     )
     if engine.global_rank == 0 and engine.global_steps == 0:
-        n = sum(q.numel() for q in model.parameters())
+        # under ZeRO-3 a parameter's own tensor is an empty placeholder: its size is ds_numel
+        n = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters())
         print(
             f"model: Llama, {n / 1e6:.2f} M parameters; data: {dataset.source}, {len(dataset)} samples of "
             f"{args.seq_len} bytes; ZeRO stage {engine.zero_optimization_stage()}, world size "

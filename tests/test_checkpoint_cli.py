@@ -479,16 +479,22 @@ def test_export_tied_frozen_and_buffers_like_zero_to_fp32(extras, tmp_path, caps
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_exported_llama_loads_with_transformers(extras, tmp_path, capsys):
-    """``dynatrain export`` + the model's ``config.json`` is a Hugging Face model directory:
-    ``from_pretrained`` finds every weight (none missing or unexpected), the master weights
-    bitwise, the tie kept."""
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize("fmt", ["ours", "torch"])
+def test_exported_llama_loads_with_transformers(extras, tmp_path, capsys, fmt):
+    """``dynatrain export`` alone makes a Hugging Face model directory: the snapshot holds the
+    model's config and export writes it as ``config.json`` (equal to what ``save_pretrained``
+    wrote in the job); ``from_pretrained`` finds every weight (none missing or unexpected), the
+    master weights bitwise, the tie kept. Both formats: the config travels in the client state."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path / "hf"
     out.mkdir()
-    shutil.copy(extras / "llama" / "config.json", out / "config.json")
-    _export(capsys, extras / "llama" / "ours", out / "model.safetensors")
+    rc, stdout, err = cli(capsys, "export", extras / "llama" / fmt, "--out", out / "model.safetensors")
+    assert rc == 0, err
+    assert f"wrote {out / 'config.json'}" in stdout
+    saved = LlamaConfig.from_pretrained(str(extras / "llama")).to_dict()
+    exported = LlamaConfig.from_pretrained(str(out)).to_dict()
+    assert exported == saved
     model, info = LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     state = torch.load(extras / "llama" / "state.pt")
@@ -499,6 +505,16 @@ def test_exported_llama_loads_with_transformers(extras, tmp_path, capsys):
         assert sd[k].dtype == torch.float32 and torch.equal(sd[k], state[k]["fp32"]), k
     assert torch.equal(sd["model.norm.weight"], state["__frozen__"]["model.norm.weight"])
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_export_of_a_model_without_config_writes_no_config_json(tinylm, tmp_path, capsys):
+    """TinyLM has no Hugging Face config: nothing is invented."""
+    out = tmp_path / "plain"
+    out.mkdir()
+    _export(capsys, tinylm / "ours_z2", out / "model.safetensors")
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
 
 
 # --- the writer alone -----------------------------------------------------------------------------

@@ -296,7 +296,7 @@ def test_two_hosts_under_srun_join_while_a_resize_is_pending(tmp_path, two_hosts
     assert shrink.returncode == 0 and "resized 4 -> 2" in shrink.stdout, shrink.stderr
     assert f"agent: node 0 of 2, store at {first}:{port} (from SLURM)" in logs["host_a"]
     assert f"agent: node 1 of 2, store at {first}:{port} (from SLURM)" in logs["host_b"]
-    assert "asks the job to grow by 1 rank(s)" in logs["join_b"]
+    assert "asks the job to grow by 1 rank (request" in logs["join_b"]
     assert "agent: starting joiner g2r" in logs["join_b"]  # the join's worker started on host b
     recs = read_jsonl(tmp_path / "mh.jsonl")
     assert [(r["from"], r["to"]) for r in recs if r["event"] == "resize"] == [(2, 3), (3, 4), (4, 2)]
@@ -364,10 +364,10 @@ def test_no_free_slot_refuses_and_a_joiner_dying_before_it_joins_gives_the_reque
     ), big.stderr
     assert queued == 0 and raw["ok"] is False and not raw["aborted"], raw  # the refused resize queued nothing
     assert raw["message"] == (
-        "resize to 6 ranks refused: 4 new worker(s) need a free slot each, but the job's hosts have 1 free "
+        "resize to 6 ranks refused: 4 new workers need a free slot each, but the job's hosts have 1 free "
         "(node 0: 2 of 3 used); add hosts with dynatrain join, or launch with --slots or --allow-oversubscribe"
     ), raw
-    assert req.returncode == 1 and "abandoned" in rerr and "died before they joined" in rerr, (rout, rerr)
+    assert req.returncode == 1 and "abandoned" in rerr and "died before it joined" in rerr, (rout, rerr)
     assert "died before it joined" in out
     steps = _steps(tmp_path / "jd.jsonl")
     last = steps[-1]["step"]

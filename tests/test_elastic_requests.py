@@ -272,7 +272,7 @@ def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
     assert len(restores) == 1
     restored, lost = restores[0]["step"], restores[0]["lost_steps"]
     assert restored == 4 and lost == restores[0]["last_step"] - restored and lost >= 0
-    assert f"{lost} step(s) since that snapshot were lost" in out
+    assert f"{lost} {'step' if lost == 1 else 'steps'} since that snapshot {'was' if lost == 1 else 'were'} lost" in out
     after = [r for r in recs[recs.index(restores[0]) :] if r["event"] == "step"]
     assert [r["step"] for r in after] == list(range(restored + 1, 13)) and {r["world_size"] for r in after} == {2}
     # the oracle: the same snapshot loaded by a static 2-rank job

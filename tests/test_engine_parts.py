@@ -13,7 +13,7 @@ import pytest
 
 from ds_dynatrain.cli.readme import readme_with_records, records_markdown
 from ds_dynatrain.engine.header import TransitionHeader, header_failures
-from ds_dynatrain.engine.records import RECORDS, JoinRecord, ResizeRecord, StepRecord
+from ds_dynatrain.engine.records import RECORDS, JoinRecord, ResizeRecord, StepRecord, format_step
 from ds_dynatrain.engine.restore import check_restorable, restore_candidates
 from ds_dynatrain.errors import (
     CheckpointIncompleteError,
@@ -34,13 +34,29 @@ def test_resize_record_dict_names_the_fields_as_documented():
     assert "from_world_size" not in d and "request" not in d and "hidden_fraction" not in d  # optional, unset
     rec.request, rec.hidden_fraction = 4, 0.99
     assert rec.to_dict()["request"] == 4 and rec.to_dict()["hidden_fraction"] == 0.99
-    assert StepRecord(step=1, world_size=2, loss=0.5, lr=1e-3).to_dict() == {
+    assert StepRecord.of(1, 2, 0.5, 1e-3, samples=12, step_s=0.5, tokens=None).to_dict() == {
         "event": "step",
         "step": 1,
         "world_size": 2,
         "loss": 0.5,
         "lr": 1e-3,
+        "samples": 12,
+        "step_s": 0.5,
+        "samples_per_s": 24.0,
     }
+    assert StepRecord.of(1, 2, 0.5, 1e-3, samples=12, step_s=0.5, tokens=32).to_dict()["tokens_per_s"] == 768.0
+
+
+def test_step_line_averages_time_and_throughput_over_the_interval():
+    rec = StepRecord.of(10, 2, 1.25, 2e-3, samples=12, step_s=0.5, tokens=32)
+    assert format_step(rec) == (
+        "step    10 | world 2 | loss 1.2500 | lr 2.000e-03 | 0.500 s/step | 24.0 samples/s | 768 tokens/s"
+    )
+    # ten steps of 12 samples in 4 s: 0.4 s a step, 30 samples/s, 960 tokens/s
+    assert format_step(rec, steps=10, seconds=4.0, samples=120).endswith(
+        "| 0.400 s/step | 30.0 samples/s | 960 tokens/s"
+    )
+    assert "tokens/s" not in format_step(StepRecord.of(1, 1, 1.0, 0.0, samples=4, step_s=1.0, tokens=None))
 
 
 def test_a_background_transfer_adds_to_the_record():
@@ -166,3 +182,18 @@ def test_log_to_console_prints_the_plugins_lines_once(capsys):
         for h in saved[0]:
             logger.addHandler(h)
         logger.propagate, logger.level = saved[1], saved[2]
+
+
+def test_tokens_per_sample_of_a_batch():
+    """The loader's batch shapes the records' tokens/s: ``[samples, tokens]`` integer ids, bare or
+    as ``input_ids``; anything else (floats, one dimension, other objects) is unknown."""
+    import torch
+
+    from ds_dynatrain.data import tokens_per_sample
+
+    assert tokens_per_sample(torch.zeros(4, 128, dtype=torch.long)) == 128
+    assert tokens_per_sample({"input_ids": torch.zeros(2, 7, dtype=torch.int32), "labels": None}) == 7
+    assert tokens_per_sample(torch.zeros(4, 128)) is None
+    assert tokens_per_sample(torch.zeros(4, dtype=torch.long)) is None
+    assert tokens_per_sample({"x": torch.zeros(2, 7, dtype=torch.long)}) is None
+    assert tokens_per_sample([torch.zeros(2, 7, dtype=torch.long)]) is None

@@ -37,7 +37,7 @@ def test_joiners_go_to_the_node_with_the_most_free_slots_lowest_id_on_a_tie():
 def test_no_free_slot_refuses_unless_a_host_allows_oversubscription():
     # 2 slots on each of two hosts, 3 workers: one free slot for two joiners -> refused, nothing placed
     with pytest.raises(
-        ResizeRefusedError, match=r"2 new worker\(s\) need a free slot each, but the job's hosts have 1 free"
+        ResizeRefusedError, match=r"2 new workers need a free slot each, but the job's hosts have 1 free"
     ):
         choose_nodes(_hosts(2, 2), {0: 2, 1: 1}, ["j0", "j1"])
     # node 1 allows oversubscription: the free slot first, then the least loaded host that allows it

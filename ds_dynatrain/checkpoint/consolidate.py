@@ -51,6 +51,7 @@ import torch
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import ZeroLayout
+from .model_config import write_config_json
 from .saved import MODEL_FILE_ZERO3, OPTIM_FILE, SavedCheckpoint, SavedFile, partitions_of
 from .saved_layout import coverage_problems, saved_layout
 from .verify import refuse_damaged
@@ -335,7 +336,8 @@ def _write_zero3_frozen(
 @dataclass
 class ExportStats:
     """What an export wrote: ``path``, ``tensors``, ``elements``, ``bytes`` (the file's size),
-    ``dtype`` (name), ``seconds`` (wall), the saved ``world_size``, ``stage`` and ``step``."""
+    ``dtype`` (name), ``seconds`` (wall), the saved ``world_size``, ``stage`` and ``step``;
+    ``config``: the ``config.json`` written beside it (None: the checkpoint holds no model config)."""
 
     path: str
     tensors: int
@@ -346,6 +348,7 @@ class ExportStats:
     world_size: int
     stage: int
     step: int
+    config: Optional[str] = None
 
 
 def export_safetensors(
@@ -353,6 +356,9 @@ def export_safetensors(
 ) -> ExportStats:
     """Write the consolidated weights of the checkpoint ``load_dir/tag`` (``tag`` None: the one
     ``latest`` names) to the safetensors file ``out_path``; floating-point tensors in ``dtype``.
+    When the checkpoint holds the model's Hugging Face config, it is written as ``config.json``
+    in the same directory (replacing one there), so that the directory loads with
+    ``from_pretrained``.
 
     Raises:
         CheckpointCorruptError: a checksum mismatch anywhere in this project's files (checked
@@ -391,6 +397,7 @@ def export_safetensors(
         _write_trainable(saved, layout, writer, targets)
         writer.commit()
         size = writer.size
+        config = write_config_json(saved.model_state, os.path.dirname(os.path.abspath(out_path)))
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -407,6 +414,7 @@ def export_safetensors(
         saved.world_size,
         saved.stage,
         saved.step,
+        config,
     )
 
 

@@ -57,8 +57,8 @@ from io_engine.errors import IOEngineError, errno_name
 from state_providers import DictStateProvider, TensorItem
 
 from ..errors import ConfigError, DynatrainError, SnapshotWriteError
-from ..log import logger
-from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode
+from ..log import logger, plural
+from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode, rank_report, sum_reports
 from .state_file import ReadAhead, read_state_file
 
 ENGINE_NAME = "DynatrainSnapshotEngine"
@@ -112,6 +112,8 @@ class _FileJob:
     ready: Any = None  # a CUDA event recorded at save time when the state is on a GPU
     seconds: float = 0.0
     nbytes: int = 0
+    captured_at: float = 0.0  # perf_counter when its tensors were in the host cache
+    persisted_at: float = 0.0  # perf_counter when the file was synced (or failed)
 
 
 @dataclass
@@ -245,19 +247,26 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
 
     def _write_file(self, job: _FileJob):
         t0 = time.perf_counter()
+
+        def captured():
+            job.captured_at = time.perf_counter()
+            job.captured.set()
+
         try:
             os.makedirs(os.path.dirname(job.path), exist_ok=True)
             res = self._writer.write(
                 job.path,
                 _write_items(job.provider, job.ready),
-                on_captured=job.captured.set,
+                on_captured=captured,
                 file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
             )
             job.nbytes = res.layout.file_size
         except BaseException as err:  # OSError, IOEngineError, anything: never leave a waiter blocked
             job.error = err
         finally:
-            job.seconds = time.perf_counter() - t0
+            job.persisted_at = time.perf_counter()
+            job.captured_at = job.captured_at or job.persisted_at
+            job.seconds = job.persisted_at - t0
             job.provider = None  # drop the references to live tensors
             job.captured.set()
             job.persisted.set()
@@ -268,6 +277,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         st = self.store
         if errors:
             st.set(f"{snap.key}/failed/{self.rank}", "; ".join(errors)[:2000])
+        st.set(f"{snap.key}/report/{self.rank}", rank_report(snap.jobs, snap.t0))
         st.add(f"{snap.key}/done", 1)
         if self.rank != 0:
             return
@@ -277,9 +287,10 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
             if time.monotonic() > deadline:
                 shutil.rmtree(snap.tmp_dir, ignore_errors=True)
                 why = f"not every rank finished writing within {self.timeout_s:.0f} s"
-                st.set(outcome, encode(False, why, seconds=time.perf_counter() - snap.t0))
+                st.set(outcome, encode(False, why, seconds=time.perf_counter() - snap.t0, totals=self._totals(snap)))
                 return
             time.sleep(0.01)
+        totals = self._totals(snap)
         failed = {}
         for r in range(self.world_size):
             k = f"{snap.key}/failed/{r}"
@@ -287,7 +298,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
                 failed[r] = f"rank {r}: {st.get(k).decode(errors='replace')}"
         if failed:
             shutil.rmtree(snap.tmp_dir, ignore_errors=True)  # no partial snapshot is left behind
-            st.set(outcome, encode(False, "; ".join(failed.values()), failed, time.perf_counter() - snap.t0))
+            st.set(outcome, encode(False, "; ".join(failed.values()), failed, time.perf_counter() - snap.t0, totals))
             return
         try:
             publish_dir(snap.tmp_dir, snap.final_dir)
@@ -297,11 +308,18 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
                 prune_snapshots(snap.info.save_dir, self.keep_last, protect=[snap.info.tag], pattern=PRUNABLE_TAG)
             stale = remove_stale(snap.info.save_dir)  # what killed flushes and prunes left
             if stale:
-                logger.info(f"snapshot {snap.info.tag}: removed {len(stale)} leftover(s) of killed writes")
-            st.set(outcome, encode(True, seconds=time.perf_counter() - snap.t0))
+                logger.info(f"snapshot {snap.info.tag}: removed {plural(len(stale), 'leftover')} of killed writes")
+            st.set(outcome, encode(True, seconds=time.perf_counter() - snap.t0, totals=totals))
         except OSError as err:
             shutil.rmtree(snap.tmp_dir, ignore_errors=True)
-            st.set(outcome, encode(False, f"rank 0: publishing: {cause(err)}", [0], time.perf_counter() - snap.t0))
+            why = f"rank 0: publishing: {cause(err)}"
+            st.set(outcome, encode(False, why, [0], time.perf_counter() - snap.t0, totals))
+
+    def _totals(self, snap: _Snapshot) -> dict:
+        """Rank 0: the figures of the ranks that reported, summed (:func:`sum_reports`)."""
+        st = self.store
+        keys = [f"{snap.key}/report/{r}" for r in range(self.world_size)]
+        return sum_reports(st.get(k) for k in keys if st.check([k]))
 
     # ---------------------------------------------------------------- CheckpointEngine
     def create(self, info: CheckpointCommitInfo):

@@ -37,6 +37,9 @@ class SnapshotOutcome:
                    None when neither tells.
     save_s:        seconds ``save_checkpoint`` spent in the training loop on this rank.
     seconds:       seconds from the save to the decision (rank 0's flush and the agreement).
+    bytes:         bytes of the files every reporting rank wrote.
+    capture_s:     the slowest rank's seconds from the save until its state was in the host cache.
+    flush_s:       the slowest rank's seconds from that copy until its files were synced.
     """
 
     tag: str
@@ -47,6 +50,9 @@ class SnapshotOutcome:
     step: Optional[int] = None
     save_s: float = 0.0
     seconds: float = 0.0
+    bytes: int = 0
+    capture_s: float = 0.0
+    flush_s: float = 0.0
 
     @staticmethod
     def of(tag: str, save_dir: str, got: dict, saved_step, save_s: float, t0: float) -> "SnapshotOutcome":
@@ -60,6 +66,9 @@ class SnapshotOutcome:
             step=step_of(tag, saved_step),
             save_s=save_s,
             seconds=float(got.get("seconds") or time.perf_counter() - t0),
+            bytes=int(got.get("bytes", 0)),
+            capture_s=float(got.get("capture_s", 0.0)),
+            flush_s=float(got.get("flush_s", 0.0)),
         )
 
 
@@ -73,9 +82,38 @@ def read_outcome(store, key: str, timeout_s: float) -> dict:
         return {"ok": False, "error": f"no outcome within {timeout_s:.0f} s ({err})", "ranks": []}
 
 
-def encode(ok: bool, error: str = "", ranks=(), seconds: float = 0.0) -> str:
-    """The store value of an outcome (rank 0 writes it once)."""
-    return json.dumps({"ok": bool(ok), "error": error, "ranks": sorted(ranks), "seconds": seconds})
+def encode(ok: bool, error: str = "", ranks=(), seconds: float = 0.0, totals: Optional[dict] = None) -> str:
+    """The store value of an outcome (rank 0 writes it once); ``totals``: the ranks' reports
+    summed (:func:`sum_reports`)."""
+    return json.dumps({"ok": bool(ok), "error": error, "ranks": sorted(ranks), "seconds": seconds, **(totals or {})})
+
+
+def rank_report(jobs, t0: float) -> str:
+    """One rank's figures of a snapshot, for rank 0 to sum: ``bytes`` of its files, ``capture_s``
+    (from the save at ``t0`` until its last file was captured) and ``flush_s`` (from then until its
+    last file was synced). ``jobs`` have ``nbytes``, ``captured_at`` and ``persisted_at``."""
+    if not jobs:
+        return json.dumps({"bytes": 0, "capture_s": 0.0, "flush_s": 0.0})
+    captured = max(j.captured_at for j in jobs)
+    persisted = max(j.persisted_at for j in jobs)
+    return json.dumps(
+        {"bytes": sum(j.nbytes for j in jobs), "capture_s": captured - t0, "flush_s": max(0.0, persisted - captured)}
+    )
+
+
+def sum_reports(raws) -> dict:
+    """The job's figures from the ranks' reports (raw store values; an unreadable one counts
+    nothing): bytes summed, the slowest rank's capture and flush seconds."""
+    out = {"bytes": 0, "capture_s": 0.0, "flush_s": 0.0}
+    for raw in raws:
+        try:
+            rep = json.loads(raw.decode("utf-8"))
+            out["bytes"] += int(rep["bytes"])
+            out["capture_s"] = max(out["capture_s"], float(rep["capture_s"]))
+            out["flush_s"] = max(out["flush_s"], float(rep["flush_s"]))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def decode(raw: bytes) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError
+from ..log import plural
 from ..vps.layout import ZeroLayout
 from .footer import fragment_mismatches
 from .saved import SavedCheckpoint, partitions_of, resolve_tag
@@ -138,7 +139,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         else "mixed dynatrain snapshot and DeepSpeed torch.save"
     )
     rep.notes.append(
-        f"checkpoint {saved.dir}: {saved.world_size} ranks, ZeRO-{saved.stage}, step {saved.step}, "
+        f"checkpoint {saved.dir}: {plural(saved.world_size, 'rank')}, ZeRO-{saved.stage}, step {saved.step}, "
         f"{fmt} format, {len(saved.files)} files"
     )
     items = 0
@@ -185,7 +186,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         numel = sum(p.numel for g in layout.groups for p in g)
         rep.notes.append(
             f"coverage: {nparams} parameters, {numel:,} elements, every element held exactly once by "
-            f"the fragments of {saved.world_size} ranks"
+            f"the fragments of {plural(saved.world_size, 'rank')}"
         )
     if ours:
         rep.notes.append(f"{items} items checksummed (CRC-32)")

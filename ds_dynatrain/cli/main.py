@@ -22,7 +22,7 @@ import sys
 from typing import List, Optional
 
 from ..errors import ConfigError, DynatrainError, ResizeRefusedError, TransitionAbortedError
-from ..log import log_to_console
+from ..log import log_to_console, plural
 
 
 def _cmd_launch(a) -> int:
@@ -143,8 +143,10 @@ def _cmd_export(a) -> int:
         return 1
     print(
         f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
-        f"(step {st.step}, saved by {st.world_size} ranks at ZeRO-{st.stage}) in {st.seconds:.2f} s"
+        f"(step {st.step}, saved by {plural(st.world_size, 'rank')} at ZeRO-{st.stage}) in {st.seconds:.2f} s"
     )
+    if st.config:
+        print(f"wrote {st.config}: the model's Hugging Face config (from_pretrained loads the directory)")
     return 0
 
 
@@ -162,11 +164,31 @@ def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: st
     p.set_defaults(func=_cmd_launch)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` says every flag's default, except where there is none to say (None, a switch
+    that is off) or the help text says it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if any(action.default is d for d in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of every ``dynatrain`` command (defaults in ``--help``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsHelp)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The ``dynatrain`` argument parser: one sub-command per command of the module docstring."""
+    p = _Parser(
         prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing and resilience snapshots."
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     _add_job_commands(sub)
     _add_query_commands(sub)
@@ -264,11 +286,15 @@ def _add_query_commands(sub) -> None:
     qp.add_argument("--json", action="store_true", help="one JSON object")
     qp.set_defaults(func=_cmd_plan)
 
-    pp = sub.add_parser("plot", help="plot loss against step with the resizes marked")
+    pp = sub.add_parser(
+        "plot",
+        help="plot loss against step (resizes and snapshots marked), the difference against a static run "
+        "and each resize's phases",
+    )
     pp.add_argument("metrics", help="metrics JSON-lines file of the elastic run")
     pp.add_argument("--static", default=None, help="metrics of the same job run without resizes")
     pp.add_argument("--out", required=True, help="PNG to write")
-    pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job")
+    pp.add_argument("--title", default="Loss of an elastic DeepSpeed ZeRO job", help="the figure's title")
     pp.set_defaults(func=_cmd_plot)
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..checkpoint.inspect import FORMAT_DEEPSPEED, FORMAT_OURS, VerifyReport
+from ..log import plural
 
 
 def print_inspect(rep: dict, as_json: bool) -> None:
@@ -53,4 +54,4 @@ def print_verify(rep: VerifyReport) -> None:
     if rep.ok:
         print(f"OK: {rep.dir} is complete and intact")
     else:
-        print(f"FAILED: {rep.dir}: {len(rep.problems)} problem(s)", file=sys.stderr)
+        print(f"FAILED: {rep.dir}: {plural(len(rep.problems), 'problem')}", file=sys.stderr)

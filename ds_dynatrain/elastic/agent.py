@@ -53,7 +53,7 @@ import torch.distributed as tdist
 
 from io_engine import BadLatestError, read_latest
 
-from ..log import logger
+from ..log import logger, plural
 from .keys import (
     ANSWER_KEY,
     CANCEL_COUNT,
@@ -138,7 +138,7 @@ class Agent:
             )
             self.store.add(NODE_COUNT, nnodes)
         else:
-            self.store = connect_store(store_host, store_port, connect_timeout_s)
+            self.store = connect_store(store_host, store_port, connect_timeout_s, quiet=True)
         self.node = int(self.store.add(NODE_COUNT, 1)) - 1 if join else node_rank
         self.slots = nproc if slots is None else slots
         self.store.set(NODE_KEY.format(self.node), json.dumps({"slots": self.slots, "oversubscribe": oversubscribe}))
@@ -322,7 +322,7 @@ class Agent:
                 r += k
         tag = self._latest()
         logger.info(
-            f"agent: worker {dead} failed ({why}); restarting the job on {size} ranks from snapshot "
+            f"agent: worker {dead} failed ({why}); restarting the job on {plural(size, 'rank')} from snapshot "
             f"{tag} in {self.restore_dir}"
         )
         self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
@@ -362,7 +362,7 @@ class Agent:
         i = int(self.store.add(REQUEST_COUNT, 1)) - 1
         self.store.set(REQUEST_KEY.format(i), json.dumps({"join": self.node, "slots": self.nproc}))
         self._join_request = i
-        logger.info(f"agent: node {self.node} asks the job to grow by {self.nproc} rank(s) (request {i})")
+        logger.info(f"agent: node {self.node} asks the job to grow by {plural(self.nproc, 'rank')} (request {i})")
 
     def _join_refused(self) -> Optional[str]:
         if self._join_request is None or not self.store.check([ANSWER_KEY.format(self._join_request)]):

@@ -40,6 +40,7 @@ from typing import Mapping, Optional
 import hostlist
 
 from ..errors import ConfigError
+from ..log import plural
 
 SLURM_PORT_BASE = 20000  # the store's port under SLURM when --store names none: base + job id mod 10000
 
@@ -97,15 +98,17 @@ def _slurm(env: Mapping[str, str]) -> Optional[dict]:
     except hostlist.BadHostlist as err:
         raise ConfigError(f"{names[0]}={env[names[0]]!r} is not a SLURM hostlist: {err}") from None
     if len(hosts) != nnodes:
-        raise ConfigError(f"{names[0]}={env[names[0]]!r} names {len(hosts)} host(s), but the node count is {nnodes}")
+        raise ConfigError(
+            f"{names[0]}={env[names[0]]!r} names {plural(len(hosts), 'host')}, but the node count is {nnodes}"
+        )
     tasks = _int(env, "SLURM_STEP_NUM_TASKS")  # srun's; a batch script's SLURM_NTASKS may be the workers
     if tasks is not None and tasks > nnodes:
         raise ConfigError(
-            f"SLURM started {tasks} tasks on {nnodes} node(s); dynatrain launch is one agent per node: "
+            f"SLURM started {tasks} tasks on {plural(nnodes, 'node')}; dynatrain launch is one agent per node: "
             "srun --ntasks-per-node=1"
         )
     if not 0 <= rank < nnodes:
-        raise ConfigError(f"SLURM node rank {rank} with {nnodes} node(s): expected 0 <= node rank < nodes")
+        raise ConfigError(f"SLURM node rank {rank} with {plural(nnodes, 'node')}: expected 0 <= node rank < nodes")
     job = _int(env, "SLURM_JOB_ID")
     port = SLURM_PORT_BASE + job % 10000 if job is not None else 0
     return {"nnodes": nnodes, "node_rank": rank, "host": hosts[0], "port": port}
@@ -166,7 +169,9 @@ def node_place(
             raise ConfigError(f"--nnodes {nnodes} needs --node-rank (or srun's or Kubernetes' variables)")
         node_rank = 0
     if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"node rank {node_rank} ({source}) with {nnodes} node(s): expected 0 <= node rank < nnodes")
+        raise ConfigError(
+            f"node rank {node_rank} ({source}) with {plural(nnodes, 'node')}: expected 0 <= node rank < nnodes"
+        )
     return NodePlace(nnodes, node_rank, host, port, source)
 
 

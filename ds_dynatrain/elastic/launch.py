@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ..batch import largest_world_size
 from ..config import check_elastic_config, check_snapshot_storage, load_ds_config, resolve_global_batch
 from ..errors import ConfigError, DynatrainError
-from ..log import logger
+from ..log import logger, plural
 from .agent import Agent
 from .cluster_env import node_place, parse_store
 from .requests import probe_store
@@ -97,7 +97,8 @@ def launch(
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None
     what = "joining the job with" if join else f"node {agent.node} of {nnodes}, starting"
-    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {nproc} workers ({slots} slots)")
+    workers = f"{plural(nproc, 'worker')} ({plural(slots, 'slot')})"
+    logger.info(f"agent: store at {host}:{agent.store_port}, {what} {workers}")
     return agent.run()
 
 
@@ -120,5 +121,6 @@ def _check_schedule_slots(dt_cfg, nnodes: int, slots: int, oversubscribe: bool) 
     if top.world_size > nnodes * slots:
         raise ConfigError(
             f"dynatrain.resize_schedule grows to {top.world_size} ranks at step {top.step}, but the job has "
-            f"{nnodes * slots} slot(s) ({nnodes} host(s) x {slots}); give --slots, more hosts, or --allow-oversubscribe"
+            f"{plural(nnodes * slots, 'slot')} ({plural(nnodes, 'host')} x {slots}); "
+            "give --slots, more hosts, or --allow-oversubscribe"
         )

@@ -14,6 +14,7 @@ environment and DeepSpeed's comm state true for a new generation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
+from ..log import native_stderr_hidden
 from ..transition.execute import transition_members
 from .groups import GroupCache
 from .keys import (
@@ -77,9 +79,17 @@ class GenerationRecord:
         return transition_members(self.previous, self.members)
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
-    """A client connection to the job's store."""
-    return tdist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def connect_store(host: str, port: int, timeout_s: float, quiet: bool = False) -> tdist.TCPStore:
+    """A client connection to the job's store. ``quiet``: torch's native log of failed attempts
+    (C++ stack traces) is discarded, for a command line that reports the failure in one line
+    (:func:`~ds_dynatrain.log.native_stderr_hidden`).
+
+    Raises:
+        RuntimeError: (torch's ``DistNetworkError``, ``DistStoreError``) no store answered within
+            ``timeout_s``.
+    """
+    with native_stderr_hidden() if quiet else contextlib.nullcontext():
+        return tdist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class Membership:

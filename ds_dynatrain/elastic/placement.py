@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
 
 from ..errors import ResizeRefusedError
+from ..log import plural
 from .keys import MEMBER_NODE_KEY, NODE_ALIVE_KEY, NODE_COUNT, NODE_DONE_KEY, NODE_KEY
 
 HEARTBEAT_LOST_S = 30.0  # an agent whose heartbeat is older than this is lost (its host serves nothing)
@@ -67,7 +68,8 @@ def choose_nodes(
     free = sum(max(0, h.slots - taken[i]) for i, h in hosts.items())
     if len(joiners) > free and not force and not any(h.oversubscribe for h in hosts.values()):
         raise ResizeRefusedError(
-            f"{len(joiners)} new worker(s) need a free slot each, but the job's hosts have {free} free "
+            f"{plural(len(joiners), 'new worker')} need{'s' if len(joiners) == 1 else ''} a free slot each, "
+            f"but the job's hosts have {free} free "
             f"({_describe(hosts, taken)}); add hosts with dynatrain join, or launch with --slots or "
             "--allow-oversubscribe"
         )

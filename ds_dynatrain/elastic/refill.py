@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Optional
 
-from ..log import logger
+from ..log import logger, plural
 from .keys import ANSWER_KEY, REQUEST_COUNT, REQUEST_KEY
 from .placement import live_nodes
 
@@ -41,7 +41,7 @@ class Refill:
         self.request = i
         logger.info(
             f"agent: refill: asking the job to grow back from {size} to {target} ranks once it runs again "
-            f"(request {i}; {self.left} refill(s) left)"
+            f"(request {i}; {plural(self.left, 'refill')} left)"
         )
         return i
 

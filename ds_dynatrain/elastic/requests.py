@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from ..batch import split_global_batch
 from ..errors import ResizeRefusedError, TransitionAbortedError
+from ..log import native_stderr_hidden
 from .keys import ANSWER_KEY, JOB_KEY, REQUEST_COUNT, REQUEST_KEY
 from .membership import connect_store
 from .placement import check_slots
@@ -34,8 +35,9 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
     probe_store(host, port)
     try:
         # a job's store answers at once or not at all: do not wait the whole answer timeout for it
-        store = connect_store(host, port, min(timeout_s, CONNECT_TIMEOUT_S))
-        store.wait([JOB_KEY], timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S)))
+        with native_stderr_hidden():  # the error below says it in one line
+            store = connect_store(host, port, min(timeout_s, CONNECT_TIMEOUT_S))
+            store.wait([JOB_KEY], timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S)))
         job = json.loads(store.get(JOB_KEY))
     except RuntimeError as err:
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None

@@ -14,6 +14,7 @@ scheduled grow are started ahead.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Optional, Tuple
 
 from deepspeed.accelerator import get_accelerator
@@ -22,7 +23,7 @@ from ..batch import largest_world_size
 from ..elastic.keys import ENDED_KEY
 from ..elastic.placement import place_joiners
 from ..errors import ResizeRefusedError
-from ..log import logger
+from ..log import logger, plural
 from ..zero.state import relink_optimizer_state
 from .lifecycle import stop_job
 from .members import request_joiners
@@ -36,6 +37,8 @@ def after_optimizer_step(engine) -> None:
     """Run the step boundary after optimizer step ``engine.global_steps`` (collective)."""
     dt = engine._dt
     step = engine.global_steps
+    step_s = time.perf_counter() - dt.step_t0 if dt.step_t0 is not None else 0.0
+    dt.step_t0 = None
     if not dt.hp_linked:
         # DeepSpeed 0.19.8 (stage_1_and_2.py ``_optimizer_step``) links every parameter's
         # optimizer-state fragment right after group 0's first step, when the later groups
@@ -64,7 +67,7 @@ def after_optimizer_step(engine) -> None:
     if tally.standby_gone:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
-    _record_step(engine, tally)
+    _record_step(engine, tally, step_s)
     if tally.stop or len(tally.preempted) == engine.dp_world_size:
         _end_job(engine, tally)  # raises SystemExit(0) on every rank
     _snapshot(engine)
@@ -109,17 +112,22 @@ def _gone_standby(engine) -> frozenset:
     return frozenset(i for i, m in enumerate(dt.standby) if m in gone)
 
 
-def _record_step(engine, tally: StepTally) -> None:
+def _record_step(engine, tally: StepTally, step_s: float) -> None:
+    """Rank 0: the step record, and every ``log_interval_steps`` a step line whose step time and
+    throughput are those of the steps since the last line."""
     dt, step = engine._dt, engine.global_steps
     if engine.global_rank != 0:
         return
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
-    rec = StepRecord(step=step, world_size=engine.dp_world_size, loss=tally.loss, lr=lr)
+    rec = StepRecord.of(step, engine.dp_world_size, tally.loss, lr, dt.global_batch, step_s, dt.tokens_per_sample)
     dt.metrics.write(rec)
     if dt.membership is not None:
         dt.membership.set_last_step(step)  # a restore from a snapshot counts the steps it loses
+    steps, seconds, samples = dt.window
+    dt.window = (steps + 1, seconds + step_s, samples + rec.samples)
     if step % dt.config.log_interval_steps == 0:
-        logger.info(format_step(rec))
+        logger.info(format_step(rec, *dt.window))
+        dt.window = (0, 0.0, 0)
 
 
 def _snapshot(engine) -> None:
@@ -137,8 +145,9 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
     prep = dt.preparing
     target = dt.schedule.get(engine.global_steps)
     if prep is not None and (tally.preempted or target is not None or tally.failed):
+        unbuilt = f"{plural(tally.failed, 'rank')} could not build its groups"
         why = (
-            f"the new world could not be formed: {error or f'{tally.failed} rank(s) could not build its groups'}"
+            f"the new world could not be formed: {error or unbuilt}"
             if tally.failed and not tally.preempted and target is None
             else "a preemption or a scheduled resize came first"
         )
@@ -168,7 +177,8 @@ def leave_preempted(engine, ranks) -> None:
     )
     if engine.global_rank == 0:
         logger.info(
-            f"preemption of {list(leavers)} after step {engine.global_steps}: the job goes on with {size} ranks"
+            f"preemption of {list(leavers)} after step {engine.global_steps}: "
+            f"the job goes on with {plural(size, 'rank')}"
         )
     engine.resize(size, must_leave=leavers)
 

@@ -16,7 +16,9 @@ from ..batch import BatchSplit
 from ..checkpoint.footer import VPSAttributes
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..vps.layout import ZeroLayout
+from ..zero.comm import start_deepspeed_comm
 from ..zero.geometry import layout_for_model, layout_of
+from ..zero.quiet import scheduler_start_quiet, use_current_collectives
 from ..zero.rebuild import light_rebuild
 from ..zero.zero3 import client_attrs
 from .records import SnapshotRecord
@@ -64,7 +66,12 @@ def construct(
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
     if not dt.param_attrs:  # what is the client's own, before ZeRO-3 attaches its attributes
         dt.param_attrs = client_attrs(model)
-    with light_rebuild(reuse_flat) if light else contextlib.nullcontext():
+    # DeepSpeed's comm started here, not in the set-up, so that it uses torch's current collectives
+    # before the set-up's first gather (ZeRO-3 partitions the parameters there)
+    start_deepspeed_comm(dt.backend)
+    use_current_collectives()
+    # the scheduler's own "before it has started" call in its constructor is not the user's
+    with light_rebuild(reuse_flat) if light else contextlib.nullcontext(), scheduler_start_quiet():
         DeepSpeedEngine.__init__(
             engine,
             args=None,

@@ -13,12 +13,14 @@ requests from outside (:mod:`.requests`), joining (:mod:`.join`), loading (:mod:
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
@@ -124,6 +126,8 @@ class ElasticEngine(DeepSpeedEngine):
     # ------------------------------------------------------------------ DeepSpeed's, overridden
     def forward(self, *inputs, **kwargs):
         self._require_member()
+        if self._dt.step_t0 is None:  # the step's time is counted from its first forward
+            self._dt.step_t0 = time.perf_counter()
         return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
@@ -149,7 +153,9 @@ class ElasticEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's ``save_checkpoint`` through the snapshot engine; ``latest`` is replaced
-        atomically by the engine's commit (DeepSpeed's own write of it is skipped)."""
+        atomically by the engine's commit (DeepSpeed's own write of it is skipped). A
+        ``transformers`` model's config is saved too (``dynatrain export`` writes it as
+        ``config.json``)."""
         self._require_member()
         self.wait_transition()
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
@@ -160,7 +166,7 @@ class ElasticEngine(DeepSpeedEngine):
         return super().save_checkpoint(
             save_dir,
             tag=tag,
-            client_state=client_state,
+            client_state=with_model_config(client_state, self.module),  # config.json of an export
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
@@ -201,7 +207,7 @@ class ElasticEngine(DeepSpeedEngine):
         """
         self._require_member()
         self.wait_transition()
-        return loading.load_checkpoint(
+        path, client = loading.load_checkpoint(
             self,
             super().load_checkpoint,
             load_dir,
@@ -211,6 +217,9 @@ class ElasticEngine(DeepSpeedEngine):
             load_module_strict=load_module_strict,
             **kwargs,
         )
+        if isinstance(client, dict):
+            client.pop(MODEL_CONFIG_KEY, None)  # the plugin's, not the caller's client state
+        return path, client
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none

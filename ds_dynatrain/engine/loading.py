@@ -16,7 +16,7 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..checkpoint.state_file import files_loaded_by
 from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
-from ..log import logger
+from ..log import logger, plural
 from ..zero.geometry import layout_of
 from ..zero.state import relink_optimizer_state
 from .records import LoadRecord
@@ -159,8 +159,8 @@ def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_sche
             )
         )
         logger.info(
-            f"loaded {path} (ZeRO-{stats.saved_stage}, {stats.saved_world_size} ranks) onto "
-            f"{stats.world_size} ranks (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
+            f"loaded {path} (ZeRO-{stats.saved_stage}, {plural(stats.saved_world_size, 'rank')}) onto "
+            f"{plural(stats.world_size, 'rank')} (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
             f"on rank 0 in {stats.seconds:.2f} s"
         )
     return path, client

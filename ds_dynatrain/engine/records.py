@@ -57,6 +57,37 @@ class StepRecord(Record):
     world_size: int = _f("data-parallel world size it ran on")
     loss: float = _f("mean loss of the step's micro-batches over every rank", 0.0)
     lr: float = _f("learning rate of the first parameter group", 0.0)
+    samples: int = _f("samples the step trained on over every rank (the global batch)")
+    step_s: float = _f(
+        "seconds of the step on rank 0, from its first forward to the end of its optimizer step (the "
+        "step boundary's snapshot save and resizes not included)",
+        0.0,
+    )
+    samples_per_s: float = _f("`samples` / `step_s`", 0.0)
+    tokens_per_s: Optional[float] = _f(
+        "`samples_per_s` times the tokens of a sample, where the loader knows them (the returned loader: "
+        "the second dimension of a batch tensor, or of its `input_ids`)",
+        None,
+        optional=True,
+    )
+
+    @classmethod
+    def of(
+        cls, step: int, world_size: int, loss: float, lr: float, samples: int, step_s: float, tokens: Optional[int]
+    ) -> "StepRecord":
+        """The record of a step of ``samples`` samples of ``tokens`` tokens each (None: unknown)
+        that took ``step_s`` seconds; throughput 0 when the time is not positive."""
+        rate = samples / step_s if step_s > 0 else 0.0
+        return cls(
+            step=step,
+            world_size=world_size,
+            loss=loss,
+            lr=lr,
+            samples=samples,
+            step_s=step_s,
+            samples_per_s=rate,
+            tokens_per_s=None if tokens is None else rate * tokens,
+        )
 
 
 @dataclass
@@ -75,6 +106,14 @@ class SnapshotRecord(Record):
     failed_ranks: Optional[List[int]] = _f("the ranks whose writes failed", None, optional=True)
     save_s: float = _f("seconds `save_checkpoint` took in the training loop (the flush runs on)", 0.0)
     seconds: float = _f("from `save_checkpoint` to the outcome (the flush and every rank's report)", 0.0)
+    bytes: int = _f("bytes of the files every rank wrote (the ranks that reported)")
+    capture_s: float = _f(
+        "slowest rank's seconds from `save_checkpoint` until its state was copied into the host cache "
+        "(training may change the state from then on)",
+        0.0,
+    )
+    flush_s: float = _f("slowest rank's seconds from that copy until its files were written and synced", 0.0)
+    bytes_per_s: float = _f("`bytes` / (`capture_s` + `flush_s`): the write bandwidth of the whole job", 0.0)
     dir: str = _f("snapshot directory", "")
 
     @classmethod
@@ -89,6 +128,12 @@ class SnapshotRecord(Record):
             failed_ranks=list(outcome.failed_ranks) if failed else None,
             save_s=outcome.save_s,
             seconds=outcome.seconds,
+            bytes=outcome.bytes,
+            capture_s=outcome.capture_s,
+            flush_s=outcome.flush_s,
+            bytes_per_s=outcome.bytes / (outcome.capture_s + outcome.flush_s)
+            if outcome.capture_s + outcome.flush_s > 0
+            else 0.0,
             dir=outcome.dir,
         )
 
@@ -207,9 +252,20 @@ class MetricsWriter:
                 f.write(json.dumps({**record.to_dict(), "time": time.time()}) + "\n")
 
 
-def format_step(r: StepRecord) -> str:
-    """The console line of a step."""
-    return f"step {r.step:5d} | world {r.world_size} | loss {r.loss:.4f} | lr {r.lr:.3e}"
+def format_step(r: StepRecord, steps: int = 1, seconds: Optional[float] = None, samples: Optional[int] = None) -> str:
+    """The console line of a step: its loss and learning rate, and the step time and throughput
+    averaged over the last ``steps`` steps (``seconds`` and ``samples`` their sums; default: this
+    step's own)."""
+    seconds = r.step_s if seconds is None else seconds
+    samples = r.samples if samples is None else samples
+    rate = samples / seconds if seconds > 0 else 0.0
+    line = (
+        f"step {r.step:5d} | world {r.world_size} | loss {r.loss:.4f} | lr {r.lr:.3e} | "
+        f"{seconds / max(steps, 1):.3f} s/step | {rate:,.1f} samples/s"
+    )
+    if r.tokens_per_s is not None and r.samples_per_s > 0:
+        line += f" | {rate * r.tokens_per_s / r.samples_per_s:,.0f} tokens/s"
+    return line
 
 
 def format_resize(r: ResizeRecord) -> str:

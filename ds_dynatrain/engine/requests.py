@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from ..errors import ResizeRefusedError
-from ..log import logger
+from ..log import logger, plural
 from ..transition.execute import transition_members
 from ..zero.geometry import zero_optimizer_of
 from .members import request_joiners
@@ -48,7 +48,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
         msg = (
             f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
             if rec
-            else f"the job already runs on {world_size} ranks"
+            else f"the job already runs on {plural(world_size, 'rank')}"
         )
         dt.membership.answer(index, True, msg, rec)
 
@@ -101,7 +101,8 @@ def abandon(engine, prep: Preparation, why: str) -> None:
         if stale:
             dt.membership.cancel_spawn(prep.generation, stale)
         dt.membership.abandon(prep.generation)
-        dt.membership.answer(prep.index, False, f"resize to {prep.world_size} ranks abandoned: {why}", aborted=True)
+        message = f"resize to {plural(prep.world_size, 'rank')} abandoned: {why}"
+        dt.membership.answer(prep.index, False, message, aborted=True)
         logger.info(f"resize request {prep.index} abandoned: {why}")
     dt.published.pop(prep.generation, None)
     dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}

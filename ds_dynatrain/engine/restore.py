@@ -16,7 +16,7 @@ from typing import List, Tuple
 from io_engine import TMP_PREFIX, BadLatestError, read_latest
 
 from ..errors import CheckpointIncompleteError, SnapshotNotFoundError
-from ..log import logger
+from ..log import logger, plural
 from .records import RestoreRecord
 
 MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -112,6 +112,7 @@ def restore(engine, snapshot_dir: str) -> None:
         )
         instead = f" (skipped as damaged: {', '.join(s.split(':', 1)[0] for s in skipped)})" if skipped else ""
         logger.info(
-            f"restored {os.path.dirname(path)} on {engine.dp_world_size} ranks{instead}: the job goes on after step "
-            f"{engine.global_steps}; {lost} step(s) since that snapshot were lost"
+            f"restored {os.path.dirname(path)} on {plural(engine.dp_world_size, 'rank')}{instead}: "
+            "the job goes on after step "
+            f"{engine.global_steps}; {plural(lost, 'step')} since that snapshot {'was' if lost == 1 else 'were'} lost"
         )

@@ -66,6 +66,9 @@ class ElasticState:
     join_node: Optional[Tuple[int, int]] = None  # (request index, node) of the last `dynatrain join` (rank 0)
     standby: Tuple[str, ...] = ()  # processes standing by (left at a shrink, may be taken back), in order
     history: List[Tuple[str, ...]] = field(default_factory=list)  # members of recent generations (group reuse)
+    step_t0: Optional[float] = None  # perf_counter at the first forward of the running step
+    tokens_per_sample: Optional[int] = None  # what the returned loader saw in its batches (None: unknown)
+    window: Tuple[int, float, int] = (0, 0.0, 0)  # steps, seconds and samples since the last step line
 
     @property
     def schedule(self) -> Dict[int, int]:
@@ -139,7 +142,8 @@ class Preparation:
         if err is None and check_joiners:
             dead = dt.membership.failed_joiners([m for m in self.members if m not in dt.members])
             if dead:
-                err = f"joiner(s) {list(dead)} died before they joined"
+                one = len(dead) == 1
+                err = f"{'joiner' if one else 'joiners'} {list(dead)} died before {'it' if one else 'they'} joined"
         ready = self.xfer.ready() and (not mine or groups.ready(self.members))
         if ready and self.ready_at is None:
             self.ready_at = time.perf_counter()
