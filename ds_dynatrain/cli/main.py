@@ -22,6 +22,7 @@ from typing import List, Optional
 
 from ..errors import ConfigError, DynatrainError, ResizeRefusedError, TransitionAbortedError
 from ..log import log_to_console
+from ..version import version_line
 
 
 def _cmd_launch(a) -> int:
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing and resilience snapshots."
     )
+    p.add_argument("--version", action="version", version=version_line(), help="print the versions and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     _add_job_commands(sub)
