@@ -2,6 +2,7 @@
 
 ::
 
+    dynatrain --version
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
     dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
     dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
