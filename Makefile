@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test test-slow lint format install clean soak
+.PHONY: demo test test-slow lint format install clean soak compat
 
 install: $(STAMP)
 
@@ -36,6 +36,27 @@ test-slow: $(STAMP)
 # each part prints its figures and writes them to runs/soak/<part>.json
 soak: $(STAMP)
 	$(BIN)/python -m pytest tests/soak -m soak -s
+
+# the low end of pyproject.toml's deepspeed range, in a second venv: torch 2.13.0 (CPU) first, then
+# the project with DeepSpeed $(DEEPSPEED_LOW); then a resize, snapshots and a load at another world size
+COMPAT_VENV := .venv-compat
+DEEPSPEED_LOW ?= 0.19.7
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-deepspeed-$(DEEPSPEED_LOW)
+COMPAT_TESTS ?= tests/test_groups.py tests/test_resize_state.py::test_bf16_resizes_move_the_master_in_small_chunks \
+	tests/test_launchers.py::test_torchrun_saves_on_two_processes_and_loads_on_one
+
+compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -c 'import deepspeed, torch; print("compat: deepspeed", deepspeed.__version__, "torch", torch.__version__)'
+	$(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider $(COMPAT_TESTS)
+
+$(COMPAT_STAMP): pyproject.toml
+	rm -f $(COMPAT_VENV)/.installed-*
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/pip install --quiet torch==2.13.0
+	$(COMPAT_VENV)/bin/pip install --quiet -e '.[test,examples]' deepspeed==$(DEEPSPEED_LOW)
+	$(COMPAT_VENV)/bin/python -m ds_dynatrain.prebuild
+	touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

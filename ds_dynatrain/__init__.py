@@ -20,8 +20,12 @@ from .errors import (
 )
 from .initialize import initialize
 from .log import log_to_console
+from .version import package_version
+
+__version__ = package_version()
 
 __all__ = [
+    "__version__",
     "initialize",
     "DynatrainConfig",
     "load_ds_config",

@@ -5,6 +5,9 @@ Run it under the launcher (which adds ``--deepspeed_config``)::
 
     dynatrain launch --nproc 2 --slots 3 --config configs/zero2_elastic.json examples/train_lm.py --steps 60
 
+or under torchrun, DeepSpeed's launcher or accelerate launch with ``--deepspeed_config`` and a
+config without a resize schedule (snapshots, and ``--load`` at any world size; README "Launchers").
+
 The loop below is an ordinary DeepSpeed loop; the resizes happen inside ``engine.step()`` and the
 loader returned by ``ds_dynatrain.initialize`` follows them. A process that leaves the job at a
 resize sees its loader end and simply returns.
@@ -56,6 +59,13 @@ def main(argv=None) -> int:
     p.add_argument("--static", action="store_true", help="ignore the resize schedule (the run to compare with)")
     p.add_argument("--metrics", default=None, help="metrics JSON-lines path (overrides dynatrain.metrics_path)")
     p.add_argument("--snapshot-dir", default=None, help="overrides dynatrain.snapshot.dir")
+    p.add_argument(
+        "--load", default=None, help="checkpoint directory to start from (a snapshot directory), at any world size"
+    )
+    p.add_argument("--load-tag", default=None, help="the tag to load from --load (default: the one 'latest' names)")
+    # DeepSpeed's launcher (`deepspeed script.py`) passes --local_rank=N; torchrun, accelerate and
+    # dynatrain launch set LOCAL_RANK instead (DeepSpeed reads that one itself)
+    p.add_argument("--local_rank", type=int, default=-1, help="local rank, passed by DeepSpeed's launcher")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -77,6 +87,8 @@ def main(argv=None) -> int:
     engine, _optimizer, loader, _scheduler = ds_dynatrain.initialize(
         model=model, model_parameters=model.parameters(), training_data=dataset, config=config, seed=args.seed
     )
+    if args.load and engine.global_steps == 0:  # a joiner, or a job restored after a failure, has the job's state
+        engine.load_checkpoint(args.load, args.load_tag)
     if engine.global_rank == 0 and engine.global_steps == 0:
         # under ZeRO-3 a parameter's own tensor is an empty placeholder: its size is ds_numel
         n = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters())

@@ -18,6 +18,8 @@ dict with str keys (none starting       object
 ``__``)
 other dict, OrderedDict                ``{"__dict__": [[key, value], ...]}`` (order kept)
 tuple                                  ``{"__tuple__": [...]}``
+set, frozenset                         ``{"__set__": [...]}``, ``{"__frozenset__": [...]}`` (elements
+                                       in the order of their JSON text: the same set, the same bytes)
 bytes                                  ``{"__bytes__": base64}``
 torch.Size / dtype / device            ``{"__size__": [...]}``, ``{"__dtype__": "float32"}``, ``{"__device__": "cpu"}``
 numpy array / numpy scalar             ``{"__ndarray__": {dtype, shape, data: base64}}``, ``{"__npscalar__": ...}``
@@ -139,6 +141,9 @@ def encode(obj: Any, tensors: List[torch.Tensor], key: str = "") -> Any:
         return {"__tuple__": [encode(v, tensors, f"{key}/{i}") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
         return [encode(v, tensors, f"{key}/{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):  # DeepSpeed 0.19.7 saves sparse_tensor_module_names, a set
+        elements = sorted((encode(v, tensors, f"{key}/<element>") for v in obj), key=json.dumps)
+        return {"__frozenset__" if isinstance(obj, frozenset) else "__set__": elements}
     if isinstance(obj, dict):
         plain = type(obj) is dict and all(isinstance(k, str) and not k.startswith("__") for k in obj)
         if plain:
@@ -190,6 +195,9 @@ def _decode_tag(tag: str, val: Any, tensor_of, key: str) -> Any:
         return t
     if tag == "__tuple__":
         return tuple(decode(v, tensor_of, f"{key}/{i}") for i, v in enumerate(val))
+    if tag in ("__set__", "__frozenset__"):
+        elements = (_hashable(decode(v, tensor_of, f"{key}/<element>")) for v in val)
+        return set(elements) if tag == "__set__" else frozenset(elements)
     if tag == "__dict__":
         return {_hashable(decode(k, tensor_of, key)): decode(v, tensor_of, f"{key}/{k}") for k, v in val}
     if tag == "__size__":

@@ -24,7 +24,16 @@ PACKAGES = ("ds_dynatrain", "io_engine", "state_providers")
 # bottom to top; a module may import its own layer and those below it
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("storage", ("io_engine", "state_providers")),
-    ("base", ("ds_dynatrain.errors", "ds_dynatrain.log", "ds_dynatrain.batch", "ds_dynatrain.config")),
+    (
+        "base",
+        (
+            "ds_dynatrain.errors",
+            "ds_dynatrain.log",
+            "ds_dynatrain.batch",
+            "ds_dynatrain.config",
+            "ds_dynatrain.version",
+        ),
+    ),
     ("vps", ("ds_dynatrain.vps",)),
     ("planner", ("ds_dynatrain.planner",)),
     ("transition", ("ds_dynatrain.transition",)),

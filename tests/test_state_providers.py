@@ -52,6 +52,9 @@ def deepspeed_like_state():
         "np_rng": np.random.get_state(),
         "odd": np.arange(7, dtype=np.float16),
         "flag": np.bool_(True),
+        "sparse_tensor_module_names": {"embed.weight", "head.weight"},  # DeepSpeed 0.19.7 saves this set
+        "frozen": frozenset({3, ("a", 1)}),
+        "empty": set(),
     }
 
 
@@ -73,6 +76,16 @@ def test_dict_state_round_trips_exactly():
     assert back["optimizer"]["loss_scaler"].cur_scale == 2.0**16
     assert back["optimizer"]["base_optimizer_state"]["param_groups"][0]["betas"] == (0.9, 0.95)
     assert 0 in back["optimizer"]["base_optimizer_state"]["state"]
+    assert back["sparse_tensor_module_names"] == {"embed.weight", "head.weight"}
+    assert type(back["frozen"]) is frozenset and back["frozen"] == frozenset({3, ("a", 1)})
+    assert back["empty"] == set() and type(back["empty"]) is set
+
+
+def test_a_set_is_written_the_same_whatever_its_iteration_order():
+    a, b = {"x", "y", "z", "w"}, set()
+    for v in ("w", "z", "y", "x"):
+        b.add(v)
+    assert dumps(a)[0] == dumps(b)[0] == b'{"__set__":["w","x","y","z"]}'
 
 
 def test_tensor_items_are_zero_copy_views():

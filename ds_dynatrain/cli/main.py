@@ -2,6 +2,7 @@
 
 ::
 
+    dynatrain --version
     dynatrain launch --nproc 2 --config configs/zero2_elastic.json examples/train_lm.py [ARGS...]
     dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
     srun --ntasks-per-node=1 dynatrain launch --nproc 2 --config CFG script.py [ARGS...]
@@ -23,6 +24,7 @@ from typing import List, Optional
 
 from ..errors import ConfigError, DynatrainError, ResizeRefusedError, TransitionAbortedError
 from ..log import log_to_console, plural
+from ..version import version_line
 
 
 def _cmd_launch(a) -> int:
@@ -188,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="dynatrain", description="Elastic DeepSpeed ZeRO training: online resizing and resilience snapshots."
     )
+    p.add_argument("--version", action="version", version=version_line(), help="print the versions and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     _add_job_commands(sub)

@@ -136,3 +136,59 @@ def enter_generation(
     own (its device): a process keeps its device across generations."""
     env = os.environ if environ is None else environ
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
+
+
+# What other launchers set in their workers' environment (the first match names the launcher):
+# accelerate launch runs torchrun underneath, so its own variables are looked at first.
+OTHER_LAUNCHERS = (
+    ("ACCELERATE_MIXED_PRECISION", "accelerate launch"),
+    ("TORCHELASTIC_RUN_ID", "torchrun"),
+    ("CROSS_RANK", "DeepSpeed's launcher (deepspeed)"),
+    ("OMPI_COMM_WORLD_SIZE", "mpirun"),
+    ("PMI_SIZE", "an MPI launcher"),
+    ("SLURM_STEP_ID", "srun"),
+)
+# Variables of a process that is one of several: DeepSpeed's own discovery (env://, MPI, Azure ML,
+# SageMaker) deals with those
+WORLD_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "AZUREML_EXPERIMENT_ID",
+    "SM_TRAINING_ENV",
+)
+LAUNCHER_LIMITS = (
+    "jobs started by other launchers (torchrun, deepspeed, accelerate launch) have a fixed set of processes: "
+    "snapshots and loading a checkpoint at another world size work there; resizes, joins and the restart "
+    "of a job after a worker died need `dynatrain launch`"
+)
+
+
+def other_launcher(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The launcher that started this process, when not ``dynatrain launch``, as words for a
+    message (``"torchrun"``); ``"no launcher"`` for a lone process."""
+    env = os.environ if environ is None else environ
+    for variable, name in OTHER_LAUNCHERS:
+        if variable in env:
+            return name
+    return "a launcher other than `dynatrain launch`" if "WORLD_SIZE" in env else "no launcher"
+
+
+def lone_process(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when no launcher started this process: no ``dynatrain launch`` context and none of
+    the variables by which torch.distributed, MPI or a cloud service tell a process its place in
+    a job. Such a process trains as a job of one (``python train.py``, ``accelerate launch``
+    with one process), where DeepSpeed would look for MPI."""
+    env = os.environ if environ is None else environ
+    several = any(v in env for v in WORLD_VARIABLES) or env.get("SLURM_NTASKS", "1") != "1"
+    return not launched(env) and not several
+
+
+def enter_lone_process(environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Make ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` those of a job of one
+    process (DeepSpeed's engine requires ``LOCAL_RANK``), keeping any that is set."""
+    env = os.environ if environ is None else environ
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.setdefault(key, "1" if key.endswith("WORLD_SIZE") else "0")

@@ -12,7 +12,14 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
-from ..elastic.launch_env import LaunchContext, member_id
+from ..elastic.launch_env import (
+    LAUNCHER_LIMITS,
+    LaunchContext,
+    enter_lone_process,
+    lone_process,
+    member_id,
+    other_launcher,
+)
 from ..elastic.membership import GenerationRecord, Membership
 from ..errors import NotAMemberError
 from ..log import logger
@@ -57,8 +64,6 @@ def start_engine(
             ``dynatrain launch``.
         NotAMemberError: a joiner whose generation was cancelled.
     """
-    import deepspeed
-
     accelerator = get_accelerator()
     skip_cpu_shm_op(accelerator)
     ctx = LaunchContext.from_environ()
@@ -67,10 +72,11 @@ def start_engine(
     membership = None
     if ctx is None:
         if dt_cfg.resize_schedule:
-            raise ConfigError("dynatrain.resize_schedule needs the job to be started by `dynatrain launch`")
-        deepspeed.init_distributed(
-            dist_backend=backend, distributed_port=distributed_port, dist_init_required=dist_init_required
-        )
+            raise ConfigError(
+                f"dynatrain.resize_schedule: this process was started by {other_launcher()}, not by "
+                f"`dynatrain launch`; {LAUNCHER_LIMITS}"
+            )
+        _init_distributed(backend, distributed_port, dist_init_required)
         world_size, rank, generation = tdist.get_world_size(), tdist.get_rank(), 0
         member = member_id(0, rank)
     else:
@@ -105,6 +111,24 @@ def start_engine(
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)
     return engine
+
+
+def _init_distributed(backend: str, distributed_port: int, dist_init_required) -> None:
+    """``deepspeed.init_distributed`` outside ``dynatrain launch``: from what the launcher set
+    (env://, MPI, ...), or, in a process no launcher started, a group of one over a store of its
+    own on a free port of the loopback (where DeepSpeed would look for MPI)."""
+    import deepspeed
+
+    if tdist.is_initialized() or not lone_process():
+        deepspeed.init_distributed(
+            dist_backend=backend, distributed_port=distributed_port, dist_init_required=dist_init_required
+        )
+        return
+    enter_lone_process()
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, init_method="tcp://127.0.0.1:0", rank=0, world_size=1
+    )
+    logger.info("no launcher: a job of one process")
 
 
 def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, model_parameters, lr_scheduler) -> None:

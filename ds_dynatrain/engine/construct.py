@@ -86,7 +86,8 @@ def construct(
             config=ds_config,
             config_class=config_class,
         )
-    engine._configure_python_gc()
+    if hasattr(DeepSpeedEngine, "_configure_python_gc"):  # DeepSpeed >= 0.19.8 (disable_python_gc), as initialize does
+        engine._configure_python_gc()
     dt.rebuild_broadcast = None
     snap = dt.config.snapshot
     engine.checkpoint_engine = SnapshotCheckpointEngine(

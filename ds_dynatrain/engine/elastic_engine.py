@@ -22,6 +22,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
@@ -90,8 +91,8 @@ class ElasticEngine(DeepSpeedEngine):
         split = dt.split(world_size)
         if dt.membership is None:
             raise ResizeRefusedError(
-                "online resizing needs the job to be started by `dynatrain launch` "
-                "(it hosts the membership store and starts joiners)"
+                f"world size {world_size} refused: this process was started by {other_launcher()}, not by "
+                f"`dynatrain launch` (which hosts the job's membership store and starts joiners); {LAUNCHER_LIMITS}"
             )
         if world_size == self.dp_world_size and not must_leave:
             return None
