@@ -25,8 +25,10 @@ demo: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest
 
-# the slow multi-process cases (marked slow, deselected by `make test`): a path a faster test also covers,
-# at another ZeRO stage, signal or length (the main job under ZeRO-3, SIGINT to the launcher, ten 4→2→4 cycles)
+# the slow multi-process cases (marked slow, deselected by `make test`): the rest of each matrix whose
+# first case `make test` runs (ZeRO stages, precisions, world sizes, signals, launchers), whole jobs
+# that a faster test covers part of, and DeepSpeed's universal route as an oracle; `make test` and
+# `make test-slow` together are the whole suite
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 

@@ -211,6 +211,7 @@ def _srun_env(job_id: int, nodelist: str, node: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_two_hosts_under_srun_join_while_a_resize_is_pending(tmp_path, two_hosts):
     """`dynatrain launch --nproc 1 --slots 2` on two hosts (namespaces, traffic only over their

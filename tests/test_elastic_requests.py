@@ -141,6 +141,7 @@ def _request_async(port: int, world_size: int) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_resize_requests_from_outside_the_job(tmp_path):
     # the job's end is held (--until) until every request below is answered: however slowly a busy
@@ -178,6 +179,7 @@ def test_resize_requests_from_outside_the_job(tmp_path):
     _close(torch.load(tmp_path / "final.pt"), final, "requested resizes vs static")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_on_two_members_at_once_shrinks_the_job(tmp_path):
     # the job is held right after step 3 (--hold) until both notices are sent: they arrive at the
@@ -207,6 +209,7 @@ def test_sigterm_on_two_members_at_once_shrinks_the_job(tmp_path):
     _close(torch.load(tmp_path / "final.pt"), final, "preempted job vs static")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_sigkill_restores_from_the_latest_snapshot_on_fewer_ranks(tmp_path):
     """A member killed without notice: the launcher restarts the job on the live members' number

@@ -141,6 +141,7 @@ def test_a_signal_to_the_launcher_ends_the_job_with_a_final_snapshot(tmp_path, s
             assert torch.equal(stopped[name][kind], loaded[name][kind]), (name, kind)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_second_signal_kills_the_job_at_once(tmp_path):
     """The job is held (it never reaches the boundary that would stop it): the second SIGTERM ends

@@ -138,6 +138,7 @@ def test_torchrun_saves_on_two_processes_and_loads_on_one(tmp_path):
     _check_worker(two, one, "torchrun")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_accelerate_launch_saves_on_two_processes_and_loads_on_one(tmp_path):
@@ -148,6 +149,7 @@ def test_accelerate_launch_saves_on_two_processes_and_loads_on_one(tmp_path):
     assert json.loads((one / "started_rank0.json").read_text())["local_rank_env"] == "0"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_deepspeed_launcher_runs_the_main_job_saves_on_two_processes_and_loads_on_one(tmp_path):

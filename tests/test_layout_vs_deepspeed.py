@@ -25,7 +25,9 @@ from conftest import WORKERS, run_plain
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3, 4]
+)
 def test_layout_equals_deepspeed(tmp_path, world_size):
     jobs = run_plain(
         tmp_path, os.path.join(WORKERS, "layout_worker.py"), world_size, [str(tmp_path)], timeout=180, name="layout"

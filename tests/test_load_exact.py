@@ -26,7 +26,8 @@ import pytest
 import torch
 from conftest import WORKERS, read_jsonl, run_plain
 
-pytestmark = pytest.mark.multiprocess
+# client state through resharded loads at three sizes (make test-slow)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = os.path.join(WORKERS, "load_exact_worker.py")
 LOAD_SIZES = (1, 2, 4)  # 2 -> 1 and 2 -> 4: the resharded load; 2 -> 2: DeepSpeed's own

@@ -101,6 +101,7 @@ def test_snapshots_committed_and_pruned(main_job):
     assert len(list((d / "global_step12").glob("*optim_states.pt"))) == 2
 
 
+@pytest.mark.slow
 def test_job_ending_before_a_scheduled_grow_finishes(tmp_path):
     """Joiners started ahead of a grow the job never reaches are stopped; the job ends with 0."""
     cfg = job_config(tmp_path, "short")

@@ -24,7 +24,9 @@ import pytest
 import torch
 from conftest import WORKERS, read_jsonl, run_plain
 
-pytestmark = pytest.mark.multiprocess
+# the full matrix of loads at other sizes and stages (make test-slow); make test loads at another size in
+# test_launchers, test_restore_fallback and test_records_job
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = os.path.join(WORKERS, "migrate_worker.py")
 SAVES = {4: "1,2,3", 2: "1,2,3", 3: "2,3"}

@@ -98,7 +98,7 @@ def test_sigkill_restore_then_refill_back_to_the_slots(tmp_path):
         rc = _finish(job, log, timeout=200)
     out = (tmp_path / "rf.log").read_text()
     assert rc == 0, out[-4000:]
-    assert "agent: worker g0r1 failed (signal SIGKILL); restarting the job on 1 ranks from snapshot" in out
+    assert "agent: worker g0r1 failed (signal SIGKILL); restarting the job on 1 rank from snapshot" in out
     assert "agent: refill: asking the job to grow back from 1 to 2 ranks once it runs again (request 0" in out
     assert "agent: refill request 0: resized 1 -> 2" in out
     # a new process in the freed slot, rank 1 of the grown generation

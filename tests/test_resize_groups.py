@@ -112,7 +112,12 @@ def _run(tmp, name, stage, precision, nproc, steps, resizes, schedule):
 # gradient partitioning, which the fp16 run covers; dropped to keep the suite short)
 @pytest.fixture(
     scope="module",
-    params=[(1, "bf16"), (2, "fp16"), (3, "bf16"), (3, "fp16")],
+    params=[
+        pytest.param((1, "bf16"), marks=pytest.mark.slow),
+        pytest.param((2, "fp16"), marks=pytest.mark.slow),
+        pytest.param((3, "bf16"), marks=pytest.mark.slow),
+        (3, "fp16"),
+    ],
     ids=["zero1-bf16", "zero2-fp16", "zero3-bf16", "zero3-fp16"],
 )
 def runs(request, tmp_path_factory):

@@ -21,7 +21,8 @@ import torch
 from conftest import WORKERS, launch, read_jsonl
 from test_resize_state import _tensors
 
-pytestmark = pytest.mark.multiprocess
+# ZeRO-3 resizes bitwise are in make test through test_resize_groups (zero3-fp16); these in make test-slow
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCHEDULE = {2: 3, 5: 2, 7: 1}  # 2->3 (a joiner), 3->2 (a leaver), 2->1
 STEPS = 9

@@ -54,7 +54,7 @@ def damaged(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 1])
 def test_a_damaged_latest_snapshot_falls_back_to_the_previous_one(damaged, tmp_path, monkeypatch, nproc):
     snaps, first = damaged
     monkeypatch.setenv("DYNATRAIN_RESTORE", str(snaps))  # what the launcher sets on a restart

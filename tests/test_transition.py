@@ -118,7 +118,9 @@ def test_transitions_between_1_and_4_processes(tmp_path):
     assert len(transitions) == 12
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+@pytest.mark.parametrize(
+    "background", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["foreground", "background"]
+)
 def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
     jobs = run_plain(
         tmp_path,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import WORKERS, launch, read_jsonl
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # a whole resizing job (make test-slow)
 
 SCRIPT = os.path.join(WORKERS, "lifecycle_worker.py")
 STEPS = 8
