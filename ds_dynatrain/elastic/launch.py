@@ -53,23 +53,9 @@ def launch(
     if slots < nproc:
         raise ConfigError(f"--slots {slots} is less than --nproc {nproc}: a host starts at most its slots")
     if join:
-        (host, port), nnodes, node_rank = parse_store(store), 1, 0
-        if not host or not port:
-            raise ConfigError("dynatrain join needs --store HOST:PORT of the running job")
-        try:
-            probe_store(host, port)  # a job runs there already: fail at once when nothing listens
-        except DynatrainError as err:
-            raise ConfigError(str(err)) from None
-        global_batch, micro = resolve_global_batch(ds_config, 1)
+        host, port, nnodes, node_rank, (global_batch, micro) = _join_place(store, ds_config)
     else:
-        place = node_place(nnodes, node_rank, store)
-        nnodes, node_rank, host, port = place.nnodes, place.node_rank, place.store_host or "127.0.0.1", place.store_port
-        if place.source != "flags":
-            logger.info(f"agent: node {node_rank} of {nnodes}, store at {host}:{port} (from {place.source})")
-        if (nnodes > 1 or node_rank) and not port:
-            raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
-        if node_rank == 0:
-            _check_store_host(host, port)
+        host, port, nnodes, node_rank = _launch_place(nnodes, node_rank, store)
         global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes, elastic=True)
         _check_schedule_slots(dt_cfg, nnodes, slots, allow_oversubscribe)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
@@ -100,6 +86,33 @@ def launch(
     workers = f"{plural(nproc, 'worker')} ({plural(slots, 'slot')})"
     logger.info(f"agent: store at {host}:{agent.store_port}, {what} {workers}")
     return agent.run()
+
+
+def _join_place(store: Optional[str], ds_config: dict):
+    """``(host, port, nnodes, node_rank, (global batch, micro-batch))`` of ``dynatrain join``: the
+    running job's store, which must answer. Raises ConfigError."""
+    host, port = parse_store(store)
+    if not host or not port:
+        raise ConfigError("dynatrain join needs --store HOST:PORT of the running job")
+    try:
+        probe_store(host, port)  # a job runs there already: fail at once when nothing listens
+    except DynatrainError as err:
+        raise ConfigError(str(err)) from None
+    return host, port, 1, 0, resolve_global_batch(ds_config, 1)
+
+
+def _launch_place(nnodes: Optional[int], node_rank: Optional[int], store: Optional[str]):
+    """``(store host, store port, nnodes, node_rank)`` of ``dynatrain launch``, from the flags or the
+    scheduler's variables; node 0 must be able to host the store. Raises ConfigError."""
+    place = node_place(nnodes, node_rank, store)
+    nnodes, node_rank, host, port = place.nnodes, place.node_rank, place.store_host or "127.0.0.1", place.store_port
+    if place.source != "flags":
+        logger.info(f"agent: node {node_rank} of {nnodes}, store at {host}:{port} (from {place.source})")
+    if (nnodes > 1 or node_rank) and not port:
+        raise ConfigError("a job on several hosts needs --store HOST:PORT with a fixed port")
+    if node_rank == 0:
+        _check_store_host(host, port)
+    return host, port, nnodes, node_rank
 
 
 def _check_store_host(host: str, port: int) -> None:
