@@ -110,7 +110,7 @@ def _loss_panel(ax, recs: List[dict], static: Optional[List[dict]]) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(LOSS_TITLE, loc="left", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
 
 
 def _diff_panel(ax, recs: List[dict], static: List[dict]) -> None:
