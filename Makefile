@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test test-slow lint format install clean soak compat
+.PHONY: demo test test-slow lint format install clean soak compat gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -59,6 +59,39 @@ $(COMPAT_STAMP): pyproject.toml
 	$(COMPAT_VENV)/bin/pip install --quiet -e '.[test,examples]' deepspeed==$(DEEPSPEED_LOW)
 	$(COMPAT_VENV)/bin/python -m ds_dynatrain.prebuild
 	touch $@
+
+# the GPU check (benchmarks/gpu_check.py, README "GPU check"): ZeRO-2 on CUDA tensors resized 2 -> 1 -> 2
+# over gloo, a snapshot of device state, a one-rank NCCL engine that snapshots and reloads; one JSON
+# line, at most 8 minutes. Without a GPU it prints one line saying why it skipped and exits 0. Nothing
+# is downloaded: it runs under .venv's python when that torch sees a GPU, else under $(GPU_PYTHON) (a
+# python with a CUDA build of torch), with what that python lacks installed first from the wheels in
+# $(GPU_WHEELS) into $(GPU_SITE) (made by `make gpu-wheels` on a machine with the package index)
+GPU_PYTHON ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= .gpu-wheels
+GPU_SITE := runs/gpu-site
+HAS_CUDA := -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+gpu-check:
+	@py=$(GPU_PYTHON); \
+	if [ -x $(BIN)/python ] && $(BIN)/python $(HAS_CUDA) 2>/dev/null; then py=$(BIN)/python; \
+	elif [ -x $(BIN)/python ] && ! $(GPU_PYTHON) $(HAS_CUDA) 2>/dev/null; then py=$(BIN)/python; fi; \
+	site=; \
+	if [ "$$py" != "$(BIN)/python" ] && [ -d $(GPU_WHEELS) ]; then \
+		rm -rf $(GPU_SITE); \
+		$$py -m pip install --quiet --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_WHEELS)/*.whl || exit 1; \
+		site=$(CURDIR)/$(GPU_SITE); \
+	fi; \
+	PYTHONPATH=$$site timeout 520 $$py -m benchmarks.gpu_check
+
+# the wheels gpu-check installs on a GPU machine without the package index (CPython $(GPU_PYTHON_VERSION),
+# x86-64 Linux), at the versions .venv has: binary wheels as published, source-only packages built here
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS) $$($(BIN)/python -m benchmarks.gpu_check --pins binary)
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w $(GPU_WHEELS) $$($(BIN)/python -m benchmarks.gpu_check --pins source)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -91,6 +91,12 @@ class DynatrainConfig(_Strict):
         1, ge=1, description="print one step line every this many steps (step time and throughput averaged over them)"
     )
     collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every wait of a transition, seconds")
+    dist_backend: Optional[Literal["gloo", "nccl"]] = Field(
+        None,
+        description="torch.distributed backend of the job's process groups; none: the accelerator's "
+        "(nccl on CUDA, gloo on a CPU). 'gloo' on CUDA lets several workers share one device (NCCL "
+        "refuses two ranks on one GPU); gloo stages device tensors through pinned host memory",
+    )
     join_timeout_s: float = Field(
         600.0, gt=0, description="how long a spawned joiner waits for its generation, seconds"
     )

@@ -65,6 +65,12 @@ def test_defaults(section):
     assert cfg.snapshot.interval_steps == 0 and cfg.snapshot.dir is None and cfg.snapshot.keep_last == 2
     assert cfg.metrics_path is None
     assert cfg.log_interval_steps == 1
+    assert cfg.dist_backend is None  # the accelerator's backend
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_dist_backend_accepted(backend):
+    assert parse_section({"dist_backend": backend}).dist_backend == backend
 
 
 # (section, the located message the error must contain)
@@ -103,6 +109,8 @@ REFUSED = [
     ({"max_inflight_bytes": 16}, "dynatrain.max_inflight_bytes:"),
     ({"max_inflight_bytes": 1.5e9}, "dynatrain.max_inflight_bytes:"),
     ({"leaver_nice": 20}, "dynatrain.leaver_nice:"),
+    ({"dist_backend": "glooo"}, "dynatrain.dist_backend:"),
+    ({"dist_backend": ""}, "dynatrain.dist_backend:"),
     ({"snapshot": {"interval_steps": 5}}, "snapshot.dir is required when snapshot.interval_steps > 0"),
     ({"snapshot": {"interval_steps": 5, "dir": ""}}, "snapshot.dir is required"),
 ]

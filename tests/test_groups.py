@@ -94,3 +94,25 @@ def test_default_group_switches_and_is_reused():
         assert got[r]["sub"] == 2.0 and got[r]["sum2"] == (3.0, 2, r)
     for r in (2, 3):
         assert got[r]["detached"] is False and got[r]["sub_again"] == 5.0
+
+
+def test_built_group_serves_the_device_types_of_an_init_process_group_gloo_group():
+    """A group :func:`build_gloo_group` makes answers for the same device types as the group
+    ``init_process_group("gloo")`` makes (the oracle: torch's own), with one backend object for
+    all of them: a collective on a CUDA tensor finds gloo on a GPU machine (a group of one here,
+    over a ``HashStore``)."""
+    from ds_dynatrain.elastic.groups import build_gloo_group
+
+    ours = build_gloo_group(tdist.HashStore(), 0, 1, 30)
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        torch_own = tdist.group.WORLD
+        assert sorted(map(str, ours._device_types)) == sorted(map(str, torch_own._device_types))
+        backends = {id(ours._get_backend(d)) for d in ours._device_types}
+        assert len(backends) == 1
+        t = torch.tensor([3.0])
+        ours.allreduce([t]).wait()
+        assert t.item() == 3.0
+    finally:
+        tdist.destroy_process_group()
+        ours.shutdown()

@@ -48,6 +48,12 @@ def build_gloo_group(store, rank: int, world_size: int, timeout_s: float) -> tdi
     """A gloo ``ProcessGroup`` over ``store`` (rank ``rank`` of ``world_size``), not registered
     anywhere: it can be built in any thread and installed later as the default group.
 
+    The one gloo backend serves CPU and CUDA tensors, as in a group ``init_process_group("gloo")``
+    makes (torch registers it for both device types): gloo copies CUDA tensors through pinned
+    host memory for the collectives DeepSpeed's ZeRO-1/2 and this plugin issue on the default
+    group (all-reduce, reduce, broadcast, all-gather). Without the CUDA entry a collective on a
+    device tensor fails with "No backend type associated with device type cuda".
+
     Blocks until all ``world_size`` processes called it with the same ``store`` prefix (gloo's
     full-mesh rendezvous), at most ``timeout_s`` seconds.
 
@@ -58,7 +64,8 @@ def build_gloo_group(store, rank: int, world_size: int, timeout_s: float) -> tdi
     backend._set_sequence_number_for_group()
     pg = tdist.ProcessGroup(store, rank, world_size)
     pg._set_default_backend(tdist.ProcessGroup.BackendType.GLOO)
-    pg._register_backend(torch.device("cpu"), tdist.ProcessGroup.BackendType.GLOO, backend)
+    for device in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device), tdist.ProcessGroup.BackendType.GLOO, backend)
     pg._set_group_name(DEFAULT_NAME)
     pg._set_group_desc("default_pg")
     return pg

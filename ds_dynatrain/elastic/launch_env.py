@@ -192,3 +192,17 @@ def enter_lone_process(environ: Optional[MutableMapping[str, str]] = None) -> No
     env = os.environ if environ is None else environ
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.setdefault(key, "1" if key.endswith("WORLD_SIZE") else "0")
+
+
+def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This process's ``LOCAL_RANK`` (its index among the workers of its host; 0 when unset, as in
+    a job of one before :func:`enter_lone_process`).
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is not a non-negative integer (names the value).
+    """
+    env = os.environ if environ is None else environ
+    text = env.get("LOCAL_RANK", "0")
+    if not text.isdigit():
+        raise ValueError(f"LOCAL_RANK={text!r}: not a non-negative integer")
+    return int(text)

@@ -16,6 +16,7 @@ from ..elastic.launch_env import (
     LAUNCHER_LIMITS,
     LaunchContext,
     enter_lone_process,
+    local_rank,
     lone_process,
     member_id,
     other_launcher,
@@ -25,6 +26,7 @@ from ..errors import NotAMemberError
 from ..log import logger
 from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
 from .construct import construct, ds_config_for
+from .device import bind_device
 from .elastic_engine import ElasticEngine
 from .join import join_generation
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
@@ -66,9 +68,10 @@ def start_engine(
     """
     accelerator = get_accelerator()
     skip_cpu_shm_op(accelerator)
+    bind_device(accelerator, local_rank())  # before any group forms and any state is allocated
     ctx = LaunchContext.from_environ()
     atexit.register(shutdown)
-    backend = accelerator.communication_backend_name()
+    backend = dt_cfg.dist_backend or accelerator.communication_backend_name()
     membership = None
     if ctx is None:
         if dt_cfg.resize_schedule:

@@ -9,18 +9,21 @@ from typing import Tuple
 
 import torch
 import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..batch import BatchSplit
 from ..checkpoint.footer import VPSAttributes
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..elastic.launch_env import local_rank
 from ..vps.layout import ZeroLayout
 from ..zero.comm import start_deepspeed_comm
 from ..zero.geometry import layout_for_model, layout_of
 from ..zero.quiet import scheduler_start_quiet, use_current_collectives
 from ..zero.rebuild import light_rebuild
 from ..zero.zero3 import client_attrs
+from .device import bind_device, engine_args
 from .records import SnapshotRecord
 from .state import ElasticState
 
@@ -74,7 +77,7 @@ def construct(
     with light_rebuild(reuse_flat) if light else contextlib.nullcontext(), scheduler_start_quiet():
         DeepSpeedEngine.__init__(
             engine,
-            args=None,
+            args=engine_args(bind_device(get_accelerator(), local_rank())),
             model=model,
             optimizer=optimizer,
             model_parameters=model_parameters,
