@@ -26,7 +26,7 @@ from io_engine.errors import IOEngineError
 
 from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
-from ..planner.plan import plan_transition, scalars_for
+from ..planner.plan import Transfer, plan_transition, scalars_for
 from ..transition.buffers import allocate_partitions
 from ..zero.geometry import fp32_partitions, is_zero3, layout_of, zero_optimizer_of
 from ..zero.state import install_master, install_optimizer_state
@@ -160,9 +160,8 @@ def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tu
         CheckpointIncompleteError: a damaged or incomplete file (the caller has every rank agree).
     """
     by_src: Dict[int, list] = defaultdict(list)
-    for tr in plan.transfers:
-        if tr.dst == rank:
-            by_src[tr.src].append(tr)
+    for tr in map(Transfer._make, plan.rows_into(plan.new_members[rank]).tolist()):
+        by_src[tr.src].append(tr)
     nbytes = 0
     for src in sorted(by_src):
         parts = partitions_of(saved.optim(src).tree, saved.stage)

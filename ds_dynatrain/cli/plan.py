@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import lru_cache
+from typing import Tuple
+
+import numpy as np
 
 from ..errors import ConfigError
 from ..planner.assignment import assign_members, assign_members_best
-from ..planner.plan import plan_transition
+from ..planner.plan import Plan, plan_transition
 from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 
 # bytes per element a resize moves: fp32 master + Adam exp_avg + exp_avg_sq in bf16/fp16 training;
@@ -28,6 +32,18 @@ def model_layout(
     """
     if stage not in (1, 2, 3):
         raise ConfigError(f"--zero-stage {stage}: ZeRO stages 1, 2 and 3 have partitions to plan")
+    metas = model_metas(os.path.abspath(model_config), dtype)
+    return ZeroLayout(world_size, (metas,), stage=stage, sub_group_size=sub_group_size)
+
+
+@lru_cache(maxsize=4)
+def model_metas(model_config: str, dtype: str) -> Tuple[ParamMeta, ...]:
+    """The trainable parameters of the causal LM of a Hugging Face config file, built on the
+    meta device (no memory; a 405 B model takes seconds to build, so the result is kept).
+
+    Raises:
+        ConfigError: transformers missing, or the config file unreadable.
+    """
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,8 +57,7 @@ def model_layout(
         raise ConfigError(f"--model-config {model_config!r}: {err}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    metas = tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
-    return ZeroLayout(world_size, (metas,), stage=stage, sub_group_size=sub_group_size)
+    return tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
 
 
 def plan_report(
@@ -71,27 +86,28 @@ def plan_report(
     seconds = time.perf_counter() - t0
     b = STATE_BYTES_PER_ELEMENT[dtype]
     whole = sum(p.numel * p.element_size for g in old.groups for p in g) if stage == 3 else 0
+    kept, sent, recv = _per_rank_numels(plan)
+    part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
+    old_rank = {m: i for i, m in enumerate(plan.old_members)}
     ranks = []
     for r, m in enumerate(new_members):
-        recv = sum(t.numel for ts in plan.receives_of(m).values() for t in ts) * b
-        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
-        kept = sum(t.numel for t in plan.keeps_of(m)) * b
-        part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
-        peak = 0 if old_ws == new_ws else part + min(recv + sent, MAX_INFLIGHT_BYTES) + whole
+        i = old_rank.get(m)
+        s_r = int(sent[i]) * b if i is not None else 0
+        peak = 0 if old_ws == new_ws else part + min(int(recv[r]) * b + s_r, MAX_INFLIGHT_BYTES) + whole
         ranks.append(
             {
                 "rank": r,
                 "member": m,
-                "bytes_kept": kept,
-                "bytes_sent": sent,
-                "bytes_received": recv,
+                "bytes_kept": int(kept[r]) * b,
+                "bytes_sent": s_r,
+                "bytes_received": int(recv[r]) * b,
                 "peak_extra_bytes": peak,
             }
         )
     for m in plan.leavers:
-        sent = sum(t.numel for ts in plan.sends_of(m).values() for t in ts) * b
+        s_m = int(sent[old_rank[m]]) * b
         ranks.append(
-            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": sent, "bytes_received": 0, "peak_extra_bytes": 0}
+            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": s_m, "bytes_received": 0, "peak_extra_bytes": 0}
         )
     return {
         "model_config": model_config,
@@ -105,9 +121,23 @@ def plan_report(
         "bytes_moved": plan.numel_moved * b,
         "bytes_kept": plan.numel_kept * b,
         "plan_seconds": seconds,
-        "transfers": len(plan.transfers),
+        "transfers": len(plan.table),
         "ranks": ranks,
     }
+
+
+def _per_rank_numels(plan: Plan) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(kept by new rank, sent by old rank, received by new rank)``: elements (int64 arrays),
+    summed over the plan's table (kept elements are neither sent nor received)."""
+    t, keep = plan.table, plan.keep_mask
+
+    def total_by(col: int, rows: np.ndarray, n: int) -> np.ndarray:
+        out = np.zeros(n, dtype=np.int64)
+        np.add.at(out, t[rows, col], t[rows, 5])
+        return out
+
+    old_ws, new_ws = len(plan.old_members), len(plan.new_members)
+    return total_by(1, keep, new_ws), total_by(0, ~keep, old_ws), total_by(1, ~keep, new_ws)
 
 
 def print_report(rep: dict, as_json: bool) -> None:

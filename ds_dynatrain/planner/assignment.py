@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Tuple
 
 from ..vps.layout import ZeroLayout
-from .plan import gc_paused, layout_intersections
+from .intersect import shared_transfer_table
 
 _NEW = "\0new-joiner-"  # placeholder of a new joiner (no member id starts with a NUL)
 
@@ -37,13 +37,10 @@ def overlap_matrix(old: ZeroLayout, new: ZeroLayout):
     import numpy as np
 
     old.check_same_model(new)
-    k = np.zeros((old.world_size, new.world_size), dtype=np.int64)
-    with gc_paused():
-        raw = layout_intersections(old, new)
-    if raw:
-        a = np.asarray([(t[0], t[1], t[5]) for t in raw], dtype=np.int64)
-        np.add.at(k, (a[:, 0], a[:, 1]), a[:, 2])
-    return k
+    t = shared_transfer_table(old, new)  # the plan of the chosen assignment reuses it
+    k = np.zeros(old.world_size * new.world_size, dtype=np.int64)
+    np.add.at(k, t[:, 0] * new.world_size + t[:, 1], t[:, 5])
+    return k.reshape(old.world_size, new.world_size)
 
 
 def assign_members_best(

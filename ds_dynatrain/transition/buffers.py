@@ -24,12 +24,10 @@ def allocate_partitions(
     """
     if member not in plan.new_members:
         raise ValueError(f"member {member} is not in the new world {list(plan.new_members)}")
-    rank = plan.new_members.index(member)
     layout = plan.new_layout
     covered: Dict[int, List[Tuple[int, int]]] = {}
-    for t in plan.transfers:
-        if t.dst == rank:
-            covered.setdefault(t.dst_group, []).append((t.dst_offset, t.dst_offset + t.numel))
+    for _, _, _, _, dst_offset, numel, dst_group in plan.rows_into(member).tolist():
+        covered.setdefault(dst_group, []).append((dst_offset, dst_offset + numel))
     out = {}
     for g in range(layout.num_partitions):
         n = layout.partition_numel(g)

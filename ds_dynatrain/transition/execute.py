@@ -40,7 +40,7 @@ import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
 from ..planner.plan import Plan
-from .schedule import Stream, next_pow2, peer_at
+from .schedule import Stream, exchanges, transition_members, transition_ranks  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
@@ -59,18 +59,6 @@ class TransitionStats:
     keep_seconds: float = 0.0  # local copies of kept elements
     messages: int = 0
     peak_staging_bytes: int = 0  # largest packing buffers alive at once
-
-
-def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple[str, ...]:
-    """Members of the transition from ``previous`` to ``members`` in rank order: the previous
-    generation's, then the joiners (members not in ``previous``, in their rank order)."""
-    before = set(previous)
-    return tuple(previous) + tuple(m for m in members if m not in before)
-
-
-def transition_ranks(plan: Plan) -> Tuple[str, ...]:
-    """Members of the transition of ``plan`` in rank order: the old members, then the joiners."""
-    return transition_members(plan.old_members, plan.new_members)
 
 
 def transition_group(store, prefix: str, members: Sequence[str], member: str, timeout_s: float):
@@ -154,21 +142,14 @@ def execute_plan(
     dtype = _state_dtype(kinds, sources, dests)
     elsize = torch.empty((), dtype=dtype).element_size()
     ranks = tuple(ranks) if ranks is not None else transition_ranks(plan)
-    me = ranks.index(member)
-    n = len(ranks)
     chunk = max(1, max_inflight_bytes // (2 * elsize))  # elements per direction per message
 
     if sources is not None and dests is not None:
         _copy_keeps(plan, member, kinds, sources, dests, elsize, stats)
-    sends, recvs = plan.sends_of(member), plan.receives_of(member)
-    for step in range(1, next_pow2(n)):
-        p = peer_at(me, step, n)
-        if p is None:
-            continue
-        peer = ranks[p]
-        out = Stream(sources, kinds, sends[peer], "src") if peer in sends else None
-        inn = Stream(dests, kinds, recvs[peer], "dst") if peer in recvs else None
-        _exchange(group, _Peer(p, peer, step), out, inn, chunk, dtype, timeout_s, stats, progress)
+    for ex in exchanges(plan, member, ranks):
+        out = Stream(sources, kinds, ex.sends, "src") if ex.sends else None
+        inn = Stream(dests, kinds, ex.receives, "dst") if ex.receives else None
+        _exchange(group, _Peer(ex.peer, ex.member, ex.step), out, inn, chunk, dtype, timeout_s, stats, progress)
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -16,11 +16,23 @@ is cut into messages (DynaTrain, "State Transition Engine"; pure: no process gro
 from __future__ import annotations
 
 import bisect
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..planner.plan import Transfer
+from ..planner.plan import Plan, Transfer
+
+
+def transition_members(previous: Sequence[str], members: Sequence[str]) -> Tuple[str, ...]:
+    """Members of the transition from ``previous`` to ``members`` in rank order: the previous
+    generation's, then the joiners (members not in ``previous``, in their rank order)."""
+    before = set(previous)
+    return tuple(previous) + tuple(m for m in members if m not in before)
+
+
+def transition_ranks(plan: Plan) -> Tuple[str, ...]:
+    """Members of the transition of ``plan`` in rank order: the old members, then the joiners."""
+    return transition_members(plan.old_members, plan.new_members)
 
 
 def next_pow2(n: int) -> int:
@@ -45,6 +57,74 @@ def pair_schedule(world_size: int) -> List[List[Tuple[int, int]]]:
     ]
 
 
+class Exchange(NamedTuple):
+    """One step of one process's schedule: the peer it exchanges with, and what goes each way.
+
+    Attributes:
+        step: the XOR step (``peer == rank XOR step``).
+        peer: the peer's transition rank.  member: the peer's member id.
+        sends: the plan's transfers to the peer, in plan order (may be empty).
+        receives: the plan's transfers from the peer, in plan order (may be empty).
+    """
+
+    step: int
+    peer: int
+    member: str
+    sends: List[Transfer]
+    receives: List[Transfer]
+
+
+def exchanges(plan: Plan, member: str, ranks: Sequence[str]) -> List[Exchange]:
+    """``member``'s exchanges in step order: one per step whose peer exists and has something
+    to send to or receive from it (a pair with nothing either way skips its step). Pure; the
+    cost is the member's own transfers plus one look-up per step (``next_pow2(len(ranks))``).
+
+    Raises:
+        ValueError: ``member`` is not in ``ranks``.
+    """
+    index = {m: i for i, m in enumerate(ranks)}
+    if member not in index:
+        raise ValueError(f"member {member} is not one of the transition's {len(index)} ranks")
+    me = index[member]
+    sends, recvs = plan.sends_of(member), plan.receives_of(member)
+    peers: Dict[int, str] = {index[m]: m for m in (*sends, *recvs)}
+    out = []
+    for step in sorted(p ^ me for p in peers):
+        peer = peers[me ^ step]
+        out.append(Exchange(step, me ^ step, peer, sends.get(peer, []), recvs.get(peer, [])))
+    return out
+
+
+def stream_sizes(transfers: Sequence[Transfer], n_kinds: int) -> List[int]:
+    """The slice sizes of the stream of ``transfers`` with ``n_kinds`` state kinds each (elements)."""
+    return [t.numel for t in transfers for _ in range(n_kinds)]
+
+
+def chunk_ranges(sizes: Sequence[int], limit: int) -> List[Tuple[int, int]]:
+    """Cut a stream of slices of ``sizes`` elements into ranges ``[a, b)`` of at most ``limit``
+    elements, at slice boundaries where possible: slices smaller than ``limit`` are packed
+    together, larger ones are cut in pieces of ``limit`` and sent without a copy. Depends only
+    on the slice sizes, which both sides of a pair share, so both cut at the same offsets."""
+    out: List[Tuple[int, int]] = []
+    a = None
+    s0 = 0
+    for n in sizes:
+        if a is not None and s0 + n - a > limit:
+            out.append((a, s0))
+            a = None
+        if n >= limit:
+            full = n // limit * limit
+            out.extend((s0 + i, s0 + i + limit) for i in range(0, full, limit))
+            if full < n:
+                a = s0 + full
+        elif a is None:
+            a = s0
+        s0 += n
+    if a is not None and a < s0:
+        out.append((a, s0))
+    return out
+
+
 class Stream:
     """The ordered slices one side of a pair sends (or receives): transfers x kinds."""
 
@@ -61,27 +141,8 @@ class Stream:
         self.numel = pos
 
     def chunks(self, limit: int) -> List[Tuple[int, int]]:
-        """Cut the stream into ranges ``[a, b)`` of at most ``limit`` elements, at slice
-        boundaries where possible: slices smaller than ``limit`` are packed together, larger
-        ones are cut in pieces of ``limit`` and sent without a copy. Depends only on the slice
-        sizes, which both sides of a pair share, so both cut at the same offsets."""
-        out: List[Tuple[int, int]] = []
-        a = None
-        for s0, sl in zip(self.starts, self.slices):
-            n = sl.numel()
-            if a is not None and s0 + n - a > limit:
-                out.append((a, s0))
-                a = None
-            if n >= limit:
-                full = n // limit * limit
-                out.extend((s0 + i, s0 + i + limit) for i in range(0, full, limit))
-                if full < n:
-                    a = s0 + full
-            elif a is None:
-                a = s0
-        if a is not None and a < self.numel:
-            out.append((a, self.numel))
-        return out
+        """The stream cut into ranges of at most ``limit`` elements (:func:`chunk_ranges`)."""
+        return chunk_ranges([sl.numel() for sl in self.slices], limit)
 
     def pieces(self, a: int, b: int):
         """``(slice view, offset in the chunk)`` for the stream range ``[a, b)``."""

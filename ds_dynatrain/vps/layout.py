@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..errors import LayoutMismatchError
@@ -101,6 +102,34 @@ class Fragment:
     start: int
     numel: int
     local: int
+
+
+class FragmentTable(NamedTuple):
+    """Every fragment of a layout as columns (one row per fragment; int64 arrays of one length),
+    rows sorted by parameter (in group order) and, within a parameter, by ``start`` (which is
+    rank order). The fragments of a parameter tile ``[0, numel)`` exactly: padding is never a
+    fragment. At scale (a 405 B-parameter model under ZeRO-3 at 4,096 ranks has 4.7 million
+    fragments) the planner works on these columns, not on :class:`Fragment` objects.
+
+    Attributes:
+        param: index of the parameter in the layout's group order (group 0 first).
+        rank, partition, start, numel, local: as :class:`Fragment` (``partition`` is its
+            ``group``), in elements.
+    """
+
+    param: np.ndarray
+    rank: np.ndarray
+    partition: np.ndarray
+    start: np.ndarray
+    numel: np.ndarray
+    local: np.ndarray
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """``[0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ...]`` (int64)."""
+    total = int(counts.sum())
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - firsts
 
 
 @dataclass(frozen=True)
@@ -301,6 +330,48 @@ class ZeroLayout:
             if lo < hi:
                 out.append((r, b, lo - off, hi - lo, lo - r * P))
         return out
+
+    def param_numels(self) -> np.ndarray:
+        """Elements of every parameter, in group order (int64, one per parameter)."""
+        return np.asarray([p.numel for g in self.groups for p in g], dtype=np.int64)
+
+    def fragment_table(self) -> FragmentTable:
+        """Every fragment of every rank as columns (:class:`FragmentTable`), vectorised: the
+        cost is a few numpy passes over the fragments, whose number is about parameters x world
+        size at stage 3 and parameters + world size at stages 1/2. The same fragments as
+        :meth:`fragments` and :meth:`pieces`, in another order."""
+        numel = self.param_numels()
+        part = np.empty(numel.shape[0], dtype=np.int64)
+        where = np.empty(numel.shape[0], dtype=np.int64)  # stage 3: local offset; 1/2: flat offset
+        size = np.empty(numel.shape[0], dtype=np.int64)  # stage 3: piece; 1/2: partition numel
+        keys = [p.key for g in self.groups for p in g]
+        for j, key in enumerate(keys):
+            b, i = self._where[key]
+            geo = self._geometry[b]
+            part[j] = b
+            if self.stage == 3:
+                _, _, size[j], where[j] = geo.params[i]
+            else:
+                where[j], size[j] = geo.flat_offsets[i][1], geo.partition_numel
+        param = np.arange(numel.shape[0], dtype=np.int64)
+        if self.stage == 3:
+            # rank r holds [r * piece, min((r + 1) * piece, numel)) at the parameter's local offset
+            counts = np.where(numel > 0, -(-numel // np.maximum(size, 1)), 0)
+            rank = _ragged_arange(counts)
+            param = np.repeat(param, counts)
+            piece = size[param]
+            start = rank * piece
+            n = np.minimum(piece, numel[param] - start)
+            return FragmentTable(param, rank, part[param], start, n, where[param])
+        # stages 1/2: rank r holds [max(off, r P), min(off + numel, (r + 1) P)) of the flat group
+        first = where // size
+        counts = np.where(numel > 0, (where + numel - 1) // size - first + 1, 0)
+        param = np.repeat(param, counts)
+        rank = first[param] + _ragged_arange(counts)
+        off, P = where[param], size[param]
+        lo = np.maximum(off, rank * P)
+        hi = np.minimum(off + numel[param], (rank + 1) * P)
+        return FragmentTable(param, rank, part[param], lo - off, hi - lo, lo - rank * P)
 
     def region(self, rank: int, key: str) -> Region:
         """The region of parameter ``key`` that ``rank`` holds."""
