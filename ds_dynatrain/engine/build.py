@@ -34,6 +34,7 @@ from .members import form_generation
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .warmup import warm_joiner
 
 
 def client_groups(model: torch.nn.Module, optimizer, model_parameters) -> List[list]:
@@ -152,6 +153,8 @@ def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, 
 def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_parameters, lr_scheduler) -> None:
     """Join the running job as a new rank of generation ``ctx.generation``."""
     dt = engine._dt
+    # warm while the survivors train (until the generation forms): no collective, no state changed
+    dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
     if ctx.member not in rec.members:

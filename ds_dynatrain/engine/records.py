@@ -202,6 +202,11 @@ class JoinRecord(TransferTotals):
     generation: int = _f("generation it joined")
     group_reused: bool = _f("its new default group was a cached one", False)
     seconds: float = _f("from being named in the generation to an engine ready to train", 0.0)
+    warmup_s: Optional[float] = _f(
+        "forward, backward and an optimizer step on a synthetic batch before it joined; absent: it joined cold",
+        None,
+        optional=True,
+    )
 
 
 @dataclass
