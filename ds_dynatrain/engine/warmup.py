@@ -132,4 +132,3 @@ def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float
         return None
     logger.info(f"joiner warmed up in {seconds:.2f} s (forward, backward and an optimizer step on a synthetic batch)")
     return seconds
-
