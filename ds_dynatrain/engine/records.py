@@ -70,6 +70,12 @@ class StepRecord(Record):
         None,
         optional=True,
     )
+    threads: Optional[int] = _f(
+        "intra-op CPU threads of rank 0 (`torch.get_num_threads()`): its share of its host's CPUs among the "
+        "workers there, set again at every resize, unless `OMP_NUM_THREADS` was set",
+        None,
+        optional=True,
+    )
 
     @classmethod
     def of(
