@@ -96,7 +96,9 @@ def global_batch(n: int, m: int, at_least: int) -> int:
 # ---------------------------------------------------------------------- jobs
 def job_env() -> dict:
     """Environment of every job: CPU accelerator unless set, the repository importable, and
-    OMP_NUM_THREADS left to torch."""
+    OMP_NUM_THREADS unset: our workers take their share of the host's CPUs at every world size
+    (ds_dynatrain/elastic/threads.py); the plain DeepSpeed ranks get the same share from
+    :func:`run_plain`."""
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -171,6 +173,7 @@ def run_plain(nproc: int, args: Sequence[str], work: str, name: str, timeout: fl
             LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)),  # as ours: the host's CPUs shared
         )
         logs.append(os.path.join(work, f"{name}_rank{r}.log"))
         procs.append(start([sys.executable, worker, *args], logs[-1], env))

@@ -60,9 +60,17 @@ def _run(cmd: Sequence[str], log_path: str, timeout: float, env: Optional[dict] 
 
 
 def launch(
-    tmp_path, script: str, nproc: int, config: dict, args: Sequence[str] = (), timeout: float = 180, name: str = "job"
+    tmp_path,
+    script: str,
+    nproc: int,
+    config: dict,
+    args: Sequence[str] = (),
+    timeout: float = 180,
+    name: str = "job",
+    unset: Sequence[str] = (),
 ) -> Job:
-    """``dynatrain launch`` a worker script with ``config`` (written to ``tmp_path``)."""
+    """``dynatrain launch`` a worker script with ``config`` (written to ``tmp_path``), in the tests'
+    environment less the variables named in ``unset``."""
     cfg_path = os.path.join(tmp_path, f"{name}_config.json")
     with open(cfg_path, "w") as f:
         json.dump(config, f)
@@ -79,7 +87,8 @@ def launch(
         script,
         *args,
     ]
-    return _run(cmd, os.path.join(tmp_path, f"{name}.log"), timeout)
+    env = {k: v for k, v in _env().items() if k not in unset}
+    return _run(cmd, os.path.join(tmp_path, f"{name}.log"), timeout, env)
 
 
 def resize_command(store: str, world_size: int, timeout_s: float = 150) -> List[str]:

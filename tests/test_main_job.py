@@ -66,7 +66,10 @@ def test_job_resizes_three_times_and_finishes(main_job):
     steps = [r for r in recs if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert [r["world_size"] for r in steps] == [2] * 3 + [3] * 3 + [1] * 3 + [2] * 3
+    assert {r["threads"] for r in steps} == {1}  # the tests' OMP_NUM_THREADS=1 is the user's choice: kept
     assert "resize 2 \u2192 3 after step 3" in el.output
+    # the joiners started ahead (spawn_lookahead_steps) warmed up on a synthetic batch before they joined
+    assert "joiner warmed up in" in el.output
     # 3 -> 1: two of the three members leave; which ones is the planner's choice (the rank
     # assignment that keeps the most optimizer state in place), one of them the joiner of step 3
     import re

@@ -54,7 +54,8 @@ def job(tmp_path_factory):
         "metrics_path": str(tmp / "metrics.jsonl"),
         "log_interval_steps": 2,
     }
-    out = launch(tmp, SCRIPT, 2, cfg, ARGS, timeout=220, name="job")
+    # OMP_NUM_THREADS unset: each worker takes its share of the host's CPUs, again after the resize
+    out = launch(tmp, SCRIPT, 2, cfg, ARGS, timeout=220, name="job", unset=["OMP_NUM_THREADS"])
     assert out.returncode == 0, out.output[-5000:]
     return tmp, cfg, out.output, read_jsonl(tmp / "metrics.jsonl")
 
@@ -168,3 +169,11 @@ def test_plot_of_the_job(job, tmp_path):
     assert [p.get_width() for p in plan.patches] == pytest.approx([resize["plan_s"]])
     assert main(["plot", str(tmp / "metrics.jsonl"), "--out", str(tmp_path / "job.png")]) == 0
     assert (tmp_path / "job.png").stat().st_size > 0
+
+
+def test_workers_share_the_host_cpus_again_after_the_resize(job):
+    _, _, _, recs = job
+    cpus = len(os.sched_getaffinity(0))
+    steps = [r for r in recs if r["event"] == "step"]
+    assert [r["world_size"] for r in steps] == [2, 2, 2, 1, 1, 1]
+    assert [r["threads"] for r in steps] == [max(1, cpus // r["world_size"]) for r in steps]

@@ -26,6 +26,9 @@ Processes:
 Requests and the job:
 
 * ``dynatrain/job``: what a requester checks a world size against.
+* ``dynatrain/batch``: ``{"args": [...], "kwargs": {...}}``, the shapes and dtypes (never the
+  values) of rank 0's first forward inputs, from which a joiner builds its warm-up batch
+  (:mod:`~ds_dynatrain.engine.warmup`).
 * ``dynatrain/request/count`` and ``dynatrain/request/<i>``: ``{"world_size": N}`` from
   ``dynatrain resize`` (``"refill": true`` added when an agent grows the job back after a restart),
   or ``{"join": node, "slots": K}`` from ``dynatrain join``;
@@ -48,6 +51,7 @@ GO_KEY = "dynatrain/gen/{}/go"
 ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"  # generation, publishing step: will not be formed
 SWITCH_KEY = "dynatrain/gen/{}/{}/switching"  # generation, publishing step: the header is on its way
 JOB_KEY = "dynatrain/job"  # what a requester needs to check a world size
+BATCH_KEY = "dynatrain/batch"  # shapes and dtypes of rank 0's first forward inputs (joiners' warm-up)
 REQUEST_COUNT = "dynatrain/request/count"
 REQUEST_KEY = "dynatrain/request/{}"  # {"world_size": N} or {"join": node, "slots": K}
 ANSWER_KEY = "dynatrain/request/{}/answer"  # {"ok": bool, "message": str, "record": {...}, "aborted"}

@@ -17,6 +17,7 @@ import signal
 import time
 from typing import Optional, Tuple
 
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..batch import largest_world_size
@@ -120,6 +121,7 @@ def _record_step(engine, tally: StepTally, step_s: float) -> None:
         return
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
     rec = StepRecord.of(step, engine.dp_world_size, tally.loss, lr, dt.global_batch, step_s, dt.tokens_per_sample)
+    rec.threads = torch.get_num_threads()
     dt.metrics.write(rec)
     if dt.membership is not None:
         dt.membership.set_last_step(step)  # a restore from a snapshot counts the steps it loses

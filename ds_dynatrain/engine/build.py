@@ -22,6 +22,7 @@ from ..elastic.launch_env import (
     other_launcher,
 )
 from ..elastic.membership import GenerationRecord, Membership
+from ..elastic.threads import one_thread_unless_fixed
 from ..errors import NotAMemberError
 from ..log import logger
 from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
@@ -34,6 +35,7 @@ from .members import form_generation
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .warmup import warm_joiner
 
 
 def client_groups(model: torch.nn.Module, optimizer, model_parameters) -> List[list]:
@@ -152,6 +154,10 @@ def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, 
 def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_parameters, lr_scheduler) -> None:
     """Join the running job as a new rank of generation ``ctx.generation``."""
     dt = engine._dt
+    # warm while the survivors train (until the generation forms): no collective, no state changed,
+    # one CPU thread beside the host's running workers
+    one_thread_unless_fixed()
+    dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
     if ctx.member not in rec.members:

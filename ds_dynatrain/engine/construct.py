@@ -17,6 +17,7 @@ from ..batch import BatchSplit
 from ..checkpoint.footer import VPSAttributes
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.launch_env import local_rank
+from ..elastic.threads import share_cpus
 from ..vps.layout import ZeroLayout
 from ..zero.comm import start_deepspeed_comm
 from ..zero.geometry import layout_for_model, layout_of
@@ -64,6 +65,8 @@ def construct(
     """
     import deepspeed
 
+    if dt.membership is not None:  # this host's CPUs shared among the generation's workers on it
+        share_cpus(dt.membership.store, dt.members, dt.member)
     config_class = DeepSpeedConfig(ds_config)
     deepspeed.set_optimizer_flags(config_class, model)
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it

@@ -29,6 +29,7 @@ from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, requests
 from .resize import resize as resize_now
 from .state import ElasticState
+from .warmup import publish_inputs
 
 
 class ElasticEngine(DeepSpeedEngine):
@@ -127,8 +128,12 @@ class ElasticEngine(DeepSpeedEngine):
     # ------------------------------------------------------------------ DeepSpeed's, overridden
     def forward(self, *inputs, **kwargs):
         self._require_member()
-        if self._dt.step_t0 is None:  # the step's time is counted from its first forward
-            self._dt.step_t0 = time.perf_counter()
+        dt = self._dt
+        if dt.step_t0 is None:  # the step's time is counted from its first forward
+            dt.step_t0 = time.perf_counter()
+        if not dt.inputs_published and dt.membership is not None and self.global_rank == 0:
+            dt.inputs_published = True  # what a joiner warms up on (shapes and dtypes only)
+            publish_inputs(dt.membership.store, inputs, kwargs)
         return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):

@@ -105,7 +105,11 @@ def join_generation(
     keep_returned_optimizer(engine)
     install_header_state(engine, header, dests, joiner=True)
     record = JoinRecord(
-        step=engine.global_steps, generation=rec.generation, group_reused=reused, seconds=time.perf_counter() - t0
+        step=engine.global_steps,
+        generation=rec.generation,
+        group_reused=reused,
+        seconds=time.perf_counter() - t0,
+        warmup_s=dt.warmup_s,
     )
     dt.pending = PendingResize(transfer, dests, scalars_for(plan, header.scalars), record, None, xfer)
     if overlap != "step":

@@ -70,6 +70,12 @@ class StepRecord(Record):
         None,
         optional=True,
     )
+    threads: Optional[int] = _f(
+        "intra-op CPU threads of rank 0 (`torch.get_num_threads()`): its share of its host's CPUs among the "
+        "workers there, set again at every resize, unless `OMP_NUM_THREADS` was set",
+        None,
+        optional=True,
+    )
 
     @classmethod
     def of(
@@ -202,6 +208,11 @@ class JoinRecord(TransferTotals):
     generation: int = _f("generation it joined")
     group_reused: bool = _f("its new default group was a cached one", False)
     seconds: float = _f("from being named in the generation to an engine ready to train", 0.0)
+    warmup_s: Optional[float] = _f(
+        "forward, backward and an optimizer step on a synthetic batch before it joined; absent: it joined cold",
+        None,
+        optional=True,
+    )
 
 
 @dataclass

@@ -69,6 +69,8 @@ class ElasticState:
     step_t0: Optional[float] = None  # perf_counter at the first forward of the running step
     tokens_per_sample: Optional[int] = None  # what the returned loader saw in its batches (None: unknown)
     window: Tuple[int, float, int] = (0, 0.0, 0)  # steps, seconds and samples since the last step line
+    inputs_published: bool = False  # rank 0 described its forward inputs for joiners' warm-up
+    warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
 
     @property
     def schedule(self) -> Dict[int, int]:

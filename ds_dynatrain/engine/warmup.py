@@ -1,0 +1,134 @@
+"""A joiner warmed up before it joins: forward and backward on a synthetic micro-batch of the job's
+shape, and an optimizer step on a scratch tensor, while the survivors train and with no collective
+they must match, so that its first real step costs what a normal step costs.
+
+Rank 0 describes the inputs of its first forward (shapes and dtypes, never values) in the job's
+store (:data:`~ds_dynatrain.elastic.keys.BATCH_KEY`); a joiner builds zeros of that description,
+runs them through its model under a forked RNG (the training RNG streams stay as they are) and drops
+the gradients again. Where the description is missing (rank 0 has not run a forward yet, or its
+inputs are not tensors and plain values) the joiner joins cold, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..elastic.keys import BATCH_KEY, GO_KEY
+from ..log import logger
+
+_PLAIN = (bool, int, float, str, type(None))
+POLL_S = 0.05
+
+
+def describe_inputs(inputs: tuple, kwargs: dict) -> Optional[dict]:
+    """The shape of one forward call's inputs: ``{"args": [...], "kwargs": {name: ...}}`` where a
+    tensor is ``{"shape": [int, ...], "dtype": "torch.int64"}`` and a plain value (None, bool,
+    int, float, str) is ``{"value": v}``. None when an input is anything else (a nested
+    structure, an object): no synthetic batch can stand for it."""
+
+    def one(x) -> Optional[dict]:
+        if isinstance(x, torch.Tensor):
+            return {"shape": list(x.shape), "dtype": str(x.dtype)}
+        if isinstance(x, _PLAIN):
+            return {"value": x}
+        return None
+
+    args = [one(x) for x in inputs]
+    kw = {k: one(v) for k, v in kwargs.items()}
+    if any(d is None for d in args) or any(d is None for d in kw.values()):
+        return None
+    return {"args": args, "kwargs": kw}
+
+
+def synthetic_inputs(desc: dict, device: torch.device) -> Tuple[tuple, Dict[str, Any]]:
+    """Zeros of the shapes and dtypes of :func:`describe_inputs`'s ``desc`` on ``device`` (token
+    id 0 is a valid id for every vocabulary; a zero attention mask or label is as cheap as any)."""
+
+    def make(d: dict):
+        if "value" in d:
+            return d["value"]
+        dtype = getattr(torch, d["dtype"].removeprefix("torch."))
+        return torch.zeros(d["shape"], dtype=dtype, device=device)
+
+    return tuple(make(d) for d in desc["args"]), {k: make(d) for k, d in desc["kwargs"].items()}
+
+
+def loss_of(out) -> Optional[torch.Tensor]:
+    """The scalar a backward can start from in a model's output: the output itself, its ``loss``
+    (Hugging Face), or its first floating tensor (summed); None if there is none."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.is_floating_point() and out.requires_grad else None
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss.float().sum()
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for x in items:
+        found = loss_of(x)
+        if found is not None:
+            return found
+    return None
+
+
+def warm_up(model: torch.nn.Module, desc: dict) -> float:
+    """Forward and backward of ``model`` on zeros shaped as ``desc``, then one AdamW step on a
+    scratch tensor; the parameters' gradients are dropped again and no parameter changes.
+    The RNG streams of the CPU and of the model's device are forked, so the training that follows
+    draws what it would have drawn cold. Returns the seconds it took.
+
+    Raises:
+        whatever the model's forward raises on the synthetic batch (the caller joins cold).
+    """
+    t0 = time.perf_counter()
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    args, kwargs = synthetic_inputs(desc, device)
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            loss = loss_of(model(*args, **kwargs))
+            if loss is not None:
+                loss.backward()
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    if param is not None:
+        scratch = torch.zeros(1 << 16, dtype=torch.float32, device=device, requires_grad=True)
+        scratch.grad = torch.ones_like(scratch)
+        torch.optim.AdamW([scratch], lr=1e-3).step()
+    return time.perf_counter() - t0
+
+
+def publish_inputs(store, inputs: tuple, kwargs: dict) -> bool:
+    """Rank 0, at its first forward: describe the inputs in the job's store for joiners (once
+    per process; a later joiner reads the first description). Returns whether one was written."""
+    desc = describe_inputs(inputs, kwargs)
+    if desc is None:
+        return False
+    store.set(BATCH_KEY, json.dumps(desc))
+    return True
+
+
+def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float) -> Optional[float]:
+    """A joiner of ``generation``, before its rendezvous: wait until rank 0 has described its
+    inputs or the generation is about to form (its go key), whichever comes first, at most
+    ``timeout_s`` seconds; warm up in the first case. Returns the warm-up's seconds, or None where
+    it joined cold (no description before the go or the limit, or the model failed on the
+    synthetic batch: logged, never raised; the caller's wait for the go then decides)."""
+    go = GO_KEY.format(generation)
+    deadline = time.monotonic() + timeout_s
+    while not store.check([BATCH_KEY]):
+        if store.check([go]) or time.monotonic() > deadline:
+            return None
+        time.sleep(POLL_S)
+    desc = json.loads(store.get(BATCH_KEY))
+    try:
+        seconds = warm_up(model, desc)
+    except Exception as err:  # the warm-up is an optimisation: a model it cannot feed joins cold
+        logger.info(f"joiner warm-up skipped: the model failed on a synthetic batch ({type(err).__name__}: {err})")
+        return None
+    logger.info(f"joiner warmed up in {seconds:.2f} s (forward, backward and an optimizer step on a synthetic batch)")
+    return seconds

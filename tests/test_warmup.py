@@ -1,0 +1,131 @@
+"""A joiner's warm-up (ds_dynatrain/engine/warmup.py): the description of rank 0's forward inputs,
+the synthetic batch built from it, a warm-up that leaves no trace in the model or the RNG streams
+(oracle: a cold copy of the same model, whose next forward and backward must match bitwise), and
+the joiner's wait on a real TCPStore for the description or the generation's go."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ds_dynatrain.elastic.keys import BATCH_KEY, GO_KEY
+from ds_dynatrain.engine.warmup import describe_inputs, loss_of, synthetic_inputs, warm_joiner, warm_up
+
+
+def tiny_llama(dropout: float = 0.1) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attention_dropout=dropout,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def test_description_round_trips_through_json_and_builds_zeros_of_its_shapes():
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    desc = describe_inputs((ids,), {"attention_mask": mask, "labels": ids, "use_cache": False, "scale": 0.5})
+    assert desc == json.loads(json.dumps(desc))
+    args, kwargs = synthetic_inputs(json.loads(json.dumps(desc)), torch.device("cpu"))
+    assert len(args) == 1 and args[0].shape == (2, 8) and args[0].dtype == torch.int64
+    assert not args[0].any()
+    assert kwargs["attention_mask"].dtype == torch.bool and kwargs["attention_mask"].shape == (2, 8)
+    assert kwargs["labels"].shape == (2, 8) and kwargs["use_cache"] is False and kwargs["scale"] == 0.5
+
+
+@pytest.mark.parametrize("bad", [{"input_ids": torch.zeros(1)}, [torch.zeros(1)], object()])
+def test_no_description_for_inputs_a_synthetic_batch_cannot_stand_for(bad):
+    assert describe_inputs((bad,), {}) is None
+    assert describe_inputs((), {"x": bad}) is None
+
+
+def test_loss_of_finds_the_scalar_to_start_a_backward_from():
+    w = torch.ones(3, requires_grad=True)
+    assert torch.equal(loss_of(w * 2), torch.tensor(6.0))
+    assert loss_of(torch.ones(3)) is None  # no graph behind it
+    assert torch.equal(loss_of((torch.arange(3), w * 3)), torch.tensor(9.0))
+    assert torch.equal(loss_of({"logits": w * 1}), torch.tensor(3.0))
+    out = tiny_llama()(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long))
+    assert loss_of(out) is not None and torch.equal(loss_of(out), out.loss.float())
+
+
+def test_warm_up_leaves_parameters_gradients_and_rng_as_a_cold_model_has_them():
+    warm, cold = tiny_llama(), tiny_llama()
+    warm.train()
+    cold.train()
+    ids = torch.randint(0, 64, (2, 8))
+    desc = describe_inputs((), {"input_ids": ids, "labels": ids})
+    rng = torch.get_rng_state()
+    seconds = warm_up(warm, desc)
+    assert seconds > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in warm.parameters())
+    for (n, a), (_, b) in zip(warm.named_parameters(), cold.named_parameters()):
+        assert torch.equal(a, b), n
+    assert warm.training
+    # the next real step: same dropout draws, same loss and gradients, bitwise
+    torch.manual_seed(7)
+    lw = warm(input_ids=ids, labels=ids).loss
+    lw.backward()
+    torch.manual_seed(7)
+    lc = cold(input_ids=ids, labels=ids).loss
+    lc.backward()
+    assert torch.equal(lw, lc)
+    for (n, a), (_, b) in zip(warm.named_parameters(), cold.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_warm_up_raises_what_the_model_raises_on_the_synthetic_batch():
+    model = torch.nn.Embedding(4, 2)  # a zero id fits; a float input does not
+    with pytest.raises(RuntimeError):
+        warm_up(model, describe_inputs((torch.zeros(2),), {}))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.fixture
+def store():
+    st = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    yield st
+
+
+def test_joiner_warms_up_once_the_inputs_are_described(store):
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    store.set(BATCH_KEY, json.dumps(describe_inputs((), {"input_ids": ids, "labels": ids})))
+    model = tiny_llama()
+    before = copy.deepcopy(model.state_dict())
+    seconds = warm_joiner(store, model, 3, timeout_s=10)
+    assert seconds is not None and seconds > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_joiner_joins_cold_when_the_generation_forms_first(store):
+    store.set(GO_KEY.format(3), "1")
+    t = time.monotonic()
+    assert warm_joiner(store, tiny_llama(), 3, timeout_s=10) is None
+    assert time.monotonic() - t < 2
+
+
+def test_joiner_waits_no_longer_than_its_limit(store):
+    t = time.monotonic()
+    assert warm_joiner(store, tiny_llama(), 3, timeout_s=0.3) is None
+    assert 0.3 <= time.monotonic() - t < 3
+
+
+def test_a_model_the_synthetic_batch_does_not_fit_joins_cold(store):
+    store.set(BATCH_KEY, json.dumps(describe_inputs((torch.zeros(2),), {})))
+    model = torch.nn.Embedding(4, 2)
+    assert warm_joiner(store, model, 3, timeout_s=10) is None
+    assert all(p.grad is None for p in model.parameters())
