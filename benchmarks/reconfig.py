@@ -1,6 +1,6 @@
 """Reconfiguration downtime: our online resize beside DeepSpeed's universal-checkpoint route.
 
-    python -m benchmarks.reconfig [--params 100M] [--transitions 2:1,1:2,2:3] [--json] [--dir DIR]
+    python -m benchmarks.reconfig [--params 100M] [--transitions 2:1,1:2,2:3] [--busy K] [--json] [--dir DIR]
 
 One run, on this machine, a Llama-shaped model (vocabulary 8192, hidden 768, MLP 2048, 64-wide
 heads, untied embeddings, sequence length 64, micro-batch 1; ``--params`` picks the number of
@@ -25,7 +25,8 @@ layers, 12 for about 97 M parameters; ``--hidden``/``--layers`` override), ZeRO-
   For 2->1 and 1->2 every byte crosses the one link; for 2->3 two senders feed one joiner, so the
   bound counts the bytes as if they crossed one link.
 
-Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``--json`` prints one
+``--busy K`` keeps K more processes busy with one-thread matrix products for the whole run (the
+same work beside both routes): the ratio on a machine with other work. Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``--json`` prints one
 JSON object per transition; otherwise a table. Checkpoints and logs go to a temporary directory
 under ``--dir`` that is removed at the end. A failed job stops the run with the tail of its log.
 """
@@ -404,6 +405,24 @@ def print_table(results: List[dict], a) -> None:
     )
 
 
+BUSY_LOOP = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a = torch.tanh(a @ a)"
+
+
+def start_busy(k: int) -> List[subprocess.Popen]:
+    """``k`` processes that keep one CPU each busy with matrix products until :func:`stop_busy`
+    (the "busy run": the ratio to DeepSpeed's route measured on a machine with other work)."""
+    return [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(k)
+    ]
+
+
+def stop_busy(procs: List[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -433,6 +452,12 @@ def main(argv=None) -> int:
     ap.add_argument("--convert-workers", type=int, default=2, help="ds_to_universal extract and merge workers")
     ap.add_argument("--timeout", type=float, default=1800.0, help="limit of each job, seconds")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
+    ap.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="CPU-heavy processes (one-thread matrix products) running beside the whole benchmark: a busy machine",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per transition")
     a = ap.parse_args(argv)
     if a.hidden % 64:
@@ -444,10 +469,12 @@ def main(argv=None) -> int:
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="dynatrain-reconfig-", dir=a.dir)
     results = []
+    busy = start_busy(a.busy)
     try:
         link = measure_link(a, work)
         for n, m in a.transitions:
             r = transition(n, m, a, work, link)
+            r["busy_processes"] = a.busy
             results.append(r)
             if a.json:
                 print(json.dumps(r), flush=True)
@@ -455,6 +482,7 @@ def main(argv=None) -> int:
         print(f"benchmarks.reconfig: {err}", file=sys.stderr)
         return 1
     finally:
+        stop_busy(busy)
         shutil.rmtree(work, ignore_errors=True)
     if not a.json:
         print_table(results, a)
