@@ -63,13 +63,19 @@ def test_a_background_transfer_adds_to_the_record():
     rec = JoinRecord(step=3, generation=2)
     rec.add_transfer(
         TransitionStats(
-            bytes_sent=0, bytes_received=400, seconds=0.5, keep_seconds=0.1, messages=3, peak_staging_bytes=64
+            bytes_sent=0,
+            bytes_received=400,
+            seconds=0.5,
+            keep_seconds=0.1,
+            exchange_seconds=0.4,
+            messages=3,
+            peak_staging_bytes=64,
         ),
         waited_s=0.2,
         peak_extra_bytes=1000,
     )
     rec.add_transfer(
-        TransitionStats(bytes_received=100, seconds=0.1, messages=1, peak_staging_bytes=32),
+        TransitionStats(bytes_received=100, seconds=0.1, exchange_seconds=0.1, messages=1, peak_staging_bytes=32),
         waited_s=0.05,
         peak_extra_bytes=10,
     )

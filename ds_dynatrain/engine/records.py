@@ -148,7 +148,9 @@ class SnapshotRecord(Record):
 class TransferTotals(Record):
     """What a transition's transfers did on this process (resize and join records)."""
 
-    transfer_s: float = _f("seconds the transfers took (the moments' in the background)", 0.0)
+    transfer_s: float = _f(
+        "seconds the transfers took, first message posted to last done (the moments' in the background)", 0.0
+    )
     keep_s: float = _f("seconds of local copies of state kept in place", 0.0)
     transfer_wait_s: float = _f("seconds waited for the background transfer after the rebuild", 0.0)
     peak_extra_bytes: int = _f(
@@ -161,7 +163,7 @@ class TransferTotals(Record):
 
     def add_transfer(self, stats: TransitionStats, waited_s: float, peak_extra_bytes: int) -> None:
         """Count one completed transfer phase (the moments' background transfer)."""
-        self.transfer_s += stats.seconds - stats.keep_seconds
+        self.transfer_s += stats.exchange_seconds
         self.keep_s += stats.keep_seconds
         self.transfer_wait_s = waited_s
         self.peak_extra_bytes = max(self.peak_extra_bytes, peak_extra_bytes)

@@ -158,7 +158,7 @@ def _start_transfer(engine, r: _Resize) -> None:
     rec = r.record
     rec.bytes_moved = plan.numel_moved * elsize * moved_kinds
     rec.bytes_kept = plan.numel_kept * elsize * moved_kinds
-    rec.transfer_s, rec.keep_s = stats.seconds - stats.keep_seconds, stats.keep_seconds
+    rec.transfer_s, rec.keep_s = stats.exchange_seconds, stats.keep_seconds
     rec.transfer_overlap = r.overlap
     rec.peak_staging_bytes, rec.messages = stats.peak_staging_bytes, stats.messages
     rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received

@@ -7,18 +7,22 @@ It moves bytes and interprets nothing (DynaTrain, "State Transition Engine"):
   count) process ``i`` exchanges with ``i XOR s`` if that process exists. The relation is
   symmetric, so both sides of a pair are in the same step, and every ordered pair of distinct
   processes meets in exactly one step (:func:`pair_schedule`). Within a pair, each side posts
-  its receive, then its send, then waits for both, so no ordering between peers can deadlock.
+  a chunk's receive, then its send, and waits for a chunk only after posting the next one, so
+  no ordering between peers can deadlock and the next chunk is packed and posted while the
+  last one moves (:data:`WINDOW` chunks in flight).
 * **Packing.** Everything process ``i`` sends to ``j`` is one *stream*: the plan's transfers
   ``i → j`` in plan order, each with the state kinds in a fixed order. The stream is cut into
-  chunks of at most ``max_inflight_bytes / 2`` per direction, at slice boundaries where
+  chunks of at most ``max_inflight_bytes / (2 * WINDOW)``, at slice boundaries where
   possible (:meth:`~ds_dynatrain.transition.schedule.Stream.chunks`); both sides cut at the
   same element offsets, so they agree on every message without a word. A chunk is one
   contiguous buffer and one send: a view of the partition when it lies inside one slice (no
   copy), else a packed buffer of small slices; the receiver unpacks straight into its new
   partitions.
 * **Bounded memory.** Messages in flight, and packing buffers, never exceed
-  ``max_inflight_bytes`` per process at any time (one chunk each way);
+  ``max_inflight_bytes`` per process at any time (:data:`WINDOW` chunks each way);
   :attr:`TransitionStats.peak_staging_bytes` records the largest packing footprint.
+* **Exchanges first.** The local copies of the elements a process keeps come after its exchanges:
+  a peer waiting for this process's receives would otherwise sit idle while it copies.
 * **Timeouts.** Every wait has a timeout; an error names the peer, the step and the chunk.
 
 The data plane is a gloo process-group object (:func:`transition_group` makes a private one that
@@ -31,9 +35,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -43,6 +48,7 @@ from ..planner.plan import Plan
 from .schedule import Stream, exchanges, transition_members, transition_ranks  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+WINDOW = 2  # chunks in flight per pair: the next is posted while the last one moves
 
 # A seam for fault injection in tests: called as ``hook(step, chunk)`` before each chunk is posted.
 fault_hook: Optional[Callable[[int, int], None]] = None
@@ -57,6 +63,7 @@ class TransitionStats:
     bytes_kept: int = 0
     seconds: float = 0.0  # the whole call: local copies and exchanges
     keep_seconds: float = 0.0  # local copies of kept elements
+    exchange_seconds: float = 0.0  # the exchanges: first message posted to last message done
     messages: int = 0
     peak_staging_bytes: int = 0  # largest packing buffers alive at once
 
@@ -108,7 +115,8 @@ def execute_plan(
     ranks: Optional[Sequence[str]] = None,
     progress: Optional[dict] = None,
 ) -> TransitionStats:
-    """Move this process's share of ``plan``: keeps, then the XOR-paired exchanges.
+    """Move this process's share of ``plan``: the XOR-paired exchanges, then the local copies of
+    the elements this process keeps.
 
     Args:
         plan: the plan, identical on every process.
@@ -122,7 +130,7 @@ def execute_plan(
             (elements no transfer covers are left untouched).
         timeout_s: limit of each wait, seconds.
         max_inflight_bytes: bound of the bytes in flight (sent plus received, packing buffers
-            included) per process at any moment; at least one element each way.
+            included) per process at any moment; at least one element per message.
         ranks: member of each rank of ``group`` (default :func:`transition_ranks`).
         progress: if given, updated with the peer and stage being exchanged (for reports).
 
@@ -142,14 +150,16 @@ def execute_plan(
     dtype = _state_dtype(kinds, sources, dests)
     elsize = torch.empty((), dtype=dtype).element_size()
     ranks = tuple(ranks) if ranks is not None else transition_ranks(plan)
-    chunk = max(1, max_inflight_bytes // (2 * elsize))  # elements per direction per message
+    chunk = max(1, max_inflight_bytes // (2 * WINDOW * elsize))  # elements of one message
 
-    if sources is not None and dests is not None:
-        _copy_keeps(plan, member, kinds, sources, dests, elsize, stats)
     for ex in exchanges(plan, member, ranks):
         out = Stream(sources, kinds, ex.sends, "src") if ex.sends else None
         inn = Stream(dests, kinds, ex.receives, "dst") if ex.receives else None
+        t = time.perf_counter()
         _exchange(group, _Peer(ex.peer, ex.member, ex.step), out, inn, chunk, dtype, timeout_s, stats, progress)
+        stats.exchange_seconds += time.perf_counter() - t
+    if sources is not None and dests is not None:
+        _copy_keeps(plan, member, kinds, sources, dests, elsize, stats)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -177,6 +187,19 @@ class _Peer:
     step: int
 
 
+@dataclass
+class _Posted:
+    """One chunk's messages in flight: its index, the ``(what, work)`` pairs to wait for, the
+    receive staging buffer to unpack (None: received in place), and the packing bytes it holds."""
+
+    index: int
+    works: List[Tuple[str, object]]
+    recv: Optional[Tuple[int, int]]
+    rbuf: Optional[torch.Tensor]
+    staged: int
+    sbuf: Optional[torch.Tensor] = None  # what is being sent, alive until the send completes
+
+
 def _exchange(
     group,
     peer: _Peer,
@@ -188,71 +211,105 @@ def _exchange(
     stats: TransitionStats,
     progress: dict,
 ) -> None:
-    """Both directions of one pair's exchange, chunk by chunk: post the receive, then the send,
-    then wait for both (so no ordering between peers can deadlock); unpack what arrived."""
+    """Both directions of one pair's exchange, chunk by chunk, with up to :data:`WINDOW` chunks
+    in flight: post a chunk's receive, then its send, and wait for a chunk only when the window
+    is full, so the next chunk is packed and posted while the last one moves. Each side posts
+    its receives before its sends and both walk the chunks in the same order, so no ordering
+    between peers can deadlock."""
     out_chunks = out.chunks(chunk) if out else []
     in_chunks = inn.chunks(chunk) if inn else []
     nchunks = max(len(out_chunks), len(in_chunks))
     elsize = torch.empty((), dtype=dtype).element_size()
-    for c in range(nchunks):
-        if fault_hook is not None:
-            fault_hook(peer.step, c)
-        where = f"step {peer.step}, chunk {c + 1}/{nchunks}"
-        progress.update(peer=peer.member, where=where)
-        recv = in_chunks[c] if c < len(in_chunks) else None
-        send = out_chunks[c] if c < len(out_chunks) else None
-        rbuf = _post_and_wait(group, peer, inn, recv, out, send, dtype, elsize, where, timeout_s, stats)
-        if recv is not None:
-            a, b = recv
-            if rbuf is not None:
-                for piece, pos in inn.pieces(a, b):
-                    piece.copy_(rbuf.narrow(0, pos, piece.numel()))
-            stats.bytes_received += (b - a) * elsize
+    window: Deque[_Posted] = deque()
+    try:
+        for c in range(nchunks):
+            if fault_hook is not None:
+                fault_hook(peer.step, c)
+            progress.update(peer=peer.member, where=_where(peer, c, nchunks))
+            recv = in_chunks[c] if c < len(in_chunks) else None
+            send = out_chunks[c] if c < len(out_chunks) else None
+            window.append(_post(group, peer, c, nchunks, inn, recv, out, send, dtype, elsize, stats))
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, sum(w.staged for w in window))
+            if len(window) == WINDOW:
+                _complete(window.popleft(), peer, nchunks, inn, elsize, timeout_s, stats)
+        while window:
+            _complete(window.popleft(), peer, nchunks, inn, elsize, timeout_s, stats)
+    except BaseException:
+        for posted in window:  # let what is still in flight fail or finish before its buffers go
+            for _, w in posted.works:
+                try:
+                    w.wait(timedelta(seconds=min(timeout_s, 5.0)))
+                except RuntimeError:
+                    pass
+        raise
 
 
-def _post_and_wait(
-    group, peer: _Peer, inn, recv, out, send, dtype, elsize: int, where: str, timeout_s: float, stats: TransitionStats
-) -> Optional[torch.Tensor]:
-    """Post one chunk's receive (into place when it is one view, else into a staging buffer,
-    returned) and send (from place, else packed), and wait for both.
+def _where(peer: _Peer, c: int, nchunks: int) -> str:
+    return f"step {peer.step}, chunk {c + 1}/{nchunks}"
+
+
+def _post(group, peer: _Peer, c: int, nchunks: int, inn, recv, out, send, dtype, elsize: int, stats) -> _Posted:
+    """Post chunk ``c``'s receive (into place when it is one view, else into a staging buffer)
+    and send (from place, else packed). Its tag tells it from the other chunks in flight.
 
     Raises:
         TransitionAbortedError: naming the peer, the step and the chunk.
     """
-    staging = 0
-    rbuf = None
-    works = []
-    current = "posting messages to"
+    tag = peer.step * WINDOW + c % WINDOW
+    posted = _Posted(c, [], recv, None, 0)
+    current = "posting a receive from"
     try:
         if recv is not None:
             a, b = recv
             rview = inn.view(a, b)
             if rview is None:
-                rbuf = torch.empty(b - a, dtype=dtype)
-                staging += rbuf.numel() * elsize
-            works.append(("receive from", group.recv([rview if rview is not None else rbuf], peer.rank, peer.step)))
+                posted.rbuf = rview = torch.empty(b - a, dtype=dtype)
+                posted.staged += rview.numel() * elsize
+            posted.works.append(("receive from", group.recv([rview], peer.rank, tag)))
         if send is not None:
+            current = "posting a send to"
             a, b = send
             sbuf = out.view(a, b)
             if sbuf is None:
                 sbuf = torch.empty(b - a, dtype=dtype)
-                staging += sbuf.numel() * elsize
+                posted.staged += sbuf.numel() * elsize
                 for piece, pos in out.pieces(a, b):
                     sbuf.narrow(0, pos, piece.numel()).copy_(piece)
-            works.append(("send to", group.send([sbuf], peer.rank, peer.step)))
+            posted.works.append(("send to", group.send([sbuf], peer.rank, tag)))
+            posted.sbuf = sbuf
             stats.bytes_sent += sbuf.numel() * elsize
-        stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
-        timeout = timedelta(seconds=timeout_s)
-        for what, w in works:
-            current = what
-            w.wait(timeout)
     except RuntimeError as err:
-        raise TransitionAbortedError(
-            f"transition: {current} member {peer.member} (transition rank {peer.rank}) failed at {where} "
-            f"(wait limit {timeout_s:.0f} s): {err}"
-        ) from err
-    stats.messages += len(works)
-    return rbuf
+        raise _aborted(current, peer, _where(peer, c, nchunks), None, err) from err
+    return posted
+
+
+def _complete(posted: _Posted, peer: _Peer, nchunks: int, inn, elsize: int, timeout_s: float, stats) -> None:
+    """Wait for one posted chunk's messages; unpack a staged receive into the new partitions.
+
+    Raises:
+        TransitionAbortedError: naming the peer, the step and the chunk.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    for what, w in posted.works:
+        try:
+            w.wait(timeout)
+        except RuntimeError as err:
+            raise _aborted(what, peer, _where(peer, posted.index, nchunks), timeout_s, err) from err
+    stats.messages += len(posted.works)
+    posted.works, posted.sbuf = [], None
+    if posted.recv is not None:
+        a, b = posted.recv
+        if posted.rbuf is not None:
+            for piece, pos in inn.pieces(a, b):
+                piece.copy_(posted.rbuf.narrow(0, pos, piece.numel()))
+        stats.bytes_received += (b - a) * elsize
+
+
+def _aborted(what: str, peer: _Peer, where: str, timeout_s: Optional[float], err) -> TransitionAbortedError:
+    limit = f" (wait limit {timeout_s:.0f} s)" if timeout_s is not None else ""
+    return TransitionAbortedError(
+        f"transition: {what} member {peer.member} (transition rank {peer.rank}) failed at {where}{limit}: {err}"
+    )
 
 
 class PendingTransition:
