@@ -119,6 +119,15 @@ class DynatrainConfig(_Strict):
         description="a process that leaves the job at a resize raises its "
         "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors",
     )
+    joiner_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="a joiner starts this much above the agent's nice value (0: unchanged), so its start-up "
+        "and warm-up yield the CPU to the running workers of its host, and returns to the agent's value when "
+        "its generation forms; only where the agent may lower a nice value again (CAP_SYS_NICE or RLIMIT_NICE), "
+        "else joiners start unchanged",
+    )
     spawn_lookahead_steps: int = Field(
         3,
         ge=0,

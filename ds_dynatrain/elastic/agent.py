@@ -40,6 +40,7 @@ means). A second signal to the agent kills the workers at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -80,16 +81,19 @@ from .keys import (
 from .launch_env import LaunchContext, member_id
 from .membership import connect_store, next_generation
 from .placement import alive_workers, others_running
+from .priority import joiner_start_env
 from .refill import Refill
 
 POLL_S = 0.05
 GRACE_S = 10.0
 
 
-def _ignore_sigint() -> None:
+def _before_exec(nice: int = 0) -> None:
     """In a worker, between fork and exec: SIGINT ignored (kept through exec; Python then installs
-    no KeyboardInterrupt handler)."""
+    no KeyboardInterrupt handler), and the nice value raised by ``nice`` (a joiner)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if nice:
+        os.nice(nice)
 
 
 class Agent:
@@ -102,6 +106,8 @@ class Agent:
         python: interpreter for the workers.  slots, oversubscribe: what this host offers joiners
         (:class:`~ds_dynatrain.elastic.placement.Host`; default ``nproc`` slots, not past them).
         max_refills: grows back to the slots after a restart shrank the job (0: none).
+        joiner_nice: joiners start this much above the agent's nice value until their generation
+            forms (:mod:`~ds_dynatrain.elastic.priority`; 0: unchanged).
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class Agent:
         slots: Optional[int] = None,
         oversubscribe: bool = False,
         max_refills: int = 0,
+        joiner_nice: int = 0,
     ):
         self.script = script
         self.script_args = list(script_args)
@@ -160,6 +167,8 @@ class Agent:
         self.restores_left = max_restores
         self.refill = Refill(self.store, max_refills, self.largest)  # grow back after a restart shrank the job
         self._restore_env = False
+        self.joiner_env = joiner_start_env(joiner_nice)  # joiners start below the workers (priority.py)
+        self.joiner_nice = joiner_nice
 
     @property
     def store_port(self) -> int:
@@ -194,7 +203,9 @@ class Agent:
         env.update(ctx.worker_environ(0 if wave is None else self._wave_port(wave)))
         cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
         self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
-        self.workers[ctx.member] = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_sigint)
+        nice = self.joiner_nice if ctx.joiner and self.joiner_env else 0
+        env.update(self.joiner_env if nice else {})
+        self.workers[ctx.member] = subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(_before_exec, nice))
 
     def _poll_spawns(self) -> None:
         n = int(self.store.add(SPAWN_COUNT, 0))

@@ -79,6 +79,7 @@ def launch(
             slots=slots,
             oversubscribe=allow_oversubscribe,
             max_refills=max_refills,
+            joiner_nice=dt_cfg.joiner_nice,
         )
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None

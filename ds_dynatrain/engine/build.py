@@ -22,6 +22,7 @@ from ..elastic.launch_env import (
     other_launcher,
 )
 from ..elastic.membership import GenerationRecord, Membership
+from ..elastic.priority import return_to_job_priority
 from ..elastic.threads import one_thread_unless_fixed
 from ..errors import NotAMemberError
 from ..log import logger
@@ -159,12 +160,15 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     one_thread_unless_fixed()
     dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
+    started_at = return_to_job_priority()  # the agent started it below the workers: back to their priority
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
     if ctx.member not in rec.members:
         raise NotAMemberError(
             f"member {ctx.member} is not in generation {rec.generation} ({list(rec.members)}): it was cancelled"
         )
-    logger.info(f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}")
+    lower = f" (started at nice {started_at} until now)" if started_at is not None else ""
+    where = f"as rank {ctx.rank} of {rec.world_size}"
+    logger.info(f"member {ctx.member} joining generation {rec.generation} {where}{lower}")
     join_generation(
         engine,
         rec,
