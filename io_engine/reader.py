@@ -24,8 +24,9 @@ from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .backend import FileChannel, IOBackend, IOConfig, Op
+from .checksum import crc_update
 from .errors import ChecksumMismatchError, StorageReadError
-from .format import FileLayout, ItemMeta, align_down, align_up, crc32_update, format_checksum
+from .format import FileLayout, ItemMeta, align_down, align_up, format_checksum
 from .host_cache import alloc_aligned
 from .ioqueue import QueueFactory
 from .validate import read_footer
@@ -192,18 +193,19 @@ class FileReader:
             KeyError: an unknown key.
         """
         spans = [self._span(self._by_key[k], int(start), int(length)) for k, start, length in requests]
-        # CRC each block on a helper thread as soon as its span has arrived (zlib releases the
-        # GIL), so verification overlaps the reads still in flight instead of following them.
+        algo = self.layout.algo
+        # CRC each block on a helper thread as soon as its span has arrived (both algorithms
+        # release the GIL), so verification overlaps the reads still in flight.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc") as pool:
             crcs: Dict[int, list] = {}
 
             def on_done(i: int, view: memoryview) -> None:
-                crcs[i] = [pool.submit(crc32_update, view[a:b]) for a, b, _want in spans[i].checks]
+                crcs[i] = [pool.submit(crc_update, algo, view[a:b]) for a, b, _want in spans[i].checks]
 
             views = _read_spans(self._ch(), self.layout.file_size, [(s.lo, s.hi - s.lo) for s in spans], on_done)
             for i, sp in enumerate(spans):
                 for (a, b, want), fut in zip(sp.checks, crcs.get(i, [])):
-                    actual = format_checksum(fut.result())
+                    actual = format_checksum(fut.result(), algo)
                     if actual != want:
                         raise ChecksumMismatchError(self.path, sp.key, want, actual, sp.lo + a, b - a)
         return [views[i][sp.start - sp.lo : sp.start - sp.lo + sp.length] for i, sp in enumerate(spans)]
