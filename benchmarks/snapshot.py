@@ -10,7 +10,7 @@ One run: a Llama-shaped model (about 100 M parameters at the defaults; byte voca
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` of each rank's module and optimizer state.
 
 Printed per engine: the stall of the training loop per snapshot (time the loop is held: the
-``save`` call plus any wait before the next optimizer step), the plain step time, the flush
+``save`` call plus the wait for its capture at the next optimizer step), the plain step time, the flush
 throughput of one snapshot, and the device bound measured in the same run (O_DIRECT sequential
 write of the same size into the same directory, ``benchmarks.io_bound``), and the slowdown of the
 mean iteration (snapshot steps included) against a run without snapshots, and the CPU time rank 0

@@ -90,8 +90,9 @@ def main():
         ce = engine.checkpoint_engine
         wait0 = getattr(ce, "stats", {}).get("capture_wait_s", 0.0)
         step()
-        if a.engine == "dynatrain":
-            stall += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
+        if a.engine == "dynatrain" and stalls:
+            # the optimizer step waited for the capture of the last snapshot: that snapshot's stall
+            stalls[-1] += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
         snap = a.engine != "none" and i >= a.warmup and (i - a.warmup) % a.every == 0
         if snap:
             s0 = time.perf_counter()
