@@ -21,9 +21,9 @@ def lower_thread_priority(increment: int) -> Optional[int]:
 
     Linux keeps a nice value per thread (setpriority(2), notes: under NPTL it is a per-thread
     attribute, not POSIX's per-process one): ``setpriority(PRIO_PROCESS, tid)`` with the thread's
-    own id changes that thread alone, and threads it starts afterwards inherit it. Raising one's own nice value needs no privilege. Returns None,
-    changing nothing, for ``increment`` 0 or where the platform has no per-thread value (or
-    refuses): the thread then runs as the others do.
+    own id changes that thread alone, and threads it starts afterwards inherit it. Raising one's
+    own nice value needs no privilege. Returns None, changing nothing, for ``increment`` 0 or where
+    the platform has no per-thread value (or refuses): the thread then runs as the others do.
     """
     if not increment or not sys.platform.startswith("linux"):
         return None

@@ -10,8 +10,8 @@ reads when O_DIRECT is.
 
 Verified reads (:meth:`FileReader.read_items`, :meth:`FileReader.read_item_ranges`) check every
 byte they return against the footer: a part of a tensor is widened to the checksum blocks that
-cover it (format version 2), an object or a version-1 item is read and checked whole; a mismatch
-raises :class:`~io_engine.errors.ChecksumMismatchError` naming the file, the item key and the byte
+cover it (format versions 2 and 3), an object or a version-1 item is read and checked whole; a
+mismatch raises :class:`~io_engine.errors.ChecksumMismatchError` naming the file, the item key and the byte
 range. The footer itself is always checked. :meth:`FileReader.read_ranges` reads raw bytes.
 """
 
@@ -170,7 +170,7 @@ class FileReader:
     def read_items(self, keys: Optional[Iterable[str]] = None, *, verify: bool = True) -> Dict[str, memoryview]:
         """Payloads of ``keys`` (default: all, in file order) as ``key -> memoryview``.
 
-        With ``verify`` every byte read is checked against the footer (a version-2 tensor's
+        With ``verify`` every byte read is checked against the footer (a version-2 or 3 tensor's
         blocks, its zero padding included; an object's or a version-1 item's whole CRC): a
         mismatch raises :class:`ChecksumMismatchError` naming the file, the key and the byte
         range. ``KeyError`` for unknown keys.
@@ -183,7 +183,7 @@ class FileReader:
 
     def read_item_ranges(self, requests: Iterable[Tuple[str, int, int]]) -> List[memoryview]:
         """Bytes ``[start, start + length)`` of item ``key``'s payload for each ``(key, start,
-        length)``, verified: each is widened to the checksum blocks that cover it (version 2
+        length)``, verified: each is widened to the checksum blocks that cover it (versions 2, 3
         tensors) or to the whole item (objects, version-1 files), read in one batch, and every
         block checked before the exact views are returned.
 

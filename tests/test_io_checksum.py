@@ -89,3 +89,10 @@ def test_a_thread_lowers_its_own_priority_and_no_other():
 def test_an_engine_refuses_a_bad_worker_nice(nice):
     with pytest.raises(ConfigError, match="worker_nice must be an int from 0 to 19"):
         SnapshotCheckpointEngine(worker_nice=nice)
+
+
+def test_a_writer_refuses_an_unknown_checksum():
+    from io_engine import SnapshotFileWriter
+
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        SnapshotFileWriter(checksum="md5")
