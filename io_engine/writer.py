@@ -2,10 +2,10 @@
 
 ``write_snapshot_file(path, items)`` plans the layout (``format.plan_layout``), copies each
 payload into aligned buffers of the host cache, hands each filled buffer to the flusher and takes
-it back when its write completed. Each payload is checksummed in the same pass as its copy
-(:func:`io_engine.checksum.copy_with_crc`: a piece copied, then checksummed while it is still in
-the cache, the GIL released for both), and from the copy, which is what the file holds, so
-checksum and payload agree even if the source changes later. CRC-32C in hardware where it loads
+it back when its write completed. Each tensor buffer is copied in one ``memmove`` and checksummed
+block by block right after, with the GIL released for both (:mod:`io_engine.checksum`; objects
+and the footer go through :func:`~io_engine.checksum.copy_with_crc`), and from the copy, which is
+what the file holds, so checksum and payload agree even if the source changes later. CRC-32C in hardware where it loads
 (format version 3), else ``zlib.crc32`` (version 2). Order of work in the file:
 
 1. header block and tensor payloads, then objects (packed, through the same buffers);
@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from .backend import IOBackend, IOConfig
-from .checksum import copy_with_crc, crc_update, default_algo
+from .checksum import copy_bytes, copy_with_crc, crc_update, default_algo
 from .errors import InvalidItemError, IOEngineError
 from .flusher import Flusher, WriteReport, WriteSession, as_byte_view
 from .format import (
@@ -220,7 +220,8 @@ class SnapshotFileWriter:
 
     def _put_aligned(self, session: WriteSession, src: memoryview, offset: int, blocks: Optional[_Blocks]) -> None:
         """Copy ``src`` through the cache to ``offset`` (aligned), zero padded to the alignment;
-        with ``blocks``, the copy and its padding are checksummed on the way (one pass)."""
+        with ``blocks``, the copy and its padding are checksummed from the buffer right after the
+        copy (one ``memmove`` per buffer, one CRC call per block: few GIL hand-overs)."""
         pos, size = 0, self.cache.buffer_bytes
         while pos < len(src):
             take = min(size, len(src) - pos)
@@ -229,11 +230,9 @@ class SnapshotFileWriter:
             try:
                 piece = src[pos : pos + take]
                 buf.view[take:padded] = self._zeros[: padded - take]
-                if blocks is None:
-                    buf.view[:take] = piece
-                else:
-                    blocks.copy(buf.view[:take], piece)
-                    blocks.copy(buf.view[take:padded], None)
+                copy_bytes(buf.view[:take], piece)
+                if blocks is not None:  # checksummed from the copy, one GIL hand-over per block
+                    blocks.copy(buf.view[:padded], None)
             except BaseException:
                 self.cache.release(buf)
                 raise

@@ -55,6 +55,8 @@ def test_bad_calls_are_refused_and_touch_nothing():
     dst = bytearray(8)
     with pytest.raises(ValueError, match="copy of 4 bytes into a view of 8"):
         ck.copy_with_crc("crc32c", memoryview(dst), memoryview(b"abcd"))
+    with pytest.raises(ValueError, match="copy of 4 bytes into a view of 8"):
+        ck.copy_bytes(memoryview(dst), memoryview(b"abcd"))
     with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
         ck.copy_with_crc("md5", memoryview(dst), memoryview(b"abcdefgh"))
     with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
