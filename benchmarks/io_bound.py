@@ -8,7 +8,7 @@ Measured in one run, same directory, same total size, each write ending with fsy
 * **buffered** — ``open().write()`` of the same chunks, then ``fsync``: what a plain
   ``torch.save``-style writer gets;
 * **write_snapshot_file** — ~100 items of mixed sizes (odd ones included, a few objects) totalling
-  the same size, through the host cache (copy + CRC-32 per byte) and the flusher;
+  the same size, through the host cache (a memmove and a CRC-32C per buffer) and the flusher;
 * **read_snapshot_file** — reading that file back with its checksums verified.
 
 Printed side by side with ratios to the device bound (``--json``: one JSON object). Each figure

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -80,14 +81,18 @@ def main():
             engine.backward(engine(input_ids=batch, labels=batch).loss)
             engine.step()
 
+    cpu0 = None
     for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         stall = 0.0
         ce = engine.checkpoint_engine
         wait0 = getattr(ce, "stats", {}).get("capture_wait_s", 0.0)
         step()
-        if a.engine == "dynatrain":
-            stall += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
+        if a.engine == "dynatrain" and stalls:
+            # the optimizer step waited for the capture of the last snapshot: that snapshot's stall
+            stalls[-1] += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
         snap = a.engine != "none" and i >= a.warmup and (i - a.warmup) % a.every == 0
         if snap:
             s0 = time.perf_counter()
@@ -121,6 +126,8 @@ def main():
     ce = engine.checkpoint_engine
     if a.engine == "dynatrain":
         ce.wait()
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank, the last flush included
+    cpu_s = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / a.steps
     torch.distributed.barrier()
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []
     snap_bytes = dir_bytes(os.path.join(save_dir, tags[-1])) if tags else 0
@@ -145,6 +152,7 @@ def main():
                     "step_s": statistics.median(plain) if plain else None,
                     "step_with_snapshot_s": statistics.median(with_snap) if with_snap else None,
                     "iter_s": statistics.mean(plain + with_snap),
+                    "cpu_s": cpu_s,
                     "snapshot_bytes": snap_bytes,
                     "persist_s": persist,
                     "flush_gbps": flush_gbps,

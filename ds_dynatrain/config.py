@@ -53,6 +53,13 @@ class SnapshotConfig(_Strict):
         description="capture beside forward/backward and flush in the background; False writes inside save_checkpoint",
     )
     host_cache_mib: int = Field(256, ge=8, description="bounded host cache the snapshot is copied through, MiB")
+    worker_nice: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description="added to the nice value of the thread that copies, checksums and flushes a "
+        "snapshot (Linux: that thread alone), so training keeps the CPUs it needs; 0 = as training",
+    )
     restore_on_failure: bool = Field(
         True,
         description="when a worker dies (a process killed without notice), "

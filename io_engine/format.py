@@ -23,18 +23,23 @@ Why this shape:
 * Metadata is JSON and only JSON: loading a file never executes code from it (no pickle).
   Object payloads are opaque bytes here; deserializing them is the caller's business.
 
-Checksums are CRC-32 (``zlib.crc32``) written as ``"crc32:%08x"``. The fixed width lets the
-planner know the footer's exact length before any payload is checksummed, so the whole layout,
-file size included, is a pure function of the item descriptions.
+Checksums are written as ``"<algo>:%08x"``: ``crc32`` (``zlib.crc32``) in versions 1 and 2,
+``crc32c`` (CRC-32C, :mod:`io_engine.checksum`, in hardware) in version 3, the only difference
+between versions 2 and 3; every checksum of a file must name its version's algorithm. The header's
+and the trailer's CRCs (of a few dozen bytes and of the footer) are ``zlib.crc32`` in every
+version. The fixed width of each spelling lets the planner know the footer's exact length before
+any payload is checksummed, so the whole layout, file size included, is a pure function of the
+item descriptions (and the version).
 
-Since format version 2 a tensor item is checksummed per *block*: ``blocks`` lists the CRC-32 of
+Since format version 2 a tensor item is checksummed per *block*: ``blocks`` lists the checksum of
 each ``block_bytes`` (1 MiB) piece of its stored extent ``[offset, offset + align_up(nbytes))``,
 the zero padding to the next tensor included, so every byte of the tensor region is covered and a
 reader that needs only part of a tensor (a resharded load) verifies exactly the blocks it reads.
-The item's ``checksum`` is then the CRC-32 of its block list (each CRC as 4 little-endian bytes).
-Objects are small and read whole: their ``checksum`` is the CRC-32 of the payload, as in version 1.
-Version 1 files (no blocks) are still read; a part of one of their tensors is verified by reading
-and checking the whole item.
+The item's ``checksum`` is then the checksum of its block list (each value as 4 little-endian
+bytes). Objects are small and read whole: their ``checksum`` is that of the payload, as in
+version 1. Version 1 files (no blocks) are still read; a part of one of their tensors is verified
+by reading and checking the whole item. A writer uses version 3 where the hardware CRC-32C is
+available and version 2 otherwise (:func:`io_engine.checksum.default_algo`).
 
 The planner (:func:`plan_layout`) does no I/O. :func:`io_engine.validate.read_footer` reads and validates the
 metadata with plain ``pread`` (a few KiB, not worth io_uring); payload I/O lives in
@@ -51,15 +56,16 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
+from .checksum import ALGOS, CRC32, CRC32C, crc_update
 from .errors import (
     InvalidItemError,
 )
 
 MAGIC = b"DSDYNSNP"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 DEFAULT_ALIGNMENT = 4096
-BLOCK_BYTES = 1 << 20  # checksum block of a tensor item (format version 2), a multiple of any alignment used
+BLOCK_BYTES = 1 << 20  # checksum block of a tensor item (format versions 2, 3), a multiple of any alignment used
 HEADER_SIZE = 64
 KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
@@ -71,8 +77,7 @@ _TRAILER = struct.Struct("<QII8s")  # footer length, footer crc32, version, magi
 TRAILER_SIZE = _TRAILER.size  # 24
 _MAX_FOOTER = 1 << 31
 
-CHECKSUM_ALGO = "crc32"
-CHECKSUM_PLACEHOLDER = "crc32:00000000"
+CHECKSUM_ALGO = {1: CRC32, 2: CRC32, 3: CRC32C}  # version -> algorithm of its payload checksums
 
 # Element sizes of dtype names we can check shapes against; other names are accepted unchecked
 # (the caller may use names numpy does not know, e.g. "bfloat16" from torch).
@@ -105,28 +110,47 @@ def align_down(n: int, alignment: int) -> int:
     return n - n % alignment
 
 
-def crc32_update(data, crc: int = 0) -> int:
-    """Running CRC-32 of a bytes-like ``data`` (releases the GIL for large buffers)."""
-    return zlib.crc32(data, crc)
+def version_of(algo: str) -> int:
+    """The format version a writer using checksum ``algo`` writes (``ValueError`` if unknown)."""
+    if algo == CRC32C:
+        return 3
+    if algo == CRC32:
+        return 2
+    raise ValueError(f"unknown checksum algorithm {algo!r}, known: {', '.join(ALGOS)}")
 
 
-def format_checksum(crc: int) -> str:
-    """The footer's fixed-width spelling of a CRC-32 value: ``"crc32:%08x"``."""
-    return f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
+def format_checksum(crc: int, algo: str = CRC32C) -> str:
+    """The footer's fixed-width spelling of a checksum value: ``"<algo>:%08x"``."""
+    return f"{algo}:{crc & 0xFFFFFFFF:08x}"
 
 
-def blocks_checksum(block_crcs: Iterable[int]) -> int:
-    """CRC-32 of a block list (each CRC as 4 little-endian bytes): a version-2 tensor item's
-    ``checksum``."""
+def placeholder(algo: str) -> str:
+    """A checksum of ``algo`` of the final width (what the planner sizes the footer with)."""
+    return format_checksum(0, algo)
+
+
+def blocks_checksum(block_crcs: Iterable[int], algo: str = CRC32C) -> int:
+    """Checksum ``algo`` of a block list (each value as 4 little-endian bytes): a tensor item's
+    ``checksum`` in versions 2 and 3."""
     crcs = list(block_crcs)
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
+    return crc_update(algo, struct.pack(f"<{len(crcs)}I", *crcs))
+
+
+def checksum_algo(text: str) -> str:
+    """The algorithm a checksum spelling names; ``ValueError`` when it is no known spelling."""
+    algo = text.partition(":")[0] if isinstance(text, str) else None
+    if algo not in ALGOS or len(text) != len(placeholder(algo)):
+        raise ValueError(f"bad checksum {text!r}")
+    return algo
 
 
 def parse_checksum(text: str) -> int:
-    """The CRC-32 value of ``"crc32:%08x"``; ``ValueError`` when ``text`` is not that spelling."""
-    if not isinstance(text, str) or len(text) != len(CHECKSUM_PLACEHOLDER) or not text.startswith(CHECKSUM_ALGO + ":"):
-        raise ValueError(f"bad checksum {text!r}")
-    return int(text[len(CHECKSUM_ALGO) + 1 :], 16)
+    """The value of ``"crc32:%08x"`` or ``"crc32c:%08x"``; ``ValueError`` for any other text."""
+    algo = checksum_algo(text)
+    try:
+        return int(text[len(algo) + 1 :], 16)
+    except ValueError:
+        raise ValueError(f"bad checksum {text!r}") from None
 
 
 def block_count(extent: int, block_bytes: int) -> int:
@@ -188,9 +212,10 @@ class ItemMeta:
     """One item as placed in (or read from) a file: its footer entry.
 
     ``offset`` and ``nbytes`` are bytes from the start of the file. ``checksum`` is
-    ``"crc32:%08x"`` of the payload (a version-2 tensor: of its block list), or None in a plan
-    that has not been written yet. ``blocks`` (version-2 tensors only) holds the CRC-32 of each
-    :data:`BLOCK_BYTES` block of the stored extent (payload and zero padding to the alignment).
+    ``"<algo>:%08x"`` of the payload (a version-2 or 3 tensor: of its block list), or None in a
+    plan that has not been written yet. ``blocks`` (tensors of versions 2 and 3 only) holds the
+    checksum of each :data:`BLOCK_BYTES` block of the stored extent (payload and zero padding to
+    the alignment).
     """
 
     key: str
@@ -273,6 +298,11 @@ class FileLayout:
     version: int = FORMAT_VERSION
     block_bytes: int = BLOCK_BYTES  # 0 in version-1 files (whole-item checksums only)
 
+    @property
+    def algo(self) -> str:
+        """The payload checksum algorithm of this layout's version (``"crc32"``, ``"crc32c"``)."""
+        return CHECKSUM_ALGO[self.version]
+
     def extent(self, item: ItemMeta) -> int:
         """Bytes ``item`` occupies from its offset: a tensor's payload and its zero padding to the
         alignment, an object's payload."""
@@ -292,8 +322,8 @@ class FileLayout:
     def with_checksums(
         self, checksums: Mapping[str, str], blocks: Optional[Mapping[str, Sequence[str]]] = None
     ) -> "FileLayout":
-        """A copy whose items carry the given checksums (``key -> "crc32:..."``) and, for the
-        keys in ``blocks``, block checksums (``key -> ["crc32:...", ...]``)."""
+        """A copy whose items carry the given checksums (``key -> "crc32c:..."``) and, for the
+        keys in ``blocks``, block checksums (``key -> ["crc32c:...", ...]``)."""
         blocks = blocks or {}
         return replace(
             self,
@@ -323,29 +353,37 @@ def encode_footer(layout: FileLayout) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
-def encode_header(file_size: int, alignment: int) -> bytes:
-    """The :data:`HEADER_SIZE`-byte header for a file of ``file_size`` bytes."""
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alignment, file_size)
+def encode_header(file_size: int, alignment: int, version: int = FORMAT_VERSION) -> bytes:
+    """The :data:`HEADER_SIZE`-byte header of a file of ``file_size`` bytes in format ``version``."""
+    head = _HEADER.pack(MAGIC, version, HEADER_SIZE, alignment, file_size)
     head += _HEADER_CRC.pack(zlib.crc32(head))
     return head + bytes(HEADER_SIZE - len(head))
 
 
-def encode_trailer(footer: bytes) -> bytes:
-    """The :data:`TRAILER_SIZE`-byte trailer that follows ``footer``."""
-    return _TRAILER.pack(len(footer), zlib.crc32(footer), FORMAT_VERSION, MAGIC)
+def encode_trailer(footer: bytes, version: int = FORMAT_VERSION) -> bytes:
+    """The :data:`TRAILER_SIZE`-byte trailer that follows ``footer`` in format ``version``."""
+    return _TRAILER.pack(len(footer), zlib.crc32(footer), version, MAGIC)
 
 
 def plan_layout(
-    specs: Iterable[ItemSpec], *, alignment: int = DEFAULT_ALIGNMENT, file_attrs: Optional[Mapping[str, Any]] = None
+    specs: Iterable[ItemSpec],
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    file_attrs: Optional[Mapping[str, Any]] = None,
+    version: int = FORMAT_VERSION,
 ) -> FileLayout:
-    """Place ``specs`` in a file. Pure: no I/O, deterministic in the order of ``specs``.
+    """Place ``specs`` in a file of format ``version`` (2 or 3: they differ in the checksum
+    algorithm alone). Pure: no I/O, deterministic in the order of ``specs``.
 
     Tensors go first, in the given order, each at a multiple of ``alignment`` (a zero-byte tensor
     gets the current aligned offset and no bytes); objects follow, packed in the given order.
     The footer length is exact (fixed-width checksum placeholders), so ``file_size`` is final.
 
-    Raises :class:`InvalidItemError` for duplicate keys, a bad alignment or non-JSON attrs.
+    Raises :class:`InvalidItemError` for duplicate keys, a bad alignment or non-JSON attrs, and
+    ``ValueError`` for a version other than 2 or 3.
     """
+    if version not in (2, 3):
+        raise ValueError(f"a writer writes format versions 2 and 3, not {version!r}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise InvalidItemError(f"alignment must be a power of two, got {alignment}")
     specs = list(specs)
@@ -391,13 +429,13 @@ def plan_layout(
         footer_length=0,
         file_size=0,
         file_attrs=attrs,
+        version=version,
     )
+    zero = placeholder(layout.algo)
     placeholders = {
-        it.key: [CHECKSUM_PLACEHOLDER] * block_count(layout.extent(it), BLOCK_BYTES)
-        for it in items
-        if it.kind == KIND_TENSOR
+        it.key: [zero] * block_count(layout.extent(it), BLOCK_BYTES) for it in items if it.kind == KIND_TENSOR
     }
-    footer_len = len(encode_footer(layout.with_checksums({k: CHECKSUM_PLACEHOLDER for k in seen}, placeholders)))
+    footer_len = len(encode_footer(layout.with_checksums({k: zero for k in seen}, placeholders)))
     return replace(layout, footer_length=footer_len, file_size=cursor + footer_len + TRAILER_SIZE)
 
 

@@ -10,8 +10,8 @@ reads when O_DIRECT is.
 
 Verified reads (:meth:`FileReader.read_items`, :meth:`FileReader.read_item_ranges`) check every
 byte they return against the footer: a part of a tensor is widened to the checksum blocks that
-cover it (format version 2), an object or a version-1 item is read and checked whole; a mismatch
-raises :class:`~io_engine.errors.ChecksumMismatchError` naming the file, the item key and the byte
+cover it (format versions 2 and 3), an object or a version-1 item is read and checked whole; a
+mismatch raises :class:`~io_engine.errors.ChecksumMismatchError` naming the file, the item key and the byte
 range. The footer itself is always checked. :meth:`FileReader.read_ranges` reads raw bytes.
 """
 
@@ -24,8 +24,9 @@ from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .backend import FileChannel, IOBackend, IOConfig, Op
+from .checksum import crc_update
 from .errors import ChecksumMismatchError, StorageReadError
-from .format import FileLayout, ItemMeta, align_down, align_up, crc32_update, format_checksum
+from .format import FileLayout, ItemMeta, align_down, align_up, format_checksum
 from .host_cache import alloc_aligned
 from .ioqueue import QueueFactory
 from .validate import read_footer
@@ -169,7 +170,7 @@ class FileReader:
     def read_items(self, keys: Optional[Iterable[str]] = None, *, verify: bool = True) -> Dict[str, memoryview]:
         """Payloads of ``keys`` (default: all, in file order) as ``key -> memoryview``.
 
-        With ``verify`` every byte read is checked against the footer (a version-2 tensor's
+        With ``verify`` every byte read is checked against the footer (a version-2 or 3 tensor's
         blocks, its zero padding included; an object's or a version-1 item's whole CRC): a
         mismatch raises :class:`ChecksumMismatchError` naming the file, the key and the byte
         range. ``KeyError`` for unknown keys.
@@ -182,7 +183,7 @@ class FileReader:
 
     def read_item_ranges(self, requests: Iterable[Tuple[str, int, int]]) -> List[memoryview]:
         """Bytes ``[start, start + length)`` of item ``key``'s payload for each ``(key, start,
-        length)``, verified: each is widened to the checksum blocks that cover it (version 2
+        length)``, verified: each is widened to the checksum blocks that cover it (versions 2, 3
         tensors) or to the whole item (objects, version-1 files), read in one batch, and every
         block checked before the exact views are returned.
 
@@ -192,18 +193,19 @@ class FileReader:
             KeyError: an unknown key.
         """
         spans = [self._span(self._by_key[k], int(start), int(length)) for k, start, length in requests]
-        # CRC each block on a helper thread as soon as its span has arrived (zlib releases the
-        # GIL), so verification overlaps the reads still in flight instead of following them.
+        algo = self.layout.algo
+        # CRC each block on a helper thread as soon as its span has arrived (both algorithms
+        # release the GIL), so verification overlaps the reads still in flight.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc") as pool:
             crcs: Dict[int, list] = {}
 
             def on_done(i: int, view: memoryview) -> None:
-                crcs[i] = [pool.submit(crc32_update, view[a:b]) for a, b, _want in spans[i].checks]
+                crcs[i] = [pool.submit(crc_update, algo, view[a:b]) for a, b, _want in spans[i].checks]
 
             views = _read_spans(self._ch(), self.layout.file_size, [(s.lo, s.hi - s.lo) for s in spans], on_done)
             for i, sp in enumerate(spans):
                 for (a, b, want), fut in zip(sp.checks, crcs.get(i, [])):
-                    actual = format_checksum(fut.result())
+                    actual = format_checksum(fut.result(), algo)
                     if actual != want:
                         raise ChecksumMismatchError(self.path, sp.key, want, actual, sp.lo + a, b - a)
         return [views[i][sp.start - sp.lo : sp.start - sp.lo + sp.length] for i, sp in enumerate(spans)]

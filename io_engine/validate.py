@@ -33,6 +33,7 @@ from .format import (
     align_up,
     block_count,
     blocks_checksum,
+    checksum_algo,
     parse_checksum,
 )
 
@@ -81,21 +82,30 @@ def _parse_footer(
 
 
 def _check_blocks(path: str, layout: FileLayout) -> None:
-    """Version 2: a block size that tiles the alignment, a block list of the right length on every
-    tensor and on no object. Version 1: no blocks anywhere."""
+    """Versions 2 and 3: a block size that tiles the alignment, a block list of the right length
+    on every tensor and on no object. Version 1: no blocks anywhere. Every version: each checksum
+    names the version's algorithm."""
+    for it in layout.items:
+        for c in (it.checksum, *(it.blocks or ())):
+            if checksum_algo(c) != layout.algo:
+                raise CorruptFooterError(
+                    path, f"item {it.key!r}: checksum {c!r} in a version-{layout.version} file ({layout.algo})"
+                )
     if layout.version == 1:
         if layout.block_bytes or any(it.blocks is not None for it in layout.items):
             raise CorruptFooterError(path, "a version-1 footer with block checksums")
         return
     b = layout.block_bytes
     if b != BLOCK_BYTES or isinstance(b, bool):
-        raise CorruptFooterError(path, f"block size {b!r}, version 2 blocks are {BLOCK_BYTES} bytes")
+        raise CorruptFooterError(path, f"block size {b!r}, version {layout.version} blocks are {BLOCK_BYTES} bytes")
     for it in layout.items:
         want = block_count(layout.extent(it), b) if it.kind == KIND_TENSOR else None
         got = None if it.blocks is None else len(it.blocks)
         if got != want:
             raise CorruptFooterError(path, f"item {it.key!r} lists {got} block checksums, its extent needs {want}")
-        if it.blocks is not None and parse_checksum(it.checksum) != blocks_checksum(map(parse_checksum, it.blocks)):
+        if it.blocks is not None and parse_checksum(it.checksum) != blocks_checksum(
+            map(parse_checksum, it.blocks), layout.algo
+        ):
             raise CorruptFooterError(path, f"item {it.key!r}: its checksum is not that of its block list")
 
 
@@ -129,7 +139,7 @@ def _check_tiling(path: str, layout: FileLayout) -> None:
 
 
 def _check_covered(path: str, layout: FileLayout) -> None:
-    """Version 2: the tensors' stored extents tile ``[data_offset, objects_offset)`` and the
+    """Versions 2 and 3: the tensors' stored extents tile ``[data_offset, objects_offset)`` and the
     objects tile ``[objects_offset, footer_offset)`` with no gap, so every byte of the file is under
     a checksum (the header's, an item's or the footer's)."""
     for kind, lo, hi in (

@@ -2,10 +2,11 @@
 
 ``write_snapshot_file(path, items)`` plans the layout (``format.plan_layout``), copies each
 payload into aligned buffers of the host cache, hands each filled buffer to the flusher and takes
-it back when its write completed. The CRC-32 is computed from the copy (the copy is what the file
-holds, so checksum and payload agree even if the source changes later) on one background thread,
-in submission order: ``zlib.crc32`` releases the GIL, so checksumming overlaps the copy of the
-next buffer instead of doubling the CPU time of the writer thread. Order of work in the file:
+it back when its write completed. Each tensor buffer is copied in one ``memmove`` and checksummed
+block by block right after, with the GIL released for both (:mod:`io_engine.checksum`; objects
+and the footer go through :func:`~io_engine.checksum.copy_with_crc`), and from the copy, which is
+what the file holds, so checksum and payload agree even if the source changes later. CRC-32C in hardware where it loads
+(format version 3), else ``zlib.crc32`` (version 2). Order of work in the file:
 
 1. header block and tensor payloads, then objects (packed, through the same buffers);
 2. a barrier: every write so far has completed;
@@ -22,13 +23,12 @@ or given explicitly (e.g. ``"bfloat16"``).
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from .backend import IOBackend, IOConfig
+from .checksum import copy_bytes, copy_with_crc, crc_update, default_algo
 from .errors import InvalidItemError, IOEngineError
 from .flusher import Flusher, WriteReport, WriteSession, as_byte_view
 from .format import (
@@ -41,12 +41,12 @@ from .format import (
     align_up,
     block_count,
     blocks_checksum,
-    crc32_update,
     encode_footer,
     encode_header,
     encode_trailer,
     format_checksum,
     plan_layout,
+    version_of,
 )
 from .host_cache import HostBuffer, HostCache
 from .reader import FileReader
@@ -113,82 +113,37 @@ def _numpy_name(fmt: str) -> str:
         return "uint8"
 
 
-class _Countdown:
-    """Calls ``fn`` once ``n`` parties have called it (thread safe)."""
-
-    __slots__ = ("_n", "_fn", "_lock")
-
-    def __init__(self, n: int, fn: Callable[[], None]):
-        self._n, self._fn, self._lock = n, fn, threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            self._n -= 1
-            fire = self._n == 0
-        if fire:
-            self._fn()
-
-
 class _Blocks:
-    """Block CRCs of one tensor item's stored extent, fed in order: finished blocks, the running
-    CRC of the current one and how many of its bytes have arrived."""
+    """Block checksums of one tensor item's stored extent, fed in order: finished blocks, the
+    running checksum of the current one and how many of its bytes have arrived."""
 
-    __slots__ = ("done", "crc", "fill")
+    __slots__ = ("algo", "done", "crc", "fill")
 
-    def __init__(self):
+    def __init__(self, algo: str):
+        self.algo = algo
         self.done: List[int] = []
         self.crc = 0
         self.fill = 0
 
-    def feed(self, view: memoryview, block_bytes: int) -> None:
+    def copy(self, dst: memoryview, src: Optional[memoryview]) -> None:
+        """Copy ``src`` into ``dst`` (one pass, :func:`~io_engine.checksum.copy_with_crc`), or
+        checksum ``dst`` as it is when ``src`` is None, block by block."""
         pos = 0
-        while pos < len(view):
-            take = min(block_bytes - self.fill, len(view) - pos)
-            self.crc = crc32_update(view[pos : pos + take], self.crc)
+        while pos < len(dst):
+            take = min(BLOCK_BYTES - self.fill, len(dst) - pos)
+            piece = dst[pos : pos + take]
+            if src is None:
+                self.crc = crc_update(self.algo, piece, self.crc)
+            else:
+                self.crc = copy_with_crc(self.algo, piece, src[pos : pos + take], self.crc)
             self.fill += take
             pos += take
-            if self.fill == block_bytes:
+            if self.fill == BLOCK_BYTES:
                 self.done.append(self.crc)
                 self.crc, self.fill = 0, 0
 
     def result(self) -> List[int]:
         return self.done + ([self.crc] if self.fill else [])
-
-
-class _ChecksumLane:
-    """CRC-32 of each :data:`~io_engine.format.BLOCK_BYTES` block of each key's bytes, computed on
-    one background thread in submission order."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_dynatrain-crc")
-        self._crc: Dict[str, _Blocks] = {}
-        self._futures: List[Future] = []
-
-    def add(self, key: str, view: memoryview, done: Callable[[], None]) -> None:
-        """Fold ``view`` into ``key``'s block CRCs; ``done()`` once ``view`` is no longer read."""
-
-        def task():
-            try:
-                self._crc.setdefault(key, _Blocks()).feed(view, BLOCK_BYTES)
-            finally:
-                done()
-
-        try:
-            self._futures.append(self._pool.submit(task))
-        except BaseException:
-            done()
-            raise
-
-    def results(self) -> Dict[str, List[int]]:
-        """Wait for every queued CRC; ``key -> [block crc, ...]`` (keys with no bytes are absent)."""
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
-        crc, self._crc = self._crc, {}
-        return {k: b.result() for k, b in crc.items()}
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 @dataclass(frozen=True)
@@ -205,7 +160,9 @@ class SnapshotFileWriter:
 
     ``host_cache``: buffers to copy through (default: ``cache_bytes`` in buffers of
     ``config.chunk_bytes``); ``flusher``: how to write (default: ``Flusher(config)``);
-    ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``).
+    ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``);
+    ``checksum``: the payload checksum, ``"crc32c"`` (format version 3) or ``"crc32"`` (version
+    2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads).
 
     One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
     thread); the host cache itself may be shared with other threads.
@@ -219,7 +176,10 @@ class SnapshotFileWriter:
         config: Optional[IOConfig] = None,
         cache_bytes: int = 64 << 20,
         acquire_timeout_s: Optional[float] = None,
+        checksum: Optional[str] = None,
     ):
+        self.algo = checksum or default_algo()
+        self.version = version_of(self.algo)  # ValueError for an unknown algorithm, before anything is made
         self.flusher = flusher or Flusher(config)
         cfg = self.flusher.config
         self._own_cache = host_cache is None
@@ -234,7 +194,6 @@ class SnapshotFileWriter:
         self._align = cfg.alignment
         self._zeros = bytes(cfg.alignment)
         self._timeout = acquire_timeout_s or cfg.timeout_s
-        self._lane = _ChecksumLane()
 
     def _acquire(self, session: WriteSession) -> HostBuffer:
         while True:
@@ -259,30 +218,25 @@ class SnapshotFileWriter:
             buf.view[nbytes:padded] = self._zeros[: padded - nbytes]
         session.write(buf.view[:padded], offset, on_release=on_release or partial(self.cache.release, buf))
 
-    def _put_aligned(self, session: WriteSession, src: memoryview, offset: int, key: Optional[str]) -> None:
-        """Copy ``src`` through the cache to ``offset`` (aligned); the block CRCs of what is
-        written (the zero padding to the alignment included) go to the lane under ``key`` (None:
-        not checksummed). A buffer returns to the cache once both its write and its checksum are
-        done."""
+    def _put_aligned(self, session: WriteSession, src: memoryview, offset: int, blocks: Optional[_Blocks]) -> None:
+        """Copy ``src`` through the cache to ``offset`` (aligned), zero padded to the alignment;
+        with ``blocks``, the copy and its padding are checksummed from the buffer right after the
+        copy (one ``memmove`` per buffer, one CRC call per block: few GIL hand-overs)."""
         pos, size = 0, self.cache.buffer_bytes
         while pos < len(src):
             take = min(size, len(src) - pos)
             buf = self._acquire(session)
-            release = _Countdown(1 if key is None else 2, partial(self.cache.release, buf))
             padded = align_up(take, self._align)
             try:
-                buf.view[:take] = src[pos : pos + take]
+                piece = src[pos : pos + take]
                 buf.view[take:padded] = self._zeros[: padded - take]
+                copy_bytes(buf.view[:take], piece)
+                if blocks is not None:  # checksummed from the copy, one GIL hand-over per block
+                    blocks.copy(buf.view[:padded], None)
             except BaseException:
                 self.cache.release(buf)
                 raise
-            if key is not None:
-                try:
-                    self._lane.add(key, buf.view[:padded], release)
-                except BaseException:
-                    release()  # add() already counted its own party
-                    raise
-            self._submit(session, buf, take, offset + pos, release)
+            self._submit(session, buf, take, offset + pos)
             pos += take
 
     def write(
@@ -304,32 +258,36 @@ class SnapshotFileWriter:
         :class:`~io_engine.errors.StorageWriteError` (file removed) when storage fails.
         """
         described = [_describe(_to_item(x)) for x in items]
-        layout = plan_layout([s for s, _ in described], alignment=self._align, file_attrs=file_attrs)
+        layout = plan_layout(
+            [s for s, _ in described], alignment=self._align, file_attrs=file_attrs, version=self.version
+        )
         views = {s.key: v for s, v in described}
         session = self.flusher.open(path)
         tail = _TailPacker(self, session, layout.objects_offset)
         try:
             checksums: Dict[str, str] = {}
-            self._put_aligned(session, memoryview(encode_header(layout.file_size, self._align)), 0, None)
+            crcs: Dict[str, _Blocks] = {}
+            header = encode_header(layout.file_size, self._align, layout.version)
+            self._put_aligned(session, memoryview(header), 0, None)
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
-                    self._put_aligned(session, views[m.key], m.offset, m.key)
+                    crcs[m.key] = _Blocks(self.algo)
+                    self._put_aligned(session, views[m.key], m.offset, crcs[m.key])
             if on_captured is not None:
                 captured, on_captured = on_captured, None
                 captured()
             for m in layout.items:
                 if m.kind == KIND_OBJECT:
-                    checksums[m.key] = format_checksum(tail.put(views[m.key]))
+                    checksums[m.key] = format_checksum(tail.put(views[m.key]), self.algo)
             session.drain()  # every payload write completed before the footer
-            crcs = self._lane.results()
             blocks = {}
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
-                    got = crcs.get(m.key, [])
+                    got = crcs[m.key].result()
                     if len(got) != block_count(layout.extent(m), layout.block_bytes):
                         raise IOEngineError(f"{path}: internal error: item {m.key!r} has {len(got)} checksum blocks")
-                    blocks[m.key] = [format_checksum(c) for c in got]
-                    checksums[m.key] = format_checksum(blocks_checksum(got))
+                    blocks[m.key] = [format_checksum(c, self.algo) for c in got]
+                    checksums[m.key] = format_checksum(blocks_checksum(got, self.algo), self.algo)
             layout = layout.with_checksums(checksums, blocks)
             footer = encode_footer(layout)
             if len(footer) != layout.footer_length:
@@ -337,7 +295,7 @@ class SnapshotFileWriter:
                     f"{path}: internal error: footer is {len(footer)} bytes, planned {layout.footer_length}"
                 )
             tail.put(footer)
-            tail.put(encode_trailer(footer))
+            tail.put(encode_trailer(footer, layout.version))
             tail.close()
             report = session.finish(layout.file_size)
         except BaseException:
@@ -346,10 +304,6 @@ class SnapshotFileWriter:
             tail.discard()
             session.abort()
             try:
-                self._lane.results()  # every buffer back in the cache before returning
-            except Exception:
-                pass
-            try:
                 os.unlink(path)
             except OSError:
                 pass
@@ -357,9 +311,7 @@ class SnapshotFileWriter:
         return WriteResult(layout, report)
 
     def close(self) -> None:
-        """Stop the checksum thread; close the host cache if this writer created it. Idempotent."""
-        if getattr(self, "_lane", None) is not None:
-            self._lane.close()
+        """Close the host cache if this writer created it. Idempotent."""
         if self._own_cache and getattr(self, "cache", None) is not None:
             self.cache.close()
 
@@ -379,7 +331,8 @@ class _TailPacker:
         self._fill = 0
 
     def put(self, data) -> int:
-        """Append ``data``; returns its CRC-32 (computed from the copy)."""
+        """Append ``data``; returns its checksum (the writer's algorithm, computed from the copy
+        in the same pass)."""
         src, crc, pos = as_byte_view(data), 0, 0
         size = self._w.cache.buffer_bytes
         while pos < len(src):
@@ -387,8 +340,7 @@ class _TailPacker:
                 self._buf, self._fill = self._w._acquire(self._session), 0
             take = min(len(src) - pos, size - self._fill)
             dst = self._buf.view[self._fill : self._fill + take]
-            dst[:] = src[pos : pos + take]
-            crc = crc32_update(dst, crc)
+            crc = copy_with_crc(self._w.algo, dst, src[pos : pos + take], crc)
             self._fill += take
             pos += take
             if self._fill == size:
@@ -421,10 +373,11 @@ def write_snapshot_file(
     host_cache: Optional[HostCache] = None,
     flusher: Optional[Flusher] = None,
     config: Optional[IOConfig] = None,
+    checksum: Optional[str] = None,
 ) -> FileLayout:
     """One-shot :meth:`SnapshotFileWriter.write`; returns the written :class:`FileLayout`.
     For repeated snapshots keep a :class:`SnapshotFileWriter` (its host cache is reused)."""
-    with SnapshotFileWriter(host_cache=host_cache, flusher=flusher, config=config) as w:
+    with SnapshotFileWriter(host_cache=host_cache, flusher=flusher, config=config, checksum=checksum) as w:
         return w.write(path, items, file_attrs=file_attrs).layout
 
 

@@ -1,8 +1,10 @@
 """Every byte of a snapshot file is under a checksum, and a reader that needs only part of a tensor
-verifies exactly the blocks it reads (format version 2), on real files written by the real writer.
+verifies exactly the blocks it reads (format versions 2 and 3), on real files written by the real
+writer, with either checksum (CRC-32C, version 3, and CRC-32, version 2).
 
-Oracles: the payloads handed to the writer (what a read must return), and the file's bytes as
-written (a flip anywhere must be refused by some check, never returned as data).
+Oracles: the payloads handed to the writer (what a read must return), the file's bytes as written
+(a flip anywhere must be refused by some check, never returned as data), and checksums computed
+independently of ``io_engine`` (``zlib.crc32``; ``google_crc32c.value``, the package's own binding).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import struct
 import zlib
 
+import google_crc32c
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -44,29 +47,46 @@ def flip(path: str, offset: int, mask: int = 0x10) -> None:
         os.close(fd)
 
 
-@pytest.fixture
-def big(tmp_path):
+ORACLE = {"crc32": zlib.crc32, "crc32c": google_crc32c.value}  # bytes -> checksum, outside io_engine
+
+
+@pytest.fixture(params=["crc32c", "crc32"])
+def big(tmp_path, request):
     """A file with a 2.5 MiB + 3 byte tensor (three blocks, the last one padded), a small tensor
-    and an object."""
+    and an object, written with each checksum (versions 3 and 2)."""
     data = {"w": payload(5 * MiB // 2 + 3, 1), "b": payload(100, 2), "o": b"object bytes"}
     path = str(tmp_path / "f.snap")
-    write_snapshot_file(path, [("w", data["w"]), ("b", data["b"]), ("o", data["o"], "object")])
+    items = [("w", data["w"]), ("b", data["b"]), ("o", data["o"], "object")]
+    write_snapshot_file(path, items, checksum=request.param)
     return path, data
 
 
 def test_tensor_items_carry_one_checksum_per_block_of_their_padded_extent(big):
     path, data = big
     lay = read_footer(path)
-    assert lay.version == fmt.FORMAT_VERSION == 2 and lay.block_bytes == MiB
+    algo = {3: "crc32c", 2: "crc32"}[lay.version]
+    assert lay.algo == algo and lay.block_bytes == MiB
+    crc = ORACLE[algo]
     w = lay.item("w")
     extent = fmt.align_up(w.nbytes, lay.alignment)
-    assert len(w.blocks) == 3
+    assert len(w.blocks) == 3 and all(c.startswith(algo + ":") for c in (*w.blocks, w.checksum))
     raw = open(path, "rb").read()
-    want = [zlib.crc32(raw[w.offset + i * MiB : w.offset + min(extent, (i + 1) * MiB)]) for i in range(3)]
+    want = [crc(raw[w.offset + i * MiB : w.offset + min(extent, (i + 1) * MiB)]) for i in range(3)]
     assert [fmt.parse_checksum(c) for c in w.blocks] == want
-    assert fmt.parse_checksum(w.checksum) == zlib.crc32(struct.pack("<3I", *want))
-    assert lay.item("o").blocks is None  # objects keep one CRC of their payload
-    assert fmt.parse_checksum(lay.item("o").checksum) == zlib.crc32(data["o"])
+    assert fmt.parse_checksum(w.checksum) == crc(struct.pack("<3I", *want))
+    assert lay.item("o").blocks is None  # objects keep one checksum of their payload
+    assert fmt.parse_checksum(lay.item("o").checksum) == crc(data["o"])
+
+
+def test_a_writer_uses_the_hardware_crc32c_and_format_version_3(tmp_path):
+    path = str(tmp_path / "f.snap")
+    w = payload(3 * MiB + 5, 9)
+    write_snapshot_file(path, [("w", w)])
+    lay = read_footer(path)
+    assert fmt.FORMAT_VERSION == 3 and lay.version == 3 and lay.algo == "crc32c"
+    raw = open(path, "rb").read()
+    it = lay.item("w")
+    assert fmt.parse_checksum(it.blocks[0]) == google_crc32c.value(raw[it.offset : it.offset + MiB])
 
 
 @settings(max_examples=40, deadline=None)
@@ -105,16 +125,19 @@ def test_a_flip_is_found_by_the_read_of_its_block_and_only_that_block(big, where
             r.read_items(["w"])
 
 
-def test_a_flip_anywhere_in_a_file_is_refused(tmp_path):
+@pytest.mark.parametrize("checksum", ["crc32c", "crc32"])
+def test_a_flip_anywhere_in_a_file_is_refused(tmp_path, checksum):
     """One bit flipped at byte offsets all over a small file (header and its padding, tensors and
     their padding, objects, footer, trailer): each is refused by the footer checks or by a
-    verified read of every item, with a format error naming the file."""
+    verified read of every item, with a format error naming the file; with either checksum."""
     path = str(tmp_path / "small.snap")
     write_snapshot_file(
         path,
         [("a", payload(5000, 4)), ("e", payload(0, 5)), ("b", payload(300, 6)), ("o", b"xyz" * 40, "object")],
         file_attrs={"step": 3},
+        checksum=checksum,
     )
+    assert read_footer(path).algo == checksum
     size = os.path.getsize(path)
     lay = read_footer(path)
     # every byte of the header, of each item's first and last 64 bytes (padding included), of the
@@ -148,12 +171,17 @@ def _rewrite_footer(path: str, edit) -> None:
     doc = json.loads(raw[lay.footer_offset : lay.footer_offset + lay.footer_length])
     edit(doc)
     footer = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    body = raw[: lay.footer_offset] + footer + fmt.encode_trailer(footer)
+    body = raw[: lay.footer_offset] + footer + fmt.encode_trailer(footer, lay.version)
     head = bytearray(body[: fmt.HEADER_SIZE])
     struct.pack_into("<Q", head, 16, len(body))
     struct.pack_into("<I", head, 24, zlib.crc32(bytes(head[:24])))
     with open(path, "wb") as f:
         f.write(bytes(head) + body[fmt.HEADER_SIZE :])
+
+
+def _other(doc) -> str:
+    """The checksum algorithm a footer of ``doc``'s version must not use."""
+    return "crc32" if fmt.CHECKSUM_ALGO[doc["version"]] == "crc32c" else "crc32c"
 
 
 @pytest.mark.parametrize(
@@ -162,8 +190,14 @@ def _rewrite_footer(path: str, edit) -> None:
         (lambda d: d["items"][0]["blocks"].pop(), "block checksums"),
         (lambda d: d["items"][0].update(nbytes=d["items"][0]["nbytes"] - 8192, shape=None), "are in no item"),
         (lambda d: d.__setitem__("block_bytes", 1000), "block size"),
-        (lambda d: d.__setitem__("block_bytes", 2 << 20), "version 2 blocks are"),
-        (lambda d: d["items"][0].__setitem__("checksum", "crc32:00000000"), "block list"),
+        (lambda d: d.__setitem__("block_bytes", 2 << 20), r"version \d blocks are"),
+        (
+            lambda d: d["items"][0].__setitem__("checksum", fmt.placeholder(fmt.CHECKSUM_ALGO[d["version"]])),
+            "block list",
+        ),
+        (lambda d: d["items"][1].__setitem__("checksum", fmt.placeholder(_other(d))), r"in a version-\d file"),
+        (lambda d: d["items"][0]["blocks"].__setitem__(0, fmt.placeholder(_other(d))), r"in a version-\d file"),
+        (lambda d: d["items"][1].__setitem__("checksum", "crc64:00000000"), "bad checksum"),
         (lambda d: d["items"][1].__setitem__("shape", [7]), "is not 100 B"),
     ],
 )
@@ -187,13 +221,13 @@ def _write_v1(path: str, tensors, objects) -> None:
     body, items, cursor = bytearray(align), [], align
     for key, data in tensors:
         items.append(dict(key=key, kind="tensor", dtype="uint8", shape=[len(data)], offset=cursor, nbytes=len(data)))
-        items[-1].update(checksum=fmt.format_checksum(zlib.crc32(data)), attrs={})
+        items[-1].update(checksum=fmt.format_checksum(zlib.crc32(data), "crc32"), attrs={})
         body += data + bytes(fmt.align_up(len(data), align) - len(data))
         cursor = len(body)
     objects_offset = cursor
     for key, data in objects:
         items.append(dict(key=key, kind="object", dtype="bytes", shape=None, offset=len(body), nbytes=len(data)))
-        items[-1].update(checksum=fmt.format_checksum(zlib.crc32(data)), attrs={})
+        items[-1].update(checksum=fmt.format_checksum(zlib.crc32(data), "crc32"), attrs={})
         body += data
     doc = dict(format="ds_dynatrain.snapshot", version=1, alignment=align, data_offset=align)
     doc.update(objects_offset=objects_offset, file_attrs={}, items=items)

@@ -11,10 +11,10 @@ reports (still verified, item by item).
 ``torch.load`` reads whole; this project's files are read in batches, ``integrity.VERIFY_BATCH_BYTES``):
 
 1. every file of the saving world present and complete (``SavedCheckpoint``);
-2. every item of this project's files read with its CRC-32 checked against the footer (a flipped
-   byte anywhere in a tensor or object is found); DeepSpeed's ``torch.save`` files have no
-   checksums, so each is loaded with ``torch.load(weights_only=True)`` and the report says the
-   checksums are not available;
+2. every item of this project's files read with its checksum (CRC-32C; CRC-32 in older files)
+   checked against the footer (a flipped byte anywhere in a tensor or object is found);
+   DeepSpeed's ``torch.save`` files have no checksums, so each is loaded with
+   ``torch.load(weights_only=True)`` and the report says the checksums are not available;
 3. the saved layout (rebuilt from ``param_shapes``) tiles every parameter exactly once over the
    saving ranks' fragments, and every rank's partitions (fp32 master and moments) are long enough
    for their fragments and no longer than the layout's partitions; in this project's files the

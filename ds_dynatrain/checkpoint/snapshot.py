@@ -54,6 +54,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from io_engine import LATEST, TMP_PREFIX, check_snapshot_dir, prune_snapshots, publish_dir, remove_stale, write_atomic
 from io_engine.errors import IOEngineError, errno_name
+from io_engine.priority import lower_thread_priority
 from state_providers import DictStateProvider, TensorItem
 
 from ..errors import ConfigError, DynatrainError, SnapshotWriteError
@@ -154,9 +155,13 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         cache_bytes: host cache size, bytes (bounded; reused across snapshots).
         asynchronous: False writes inside ``save``/``commit``.
         on_write_error: ``"warn"`` or ``"raise"``: what a failed snapshot does (module docstring).
+        worker_nice: added to the nice value of the worker thread (Linux: of that thread alone,
+            :func:`io_engine.priority.lower_thread_priority`), 0 to 19; the copy, checksum and flush then yield
+            the CPUs to training. Threads the worker starts inherit it.
 
     Raises:
-        ConfigError: ``on_write_error`` is neither ``"warn"`` nor ``"raise"``.
+        ConfigError: ``on_write_error`` is neither ``"warn"`` nor ``"raise"``, or ``worker_nice``
+            is not an int from 0 to 19.
     """
 
     def __init__(
@@ -170,11 +175,15 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         cache_bytes: int = 256 << 20,
         asynchronous: bool = True,
         on_write_error: str = "warn",
+        worker_nice: int = 5,
     ):
         super().__init__(None)
         if on_write_error not in ("warn", "raise"):
             raise ConfigError(f"on_write_error must be 'warn' or 'raise', got {on_write_error!r}")
         self.on_write_error = on_write_error
+        if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+            raise ConfigError(f"worker_nice must be an int from 0 to 19, got {worker_nice!r}")
+        self.worker_nice = worker_nice
         # called with a SnapshotOutcome of every snapshot, once its outcome is known (this rank)
         self.on_outcome: Optional[Callable[[SnapshotOutcome], None]] = None
         self._unreported: Optional[SnapshotWriteError] = None  # a failure noted, raised at the next save
@@ -235,6 +244,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
             self._thread.start()
 
     def _run(self):
+        lower_thread_priority(self.worker_nice)
         while True:
             task = self._queue.get()
             if task is None:

@@ -189,7 +189,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
             f"the fragments of {plural(saved.world_size, 'rank')}"
         )
     if ours:
-        rep.notes.append(f"{items} items checksummed (CRC-32)")
+        rep.notes.append(f"{items} items checksummed (CRC-32C; CRC-32 in files of format versions 1 and 2)")
     else:
         rep.notes.append("checksums not available: DeepSpeed's torch.save format has none")
 

@@ -106,6 +106,7 @@ def construct(
         cache_bytes=snap.host_cache_mib << 20,
         asynchronous=snap.asynchronous,
         on_write_error=snap.on_write_error,
+        worker_nice=snap.worker_nice,
     )
     engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0

@@ -254,11 +254,16 @@ def _m_key(rng, p, doc):
     return f"item {old} key -> {it['key']}"
 
 
+def _algo(checksum: str) -> str:
+    """The algorithm a footer checksum names (``crc32c`` in version 3, ``crc32`` before)."""
+    return checksum.partition(":")[0]
+
+
 def _m_checksum(rng, p, doc):
     it = rng.choice(doc["items"])
     old = it["checksum"]
     while it["checksum"] == old:
-        it["checksum"] = f"crc32:{rng.getrandbits(32):08x}"
+        it["checksum"] = f"{_algo(old)}:{rng.getrandbits(32):08x}"
     return f"item {it['key']} checksum -> {it['checksum']}"
 
 
@@ -270,11 +275,12 @@ def _m_blocks(rng, p, doc):
     how = rng.choice(["change", "drop", "add"])
     if how == "change":
         i = rng.randrange(len(it["blocks"]))
-        it["blocks"][i] = f"crc32:{(int(it['blocks'][i][6:], 16) ^ (1 << rng.randrange(32))):08x}"
+        algo, _, value = it["blocks"][i].partition(":")
+        it["blocks"][i] = f"{algo}:{(int(value, 16) ^ (1 << rng.randrange(32))):08x}"
     elif how == "drop":
         it["blocks"].pop(rng.randrange(len(it["blocks"])))
     else:
-        it["blocks"].append(f"crc32:{rng.getrandbits(32):08x}")
+        it["blocks"].append(f"{_algo(it['checksum'])}:{rng.getrandbits(32):08x}")
     return f"item {it['key']} blocks: {how} one"
 
 

@@ -62,7 +62,7 @@ def state_of(step: int) -> Dict[str, Any]:
 
 def load_snapshot(snapshot_dir: str) -> Dict[str, Any]:
     """``{file name: state dict}`` of one snapshot directory, read by the engine's own ``load``
-    (every item's CRC-32 checked)."""
+    (every item's checksum checked)."""
     engine = SnapshotCheckpointEngine()
     return {name: engine.load(os.path.join(snapshot_dir, name)) for name in (MODEL_FILE, OPTIM_FILE)}
 

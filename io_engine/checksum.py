@@ -1,0 +1,138 @@
+"""Payload checksums: CRC-32C in hardware (format version 3), CRC-32 (versions 1 and 2).
+
+A snapshot is copied into the host cache and checksummed on the way; on two cores both passes
+compete with training. Three choices keep that cheap:
+
+* CRC-32C (Castagnoli polynomial 0x1EDC6F41, RFC 3720 appendix B.4), computed by the SSE4.2
+  ``crc32`` instruction in the native library that ``google-crc32c`` ships: several times faster
+  than ``zlib.crc32`` (CRC-32, polynomial 0x04C11DB7) per CPU second. The library's Python
+  binding takes only ``bytes`` (and keeps the GIL for anything else), so its C function
+  ``crc32c_extend(crc, data, length)`` is called through ``ctypes``, which releases the GIL for
+  the call and takes any buffer by address.
+* One pass over the bytes: :func:`copy_with_crc` copies a piece of :data:`PIECE_BYTES` (small
+  enough to stay in a core's L2 cache) and checksums it from the cache at once, instead of copying
+  a whole buffer and reading it back from memory.
+* No GIL held for either: the copy is ``memmove`` through ``ctypes`` too, so a copy beside the
+  training loop never holds the interpreter for milliseconds.
+
+Where the native library cannot be loaded, CRC-32C falls back to the binding's own (a ``bytes``
+copy first) and writers choose CRC-32 instead (:func:`default_algo`). This module imports neither
+torch nor numpy at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import zlib
+from typing import Callable, Optional
+
+log = logging.getLogger("ds_dynatrain.io")
+
+CRC32 = "crc32"  # zlib.crc32: format versions 1 and 2
+CRC32C = "crc32c"  # Castagnoli: format version 3
+ALGOS = (CRC32, CRC32C)
+PIECE_BYTES = 512 << 10  # a copy-and-checksum step: in L2 between the copy and the CRC, few GIL hand-overs
+
+_native: Optional[Callable[[int, int, int], int]] = None
+_native_tried = False
+
+
+def _load_native() -> Optional[Callable[[int, int, int], int]]:
+    """``crc32c_extend(crc, address, length)`` of the library ``google-crc32c`` links, or None."""
+    global _native, _native_tried
+    if _native_tried:
+        return _native
+    _native_tried = True
+    try:
+        from google_crc32c import _crc32c  # the C extension; its library holds crc32c_extend
+
+        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # dlsym searches the extension's dependencies
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        probe = b"123456789"
+        if fn(0, probe, len(probe)) != 0xE3069283:  # the CRC-32C check value (RFC 3720 B.4)
+            raise OSError("crc32c_extend gives a wrong check value")
+        _native = fn
+    except (ImportError, OSError, AttributeError) as e:
+        log.warning("io: hardware CRC-32C unavailable (%s); snapshots are written with CRC-32", e)
+    return _native
+
+
+def native_crc32c() -> bool:
+    """Whether the hardware CRC-32C of ``google-crc32c``'s library is usable here."""
+    return _load_native() is not None
+
+
+def default_algo() -> str:
+    """The algorithm a writer uses: :data:`CRC32C` where it is native, else :data:`CRC32`."""
+    return CRC32C if native_crc32c() else CRC32
+
+
+def address(view) -> int:
+    """Virtual address of the first byte of a contiguous buffer (read-only ones too)."""
+    import numpy as np  # local: the package does not need numpy to import
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def crc_update(algo: str, data, crc: int = 0) -> int:
+    """Running checksum ``algo`` (:data:`CRC32` or :data:`CRC32C`) of bytes-like ``data``,
+    continued from ``crc``; an unsigned 32-bit int. Releases the GIL for large buffers.
+
+    Raises ``ValueError`` for an unknown ``algo``.
+    """
+    if algo == CRC32:
+        return zlib.crc32(data, crc)
+    if algo != CRC32C:
+        raise ValueError(f"unknown checksum algorithm {algo!r}, known: {', '.join(ALGOS)}")
+    view = memoryview(data)
+    n = view.nbytes
+    if not n:
+        return crc & 0xFFFFFFFF
+    fn = _load_native()
+    if fn is not None:
+        return fn(crc, address(view), n)
+    import google_crc32c
+
+    return google_crc32c.extend(crc, view.tobytes())
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (byte views of one length) in one ``memmove`` with the GIL
+    released: one hand-over of the GIL for the whole buffer, where :func:`copy_with_crc` takes two
+    per piece (which a training thread busy in Python makes slow to get back).
+
+    Raises ``ValueError`` when the lengths differ.
+    """
+    if len(dst) != len(src):
+        raise ValueError(f"copy of {len(src)} bytes into a view of {len(dst)}")
+    if len(src):
+        ctypes.memmove(address(dst), address(src), len(src))
+
+
+def copy_with_crc(algo: str, dst: memoryview, src: memoryview, crc: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (byte views of one length) and return the running checksum
+    ``algo`` of the copied bytes, continued from ``crc``: one pass, piece by piece
+    (:data:`PIECE_BYTES`), each piece checksummed from the cache right after its copy, with the
+    GIL released for both. The checksum is of ``dst`` (what will be written), so a source changing
+    meanwhile cannot make checksum and copy disagree.
+
+    Raises ``ValueError`` when the lengths differ or ``algo`` is unknown.
+    """
+    n = len(src)
+    if len(dst) != n:
+        raise ValueError(f"copy of {n} bytes into a view of {len(dst)}")
+    if algo not in ALGOS:
+        raise ValueError(f"unknown checksum algorithm {algo!r}, known: {', '.join(ALGOS)}")
+    if not n:
+        return crc & 0xFFFFFFFF
+    native = _load_native() if algo == CRC32C else None
+    d, s = address(dst), address(src)
+    for pos in range(0, n, PIECE_BYTES):
+        take = min(PIECE_BYTES, n - pos)
+        ctypes.memmove(d + pos, s + pos, take)
+        if native is not None:
+            crc = native(crc, d + pos, take)
+        else:
+            crc = crc_update(algo, dst[pos : pos + take], crc)
+    return crc

@@ -1,0 +1,100 @@
+"""The payload checksums (:mod:`io_engine.checksum`) and the snapshot worker's thread priority.
+
+Oracles: ``zlib.crc32`` and ``google_crc32c.value`` (the package's own binding, not the ``ctypes``
+route :mod:`io_engine.checksum` takes), the CRC-32C check value of RFC 3720 (B.4), the source
+bytes a copy must reproduce, and the nice values the kernel reports per thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import zlib
+
+import google_crc32c
+import numpy as np
+import pytest
+
+from ds_dynatrain.checkpoint.snapshot import SnapshotCheckpointEngine
+from ds_dynatrain.errors import ConfigError
+from io_engine import checksum as ck
+from io_engine.host_cache import alloc_aligned
+from io_engine.priority import lower_thread_priority
+
+ORACLE = {"crc32": zlib.crc32, "crc32c": google_crc32c.value}
+
+
+def test_the_hardware_crc32c_loads_and_gives_the_check_value():
+    assert ck.native_crc32c() and ck.default_algo() == "crc32c"
+    assert ck.crc_update("crc32c", b"123456789") == 0xE3069283  # RFC 3720 B.4
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "crc32"])
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, ck.PIECE_BYTES, ck.PIECE_BYTES + 1, 3 * ck.PIECE_BYTES - 7])
+def test_copy_with_crc_copies_every_byte_and_checksums_the_copy(algo, nbytes):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = alloc_aligned(nbytes + 100)
+    dst[:] = b"\xaa" * len(dst)  # bytes past the copy must stay as they were
+    got = ck.copy_with_crc(algo, memoryview(dst)[:nbytes], memoryview(src))
+    assert dst[:nbytes] == src.tobytes() and dst[nbytes:] == b"\xaa" * (len(dst) - nbytes)
+    assert got == ORACLE[algo](src.tobytes())
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "crc32"])
+def test_running_checksums_continue_across_pieces(algo):
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    dst = bytearray(len(data))
+    crc = 0
+    for a, b in ((0, 5), (5, 1 << 20), (1 << 20, len(data))):
+        crc = ck.copy_with_crc(algo, memoryview(dst)[a:b], memoryview(data)[a:b], crc)
+    assert crc == ORACLE[algo](data) == ck.crc_update(algo, data[7:], ck.crc_update(algo, data[:7]))
+
+
+def test_bad_calls_are_refused_and_touch_nothing():
+    dst = bytearray(8)
+    with pytest.raises(ValueError, match="copy of 4 bytes into a view of 8"):
+        ck.copy_with_crc("crc32c", memoryview(dst), memoryview(b"abcd"))
+    with pytest.raises(ValueError, match="copy of 4 bytes into a view of 8"):
+        ck.copy_bytes(memoryview(dst), memoryview(b"abcd"))
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        ck.copy_with_crc("md5", memoryview(dst), memoryview(b"abcdefgh"))
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        ck.crc_update("md5", b"x")
+    assert dst == bytearray(8)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_a_thread_lowers_its_own_priority_and_no_other():
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def worker():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["returned"] = lower_thread_priority(3)
+        seen["before"], seen["after"] = before, os.getpriority(os.PRIO_PROCESS, tid)
+        child = threading.Thread(target=lambda: seen.__setitem__("child", os.getpriority(os.PRIO_PROCESS, 0)))
+        child.start()
+        child.join()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["after"] == min(19, seen["before"] + 3) == seen["returned"]
+    assert seen["child"] == seen["after"]  # threads it starts inherit it
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+    assert lower_thread_priority(0) is None
+
+
+@pytest.mark.parametrize("nice", [-1, 20, 2.5, "5"])
+def test_an_engine_refuses_a_bad_worker_nice(nice):
+    with pytest.raises(ConfigError, match="worker_nice must be an int from 0 to 19"):
+        SnapshotCheckpointEngine(worker_nice=nice)
+
+
+def test_a_writer_refuses_an_unknown_checksum():
+    from io_engine import SnapshotFileWriter
+
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        SnapshotFileWriter(checksum="md5")
