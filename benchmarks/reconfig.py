@@ -26,7 +26,9 @@ layers, 12 for about 97 M parameters; ``--hidden``/``--layers`` override), ZeRO-
   bound counts the bytes as if they crossed one link.
 
 ``--busy K`` keeps K more processes busy with one-thread matrix products for the whole run (the
-same work beside both routes): the ratio on a machine with other work. Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``--json`` prints one
+same work beside both routes): the ratio on a machine with other work.
+
+Times in seconds, sizes in bytes, bandwidths in GB/s (1e9 bytes per second). ``--json`` prints one
 JSON object per transition; otherwise a table. Checkpoints and logs go to a temporary directory
 under ``--dir`` that is removed at the end. A failed job stops the run with the tail of its log.
 """
