@@ -199,7 +199,7 @@ def transfer_table(old: ZeroLayout, new: ZeroLayout) -> np.ndarray:
     (:meth:`ZeroLayout.check_same_model`, not checked here). The order comes from one sort of
     packed ``(src, dst)`` keys when the old layout is partition-ordered (stage 3; stages 1/2
     without round robin), else from a sort on all four columns. Memory: about 2 x 56 bytes per
-    row at the peak, plus the two fragment tables (48 bytes per fragment).
+    row at the peak, plus 20 bytes per fragment of either layout (its start, rank and parameter).
     """
     s = _segments(old, new)
     n = s.start.shape[0]
