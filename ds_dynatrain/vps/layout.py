@@ -335,17 +335,15 @@ class ZeroLayout:
         """Elements of every parameter, in group order (int64, one per parameter)."""
         return np.asarray([p.numel for g in self.groups for p in g], dtype=np.int64)
 
-    def fragment_table(self) -> FragmentTable:
-        """Every fragment of every rank as columns (:class:`FragmentTable`), vectorised: the
-        cost is a few numpy passes over the fragments, whose number is about parameters x world
-        size at stage 3 and parameters + world size at stages 1/2. The same fragments as
-        :meth:`fragments` and :meth:`pieces`, in another order."""
-        numel = self.param_numels()
-        part = np.empty(numel.shape[0], dtype=np.int64)
-        where = np.empty(numel.shape[0], dtype=np.int64)  # stage 3: local offset; 1/2: flat offset
-        size = np.empty(numel.shape[0], dtype=np.int64)  # stage 3: piece; 1/2: partition numel
-        keys = [p.key for g in self.groups for p in g]
-        for j, key in enumerate(keys):
+    def param_geometry(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per parameter in group order (int64 arrays, elements): its partition; where it lies
+        (stage 3: its offset in every rank's partition; stages 1/2: its offset in the flat
+        group); and the cut size (stage 3: its per-rank piece; stages 1/2: the partition size)."""
+        n = sum(len(g) for g in self.groups)
+        part = np.empty(n, dtype=np.int64)
+        where = np.empty(n, dtype=np.int64)
+        size = np.empty(n, dtype=np.int64)
+        for j, key in enumerate(p.key for g in self.groups for p in g):
             b, i = self._where[key]
             geo = self._geometry[b]
             part[j] = b
@@ -353,6 +351,15 @@ class ZeroLayout:
                 _, _, size[j], where[j] = geo.params[i]
             else:
                 where[j], size[j] = geo.flat_offsets[i][1], geo.partition_numel
+        return part, where, size
+
+    def fragment_table(self) -> FragmentTable:
+        """Every fragment of every rank as columns (:class:`FragmentTable`), vectorised: the
+        cost is a few numpy passes over the fragments, whose number is about parameters x world
+        size at stage 3 and parameters + world size at stages 1/2. The same fragments as
+        :meth:`fragments` and :meth:`pieces`, in another order."""
+        numel = self.param_numels()
+        part, where, size = self.param_geometry()
         param = np.arange(numel.shape[0], dtype=np.int64)
         if self.stage == 3:
             # rank r holds [r * piece, min((r + 1) * piece, numel)) at the parameter's local offset
