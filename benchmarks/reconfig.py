@@ -226,6 +226,7 @@ def run_ours(n: int, m: int, a, work: str, batch: int) -> dict:
             "resize_schedule": [{"step": k, "world_size": m}],
             "spawn_lookahead_steps": k,
             "log_interval_steps": 10**6,
+            **({} if a.joiner_nice is None else {"joiner_nice": a.joiner_nice}),
         },
     )
     cfg_path = os.path.join(work, f"{name}.json")
@@ -459,6 +460,9 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         help="CPU-heavy processes (one-thread matrix products) running beside the whole benchmark: a busy machine",
+    )
+    ap.add_argument(
+        "--joiner-nice", type=int, default=None, help="dynatrain.joiner_nice of our jobs (default: the config's)"
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per transition")
     a = ap.parse_args(argv)

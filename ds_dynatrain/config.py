@@ -127,13 +127,14 @@ class DynatrainConfig(_Strict):
         "nice value by this much (0: unchanged), so its teardown yields the CPU to the survivors",
     )
     joiner_nice: int = Field(
-        10,
+        0,
         ge=0,
         le=19,
         description="a joiner starts this much above the agent's nice value (0: unchanged), so its start-up "
         "and warm-up yield the CPU to the running workers of its host, and returns to the agent's value when "
         "its generation forms; only where the agent may lower a nice value again (CAP_SYS_NICE or RLIMIT_NICE), "
-        "else joiners start unchanged",
+        "else joiners start unchanged. On a host whose CPUs the workers keep busy a lower joiner may take "
+        "much longer to be ready",
     )
     spawn_lookahead_steps: int = Field(
         3,
