@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .keys import MEMBER_NODE_KEY
 from .placement import used_slots
 
 USER_THREADS_ENV = "OMP_NUM_THREADS"
@@ -52,12 +53,11 @@ def share_cpus(store, members: Sequence[str], member: str) -> Optional[int]:
     the user fixed it (:func:`threads_fixed_by_user`) or this member's host is not known."""
     if threads_fixed_by_user():
         return None
-    per_node = used_slots(store, list(members))
-    mine = used_slots(store, [member])
-    if not mine:
+    key = MEMBER_NODE_KEY.format(member)
+    if not store.check([key]):
         return None
-    node = next(iter(mine))
-    n = threads_per_worker(host_cpus(), max(1, per_node.get(node, 1)))
+    node = int(store.get(key))
+    n = threads_per_worker(host_cpus(), max(1, used_slots(store, list(members)).get(node, 1)))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
