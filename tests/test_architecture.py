@@ -42,7 +42,16 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("checkpoint", ("ds_dynatrain.checkpoint",)),
     ("engine", ("ds_dynatrain.engine",)),
     ("cli", ("ds_dynatrain.cli",)),
-    ("top", ("ds_dynatrain.data", "ds_dynatrain.initialize", "ds_dynatrain.prebuild", "ds_dynatrain")),
+    (
+        "top",
+        (
+            "ds_dynatrain.data",
+            "ds_dynatrain.initialize",
+            "ds_dynatrain.frontends",
+            "ds_dynatrain.prebuild",
+            "ds_dynatrain",
+        ),
+    ),
 ]
 ROOTS = frozenset(PACKAGES)  # a root package names itself only: a module under it needs a layer of its own
 # who may import DeepSpeed (module prefixes), and what of it
@@ -51,6 +60,7 @@ DEEPSPEED_ALLOWED = (
     "ds_dynatrain.engine",
     "ds_dynatrain.checkpoint.snapshot",
     "ds_dynatrain.initialize",
+    "ds_dynatrain.frontends.route",
 )
 DEEPSPEED_PURE = {"ds_dynatrain.vps.affine": ("deepspeed.checkpoint.affine",)}  # DeepSpeed's pure data types
 NO_PROCESS_GROUP = ("ds_dynatrain.vps", "ds_dynatrain.planner")  # planning stays pure

@@ -1,0 +1,129 @@
+"""Hugging Face Trainer with ``import ds_dynatrain``: real ``Trainer`` objects (transformers, accelerate)
+on a tiny Llama, DeepSpeed ZeRO on the CPU, 1-3 processes (``tests/workers/trainer_worker.py``).
+
+The oracle of a resume is the uninterrupted run that saved the checkpoint: the gathered fp32 master
+weights and Adam moments right after the load equal, bitwise, those gathered at the save, whatever
+the two world sizes; and the losses of the steps after it equal that run's within reduction noise
+(the global batch is kept: per-device batch x accumulation x world size is 12 in every run, so
+every optimizer step sees the same samples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import run_plain
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "trainer_worker.py")
+GAS_AT = {1: 6, 2: 3, 3: 2}  # accumulation steps at each world size: a global batch of 12
+STEPS, SAVE_AT = 6, 3
+
+
+def _trainer(tmp_path, nproc: int, name: str, *args: str, ok: bool = True):
+    out = os.path.join(tmp_path, name)
+    os.makedirs(out, exist_ok=True)
+    jobs = run_plain(
+        tmp_path,
+        WORKER,
+        nproc,
+        ["--out", out, "--dump", out, "--gas", str(GAS_AT[nproc]), *args],
+        timeout=240,
+        name=name,
+    )
+    if ok:
+        for r, job in enumerate(jobs):
+            assert job.returncode == 0, f"{name} rank {r} failed:\n{job.output[-4000:]}"
+    return out, jobs
+
+
+def _losses(out: str) -> dict:
+    with open(os.path.join(out, "losses.json")) as f:
+        got = json.load(f)
+    return {int(k): v for k, v in got["losses"].items()}, got["engine"]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """The gathered fp32 master, moments and working weights of every parameter equal bitwise."""
+    names = sorted(k for k in a if not k.startswith("__"))
+    assert names == sorted(k for k in b if not k.startswith("__"))
+    for n in names:
+        for key in ("fp32", "exp_avg", "exp_avg_sq", "param"):
+            assert torch.equal(a[n][key], b[n][key]), f"{n}.{key} differs"
+    assert a["__global_steps__"] == b["__global_steps__"]
+    assert set(a["__step__"]) == set(b["__step__"])
+
+
+def _uninterrupted(tmp_path, stage: int, nproc: int, plain: bool) -> str:
+    """The run that saves at step SAVE_AT and goes on to STEPS: the oracle of every resume."""
+    args = ["--steps", str(STEPS), "--save-steps", str(SAVE_AT), "--stage", str(stage)]
+    saved, _ = _trainer(tmp_path, nproc, "saved", *args, *(["--plain"] if plain else []))
+    assert _losses(saved)[1] == ("DeepSpeedEngine" if plain else "ElasticEngine")
+    return saved
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    """The uninterrupted ZeRO-2 run of 2 ranks with snapshots (shared by the tests that need it)."""
+    return _uninterrupted(tmp_path_factory.mktemp("zero2"), stage=2, nproc=2, plain=False)
+
+
+def _check_resume(tmp_path, stage: int, save_np: int, load_np: int, plain_save: bool, saved: str = None) -> None:
+    saved = saved or _uninterrupted(tmp_path, stage, save_np, plain_save)
+    oracle, _ = _losses(saved)
+    checkpoint = os.path.join(saved, f"checkpoint-{SAVE_AT}")
+    resumed, _ = _trainer(
+        tmp_path, load_np, "resumed", "--steps", str(STEPS), "--stage", str(stage), "--resume", checkpoint
+    )
+    got, engine = _losses(resumed)
+    assert engine == "ElasticEngine"
+    assert_same_state(
+        torch.load(os.path.join(saved, f"save{SAVE_AT}.pt")), torch.load(os.path.join(resumed, "begin.pt"))
+    )
+    after = [s for s in range(SAVE_AT + 1, STEPS + 1)]
+    assert [s for s in got if s > SAVE_AT] == after
+    for s in after:
+        assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
+
+
+def test_trainer_resumes_a_zero2_snapshot_of_2_ranks_on_3(tmp_path, zero2_run):
+    _check_resume(tmp_path, stage=2, save_np=2, load_np=3, plain_save=False, saved=zero2_run)
+
+
+def test_a_kill_during_a_snapshot_resumes_from_the_last_durable_checkpoint(tmp_path, zero2_run):
+    """``save_total_limit=1``, every rank SIGKILLed (a real kill; the seam picks the moment) while
+    checkpoint-4 flushes, after Trainer's rotation: checkpoint-2 is still there and complete, and
+    ``resume_from_checkpoint=True`` on 3 ranks passes over checkpoint-4 and continues from it."""
+    from ds_dynatrain.frontends.trainer import incomplete_reason
+
+    args = ["--steps", str(STEPS), "--save-steps", "2", "--save-total-limit", "1"]
+    out, jobs = _trainer(tmp_path, 2, "killed", *args, "--kill-at", "4", ok=False)
+    assert [j.returncode for j in jobs] == [-9, -9], jobs[0].output[-3000:]
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
+    assert incomplete_reason(os.path.join(out, "checkpoint-2")) is None
+    assert "latest" in incomplete_reason(os.path.join(out, "checkpoint-4"))
+    at_2 = torch.load(os.path.join(out, "save2.pt"))
+
+    _, jobs = _trainer(tmp_path, 3, "killed", *args, "--resume", "last")
+    assert "not resuming from" in jobs[0].output and "checkpoint-4: incomplete" in jobs[0].output
+    assert_same_state(at_2, torch.load(os.path.join(out, "begin.pt")))
+    got, oracle = _losses(out)[0], _losses(zero2_run)[0]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in range(3, STEPS + 1):
+        assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
+
+
+def test_trainer_resumes_deepspeeds_own_zero3_checkpoint_of_2_ranks_on_1(tmp_path):
+    _check_resume(tmp_path, stage=3, save_np=2, load_np=1, plain_save=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage,save_np,load_np,plain_save",
+    [(2, 2, 1, False), (2, 2, 3, True), (3, 2, 3, False), (3, 2, 1, False), (2, 2, 1, True), (3, 2, 3, True)],
+)
+def test_trainer_resumes_at_another_world_size(tmp_path, stage, save_np, load_np, plain_save):
+    _check_resume(tmp_path, stage, save_np, load_np, plain_save)

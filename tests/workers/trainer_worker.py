@@ -1,0 +1,168 @@
+"""Test worker: a Hugging Face ``Trainer`` run of a tiny Llama with DeepSpeed ZeRO, the script as
+users write it plus ``import ds_dynatrain`` (and a ``"dynatrain"`` section in the DeepSpeed config);
+started by ``run_plain`` (torch env:// variables), on the CPU (``use_cpu=True``, gloo).
+
+* ``--plain``: no ``"dynatrain"`` section: DeepSpeed's own engine and checkpoint files.
+* ``--resume last|PATH``: ``trainer.train(resume_from_checkpoint=True|PATH)``.
+* ``--dump DIR``: the gathered training state (``gather_state``, collective) after any load, at
+  train begin (``begin.pt``), and at every save (``save<step>.pt``); rank 0 writes
+  ``losses.json`` (step -> logged loss) at the end.
+* ``--kill-at K``: SEAM (the kill is real, the seam picks its moment): once the snapshot of the save
+  before step K is durable, the io queue of every rank's snapshot writer is replaced by one whose
+  first write waits until Trainer has finished the save at step K (its rotation included), then
+  SIGKILLs this process: every rank dies with checkpoint-K's files unflushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ds_dynatrain  # noqa: E402,F401  (the one line a Trainer script adds)
+from tests.workers.common import gather_state  # noqa: E402
+
+VOCAB, SEQ, SAMPLES = 64, 16, 96
+
+
+def ds_config(stage: int, plain: bool) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": stage},
+    }
+    if not plain:
+        cfg["dynatrain"] = {"snapshot": {"keep_last": 1}}
+    return cfg
+
+
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
+    )
+
+
+def dataset() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": t, "labels": t} for t in torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)]
+
+
+def killing_queue_factory(release: threading.Event):
+    """SEAM: io queues whose first write waits for ``release``, then SIGKILLs this process."""
+    from io_engine.ioqueue import default_queue_factory
+
+    class KillingQueue:
+        def __init__(self, inner):
+            self.inner, self.kind = inner, inner.kind
+
+        def submit_write(self, fd, view, offset, token):
+            release.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def submit_read(self, fd, view, offset, token):
+            self.inner.submit_read(fd, view, offset, token)
+
+        def wait(self, timeout):
+            return self.inner.wait(timeout)
+
+        def close(self):
+            self.inner.close()
+
+    return lambda kind, depth: KillingQueue(default_queue_factory(kind, depth))
+
+
+def main() -> int:
+    import torch.distributed as tdist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--per-device", type=int, default=2)
+    p.add_argument("--gas", type=int, default=1)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--dump", default=None)
+    p.add_argument("--kill-at", type=int, default=0)
+    a = p.parse_args()
+
+    args = TrainingArguments(
+        output_dir=a.out,
+        per_device_train_batch_size=a.per_device,
+        gradient_accumulation_steps=a.gas,
+        max_steps=a.steps,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        save_total_limit=a.save_total_limit,
+        logging_steps=1,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        weight_decay=0.01,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        deepspeed=ds_config(a.stage, a.plain),
+    )
+    trainer = Trainer(model=model(), args=args, train_dataset=dataset())
+    release = threading.Event()
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            if a.dump and a.resume:  # the state just loaded (before the first step, no moments exist)
+                st = gather_state(trainer.model_wrapped)
+                if tdist.get_rank() == 0:
+                    torch.save(st, os.path.join(a.dump, "begin.pt"))
+
+        def on_save(self, args, state, control, **kw):
+            if a.dump:
+                st = gather_state(trainer.model_wrapped)
+                if tdist.get_rank() == 0:
+                    torch.save(st, os.path.join(a.dump, f"save{state.global_step}.pt"))
+            engine = trainer.model_wrapped
+            if a.kill_at and state.global_step == a.kill_at:
+                release.set()
+            elif a.kill_at and state.global_step + args.save_steps == a.kill_at:
+                from io_engine import Flusher, IOConfig, SnapshotFileWriter
+
+                ce = engine.checkpoint_engine
+                ce.wait()  # the save before the kill is durable
+                ce._writer = SnapshotFileWriter(
+                    flusher=Flusher(IOConfig(), queue_factory=killing_queue_factory(release))
+                )
+
+    trainer.add_callback(Probe())
+    resume = True if a.resume == "last" else a.resume
+    trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        with open(os.path.join(a.dump or a.out, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "engine": type(trainer.model_wrapped).__name__}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
