@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: demo test test-slow lint format install clean soak compat gpu-check gpu-wheels
+.PHONY: demo demo-trainer test test-slow lint format install clean soak compat gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py --compare-static --out runs/demo
+
+# the Hugging Face Trainer demo: fine-tune on 2 processes with snapshots, resume on 3 from one,
+# compare the losses with the run that went on (examples/demo_trainer.py)
+demo-trainer: $(STAMP)
+	$(BIN)/python examples/demo_trainer.py --out runs/demo-trainer
 
 # lint and format check first (ruff, configured in pyproject.toml), then the suite
 test: lint
