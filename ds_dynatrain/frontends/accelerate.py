@@ -1,0 +1,56 @@
+"""Hugging Face Accelerate's ``load_state`` made right for a state saved at another world size.
+
+``Accelerator.load_state`` (accelerate 1.x, ``checkpointing.load_accelerator_state``) restores the
+accelerator's micro-step counter ``step``, which ``accumulate()`` uses to decide when gradients are
+synchronised, from the per-process file ``random_states_<process index>.pkl``. Resumed on more
+processes, the new ones find no file and keep 0 while the others take the saved count; resumed
+with another number of accumulation steps, the saved count is off the new boundary. Either way the
+ranks disagree about which micro-batch ends a step, and the first optimizer step after the resume
+is a collective mismatch (gloo: "Received data size doesn't match expected size").
+
+A DeepSpeed checkpoint holds no partly accumulated gradients, so a loaded state is always at a step
+boundary: after the load, the counter is set to ``global_steps x gradient_accumulation_steps`` on
+every rank, when an engine of ours was prepared (a log line says when that changed it).
+"""
+
+from __future__ import annotations
+
+from ..log import logger
+
+ACCELERATOR_MODULE = "accelerate.accelerator"
+
+
+def _realign(accelerator) -> None:
+    from ..engine.elastic_engine import ElasticEngine
+
+    engines = [m for m in getattr(accelerator, "_models", []) if isinstance(m, ElasticEngine)]
+    if not engines:
+        return
+    boundary = engines[0].global_steps * accelerator.gradient_accumulation_steps
+    if accelerator.step != boundary:
+        logger.info(
+            f"ds_dynatrain: accelerator.step {accelerator.step} -> {boundary} (step {engines[0].global_steps} x "
+            f"{accelerator.gradient_accumulation_steps} accumulation steps): the loaded state is at a step boundary"
+        )
+        accelerator.step = boundary
+
+
+def _load_state(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    _realign(instance)
+    return out
+
+
+def _hook(module) -> None:
+    import wrapt
+
+    if not getattr(module.Accelerator.load_state, "__ds_dynatrain_wrapped__", False):
+        wrapt.wrap_function_wrapper(module, "Accelerator.load_state", _load_state)
+        module.Accelerator.load_state.__ds_dynatrain_wrapped__ = True
+
+
+def install_accelerate_hooks() -> None:
+    """Wrap ``Accelerator.load_state`` once ``accelerate.accelerator`` is imported (at once if it is)."""
+    import wrapt
+
+    wrapt.register_post_import_hook(_hook, ACCELERATOR_MODULE)
