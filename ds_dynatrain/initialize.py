@@ -37,6 +37,7 @@ def initialize(
     *,
     seed: int = 0,
     shuffle: bool = True,
+    frontend: Optional[str] = None,
 ):
     """Drop-in for ``deepspeed.initialize`` returning an :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine`.
 
@@ -49,10 +50,17 @@ def initialize(
     * in a process the launcher started as a *joiner*, this call joins the running job: it receives
       its partitions and the training state, and returns an engine positioned at the job's step.
 
+    ``frontend`` names the module that called ``deepspeed.initialize`` when the call came through
+    the route of :mod:`ds_dynatrain.frontends` (Accelerate, for Trainer too; Lightning). Such a
+    front-end keeps its own step, data and accumulation counters, which a resize would not
+    update yet: it trains under its usual launchers (snapshots, loads at any world size), not
+    under ``dynatrain launch``.
+
     Raises:
         ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
             keep the global batch, resizing asked of a job not started by ``dynatrain launch``, or
-            a ``snapshot.dir`` that is no writable directory and cannot be made one (before any engine).
+            a ``snapshot.dir`` that is no writable directory and cannot be made one (before any engine);
+            a ``frontend`` engine in a process started by ``dynatrain launch``.
     """
     import deepspeed
 
@@ -82,6 +90,13 @@ def initialize(
         )
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
+    if frontend is not None and LaunchContext.from_environ() is not None:
+        raise ConfigError(
+            f"an engine built by {frontend} (Hugging Face Trainer or Accelerate, Lightning) under `dynatrain launch`: "
+            "resizing such a job online is not supported yet (the front-end's step, data and accumulation "
+            "counters would not follow); start it with torchrun, accelerate launch or deepspeed, where "
+            "snapshots and resuming at any world size work"
+        )
     _check_storage(dt_cfg)  # bad storage found before anything trains
 
     engine = start_engine(

@@ -154,3 +154,16 @@ def test_accelerate_loop_saves_state_on_2_and_loads_it_on_3(tmp_path):
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
     for s in got:
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
+
+
+def test_a_trainer_script_under_dynatrain_launch_is_refused_before_it_trains(tmp_path):
+    """Online resizes under Trainer are not supported yet: the engine is refused at its build,
+    with the reason, on every rank; the job ends (no hang, no training)."""
+    from tests.conftest import launch
+
+    out = os.path.join(tmp_path, "out")
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}  # what the launcher checks
+    job = launch(tmp_path, WORKER, 2, cfg, ["--out", out, "--steps", "2", "--gas", "3"], timeout=180)
+    assert job.returncode != 0
+    assert "under `dynatrain launch`: resizing such a job online is not supported yet" in job.output
+    assert not os.path.exists(os.path.join(out, "losses.json"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from typing import Any, Optional
 
 import deepspeed
@@ -28,6 +29,8 @@ from ..config import SECTION, ConfigError
 from ..log import logger
 
 _ORIGINAL_ATTR = "__ds_dynatrain_original__"
+# callers that keep step, data and accumulation counters of their own (Trainer goes through accelerate)
+FRONTEND_PACKAGES = ("accelerate", "transformers", "lightning", "pytorch_lightning")
 
 
 def section_of(config: Any) -> Optional[Any]:
@@ -103,7 +106,9 @@ def routed_initialize(original):
             )
         from ..initialize import initialize as dynatrain_initialize
 
-        return dynatrain_initialize(args=args, model=model, **kwargs)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        frontend = caller if caller.split(".")[0] in FRONTEND_PACKAGES else None
+        return dynatrain_initialize(args=args, model=model, frontend=frontend, **kwargs)
 
     setattr(initialize, _ORIGINAL_ATTR, original)
     return initialize

@@ -107,6 +107,7 @@ def main() -> int:
     p.add_argument("--resume", default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--deepspeed_config", default=None, help="what `dynatrain launch` adds (not used)")
     a = p.parse_args()
 
     args = TrainingArguments(
@@ -161,6 +162,11 @@ def main() -> int:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         with open(os.path.join(a.dump or a.out, "losses.json"), "w") as f:
             json.dump({"losses": losses, "engine": type(trainer.model_wrapped).__name__}, f)
+    if a.plain:
+        # DeepSpeed's own engine leaves its gloo group to the interpreter's exit, where a gloo thread
+        # still alive sometimes aborts the process ("terminate called without an active exception");
+        # a script that ends its group first exits cleanly (ours do it for their engines themselves)
+        tdist.destroy_process_group()
     return 0
 
 
