@@ -21,6 +21,26 @@ def _check_storage(dt_cfg) -> None:
         (logger.debug if LaunchContext.from_environ() is not None else logger.info)(storage.describe())
 
 
+def _config_of(args: Any, config: Any, config_params: Any) -> Any:
+    """The DeepSpeed config from ``config``, ``config_params`` or ``args.deepspeed_config``, the
+    first given. Raises ConfigError when none is."""
+    for given in (config, config_params, getattr(args, "deepspeed_config", None)):
+        if given is not None:
+            return given
+    raise ConfigError("no DeepSpeed config: pass config= or args.deepspeed_config")
+
+
+def _refuse_frontend_under_launch(frontend: Optional[str]) -> None:
+    """ConfigError for an engine a front-end builds in a process of ``dynatrain launch``."""
+    if frontend is not None and LaunchContext.from_environ() is not None:
+        raise ConfigError(
+            f"an engine built by {frontend} (Hugging Face Trainer or Accelerate, Lightning) under `dynatrain launch`: "
+            "resizing such a job online is not supported yet (the front-end's step, data and accumulation "
+            "counters would not follow); start it with torchrun, accelerate launch or deepspeed, where "
+            "snapshots and resuming at any world size work"
+        )
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -50,11 +70,8 @@ def initialize(
     * in a process the launcher started as a *joiner*, this call joins the running job: it receives
       its partitions and the training state, and returns an engine positioned at the job's step.
 
-    ``frontend`` names the module that called ``deepspeed.initialize`` when the call came through
-    the route of :mod:`ds_dynatrain.frontends` (Accelerate, for Trainer too; Lightning). Such a
-    front-end keeps its own step, data and accumulation counters, which a resize would not
-    update yet: it trains under its usual launchers (snapshots, loads at any world size), not
-    under ``dynatrain launch``.
+    ``frontend``: the module (Accelerate, Lightning) whose ``deepspeed.initialize`` call the route
+    of :mod:`ds_dynatrain.frontends` sent here; refused under ``dynatrain launch`` (no resizes yet).
 
     Raises:
         ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
@@ -68,13 +85,7 @@ def initialize(
         raise ValueError("ds_dynatrain.initialize requires a model")
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
         model_parameters = list(model_parameters)  # a generator would be spent by the first engine
-    if config is None:
-        config = config_params
-    if config is None and getattr(args, "deepspeed_config", None):
-        config = args.deepspeed_config
-    if config is None:
-        raise ConfigError("no DeepSpeed config: pass config= or args.deepspeed_config")
-    ds_config, dt_cfg = load_ds_config(config)
+    ds_config, dt_cfg = load_ds_config(_config_of(args, config, config_params))
     if not dt_cfg.enabled:
         return deepspeed.initialize(
             model=model,
@@ -90,13 +101,7 @@ def initialize(
         )
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
-    if frontend is not None and LaunchContext.from_environ() is not None:
-        raise ConfigError(
-            f"an engine built by {frontend} (Hugging Face Trainer or Accelerate, Lightning) under `dynatrain launch`: "
-            "resizing such a job online is not supported yet (the front-end's step, data and accumulation "
-            "counters would not follow); start it with torchrun, accelerate launch or deepspeed, where "
-            "snapshots and resuming at any world size work"
-        )
+    _refuse_frontend_under_launch(frontend)
     _check_storage(dt_cfg)  # bad storage found before anything trains
 
     engine = start_engine(
