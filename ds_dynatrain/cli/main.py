@@ -26,10 +26,21 @@ from ..errors import ConfigError, DynatrainError, ResizeRefusedError, Transition
 from ..log import log_to_console, plural
 from ..version import version_line
 
+TRAINER_FLAG = "--deepspeed"  # Hugging Face TrainingArguments' flag for the DeepSpeed config
+
 
 def _cmd_launch(a) -> int:
     from ..elastic.launch import launch
 
+    if any(arg == TRAINER_FLAG or arg.startswith(TRAINER_FLAG + "=") for arg in a.script_args):
+        print(
+            f"dynatrain {a.command}: {a.script} takes {TRAINER_FLAG} (a Hugging Face Trainer script): online "
+            "resizes under Trainer are not supported yet; start it with torchrun, accelerate launch or "
+            'deepspeed, where snapshots and resuming at any world size work (README, "Hugging Face Trainer '
+            'and Accelerate")',
+            file=sys.stderr,
+        )
+        return 2
     try:
         return launch(
             a.script,
