@@ -123,7 +123,16 @@ def test_trainer_resumes_deepspeeds_own_zero3_checkpoint_of_2_ranks_on_1(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,save_np,load_np,plain_save",
-    [(2, 2, 1, False), (2, 2, 3, True), (3, 2, 3, False), (3, 2, 1, False), (2, 2, 1, True), (3, 2, 3, True)],
+    [
+        (2, 2, 1, False),
+        (2, 2, 3, True),
+        (3, 2, 3, False),
+        (3, 2, 1, False),
+        (2, 2, 1, True),
+        (3, 2, 3, True),
+        (1, 2, 3, False),
+        (1, 2, 1, True),
+    ],
 )
 def test_trainer_resumes_at_another_world_size(tmp_path, stage, save_np, load_np, plain_save):
     _check_resume(tmp_path, stage, save_np, load_np, plain_save)
