@@ -132,3 +132,24 @@ def test_dynatrain_launch_refuses_a_trainer_script_before_starting_anything(tmp_
         in out.stderr
     )
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "case,engine",
+    [("path", "ElasticEngine"), ("args", "ElasticEngine"), ("evaluation", "DeepSpeedEngine")],
+)
+def test_config_files_and_args_are_routed_as_deepspeed_reads_them(tmp_path, case, engine):
+    """A config file (``config=PATH`` or ``args.deepspeed_config``) with an optimizer and no
+    ``model_parameters`` builds ours (DeepSpeed takes ``model.parameters()``); without an
+    optimizer, DeepSpeed's own, with the config only in ``config=`` (DeepSpeed refuses it twice)."""
+    from tests.conftest import run_plain
+
+    out = str(tmp_path / "out.json")
+    worker = os.path.join(ROOT, "tests", "workers", "route_worker.py")
+    (job,) = run_plain(tmp_path, worker, 1, ["--case", case, "--out", out], timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    with open(out) as f:
+        got = json.load(f)
+    assert got["engine"] == engine
+    # ZeRO-3 without an optimizer: DeepSpeed's parameter manager alone
+    assert got["optimizer"] == ("DeepSpeedZeRoOffload" if case == "evaluation" else "DeepSpeedZeroOptimizer")

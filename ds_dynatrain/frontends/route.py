@@ -16,11 +16,12 @@ built. :func:`ds_dynatrain.initialize` strips the section before DeepSpeed sees 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -33,10 +34,10 @@ _ORIGINAL_ATTR = "__ds_dynatrain_original__"
 FRONTEND_PACKAGES = ("accelerate", "transformers", "lightning", "pytorch_lightning")
 
 
-def section_of(config: Any) -> Optional[Any]:
-    """The ``"dynatrain"`` section of a DeepSpeed config given as DeepSpeed accepts it (a dict, a
-    JSON file path or a JSON string), or None; a config that cannot be read is left to the
-    initializer that will read it (and name the problem)."""
+def parsed_config(config: Any) -> Optional[dict]:
+    """A DeepSpeed config given as DeepSpeed accepts it (a dict, a JSON file path or a JSON
+    string) as a dict, or None where it cannot be read (left to the initializer that will read it
+    and name the problem)."""
     if isinstance(config, (str, os.PathLike)):
         text = os.fspath(config)
         try:
@@ -47,7 +48,13 @@ def section_of(config: Any) -> Optional[Any]:
                     config = json.load(f)
         except (OSError, ValueError):
             return None
-    return config.get(SECTION) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def section_of(config: Any) -> Optional[Any]:
+    """The ``"dynatrain"`` section of a DeepSpeed config (any form :func:`parsed_config` reads), or None."""
+    parsed = parsed_config(config)
+    return None if parsed is None else parsed.get(SECTION)
 
 
 def _config_of(args: Any, kwargs: dict) -> Any:
@@ -57,17 +64,23 @@ def _config_of(args: Any, kwargs: dict) -> Any:
     return getattr(args, "deepspeed_config", None)
 
 
-def _is_training(kwargs: dict, config: Any) -> bool:
-    """Whether the call builds a training engine (an optimizer or one in the config)."""
-    if kwargs.get("optimizer") is not None or kwargs.get("model_parameters") is not None:
-        return True
-    return isinstance(config, dict) and "optimizer" in config
+def _is_training(kwargs: dict, config: dict) -> bool:
+    """Whether DeepSpeed would build an optimizer: one passed, or one in the config (DeepSpeed
+    takes ``model.parameters()`` when ``model_parameters`` is None)."""
+    return kwargs.get("optimizer") is not None or "optimizer" in config
 
 
-def _strip(config: Any) -> Any:
+def _without_section(args: Any, kwargs: dict, config: Any) -> Tuple[Any, dict]:
+    """``(args, kwargs)`` for DeepSpeed's own ``initialize``: the config without the section, as
+    ``config=`` only (DeepSpeed refuses a config in both ``args.deepspeed_config`` and the call)."""
     from ..config import load_ds_config
 
-    return load_ds_config(config)[0]
+    kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
+    kwargs["config"] = load_ds_config(config)[0]
+    if getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    return args, kwargs
 
 
 def routed_initialize(original):
@@ -89,15 +102,15 @@ def routed_initialize(original):
             names = ("optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port", "mpu")
             kwargs.update(zip(names, rest))
         config = _config_of(args, kwargs)
-        if section_of(config) is None:
+        parsed = parsed_config(config)
+        if parsed is None or parsed.get(SECTION) is None:
             return original(args=args, model=model, **kwargs)
-        if not _is_training(kwargs, config):
+        if not _is_training(kwargs, parsed):
             logger.info(
-                "ds_dynatrain: an engine without an optimizer (evaluation) is DeepSpeed's own; "
-                f"the {SECTION!r} section applies to training engines"
+                "ds_dynatrain: an engine without an optimizer (no optimizer passed, none in the config: "
+                f"evaluation) is DeepSpeed's own; the {SECTION!r} section applies to training engines"
             )
-            kwargs.pop("config_params", None)
-            kwargs["config"] = _strip(config)
+            args, kwargs = _without_section(args, kwargs, config)
             return original(args=args, model=model, **kwargs)
         if kwargs.pop("mesh_param", None) is not None:
             raise ConfigError(
