@@ -153,3 +153,23 @@ def test_config_files_and_args_are_routed_as_deepspeed_reads_them(tmp_path, case
     assert got["engine"] == engine
     # ZeRO-3 without an optimizer: DeepSpeed's parameter manager alone
     assert got["optimizer"] == ("DeepSpeedZeRoOffload" if case == "evaluation" else "DeepSpeedZeroOptimizer")
+
+
+def test_an_accelerator_that_drops_deepspeed_refuses_the_section():
+    """Accelerate with cpu=True (or without --use_deepspeed) wraps the model in DDP and drops the
+    DeepSpeed plugin silently; with a "dynatrain" section in its config that is an error."""
+    code = (
+        "import ds_dynatrain\n"
+        "from accelerate import Accelerator\n"
+        "from accelerate.utils import DeepSpeedPlugin\n"
+        "cfg = {'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 1, 'train_batch_size': 2,"
+        " 'zero_optimization': {'stage': 2}}\n"
+        "plain = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(cfg)))\n"
+        "print('plain', plain.distributed_type)\n"
+        "Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(cfg, dynatrain={})))\n"
+    )
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "plain DistributedType.NO" in out.stdout
+    assert out.returncode != 0
+    assert "ConfigError: this Accelerator does not use DeepSpeed (distributed type DistributedType.NO)" in out.stderr

@@ -93,6 +93,19 @@ def test_trainer_resumes_a_zero2_snapshot_of_2_ranks_on_3(tmp_path, zero2_run):
     _check_resume(tmp_path, stage=2, save_np=2, load_np=3, plain_save=False, saved=zero2_run)
 
 
+def test_a_resume_with_another_global_batch_is_warned_about(tmp_path, zero2_run):
+    """12 samples a step saved, 8 resumed (2 processes x 2 x 2): Trainer's skip by step count then
+    repeats samples, and the load says so (a warning, the run goes on: a changed batch can be meant)."""
+    checkpoint = os.path.join(zero2_run, f"checkpoint-{SAVE_AT}")
+    args = ["--steps", str(SAVE_AT + 1), "--resume", checkpoint, "--gas", "2"]
+    out = os.path.join(tmp_path, "resumed")
+    os.makedirs(out)
+    jobs = run_plain(tmp_path, WORKER, 2, ["--out", out, *args], timeout=240, name="resumed")
+    assert [j.returncode for j in jobs] == [0, 0], jobs[0].output[-3000:]
+    assert "was saved with a global batch of 12 samples and this engine trains 8" in jobs[0].output
+    assert "global batch of" not in jobs[1].output  # said once, by rank 0
+
+
 def test_a_kill_during_a_snapshot_resumes_from_the_last_durable_checkpoint(tmp_path, zero2_run):
     """``save_total_limit=1``, every rank SIGKILLed (a real kill; the seam picks the moment) while
     checkpoint-4 flushes, after Trainer's rotation: checkpoint-2 is still there and complete, and

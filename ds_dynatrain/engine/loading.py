@@ -47,6 +47,8 @@ def load_checkpoint(
     """
     # DeepSpeed's load_module_only reads the module state by name and no partition: its own load
     saved = None if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
+    if saved is not None:
+        _warn_global_batch(engine, saved)
     if saved is not None and not _same_partitions(engine, saved):
         return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states)
     if saved is not None:
@@ -70,6 +72,20 @@ def load_checkpoint(
     if out[0] is not None:
         relink_optimizer_state(engine)
     return out
+
+
+def _warn_global_batch(engine, saved: SavedCheckpoint) -> None:
+    """A warning (rank 0) when the checkpoint was saved with another global batch: a loop that
+    skips the samples already trained by counting steps (Trainer, Accelerate's
+    ``skip_first_batches``) then skips too few or too many, so samples are seen twice or never."""
+    was = saved.ds_config.get("train_batch_size")
+    now = engine.train_batch_size()
+    if isinstance(was, int) and was != now and engine.global_rank == 0:
+        logger.warning(
+            f"{saved.dir} was saved with a global batch of {was} samples and this engine trains {now} "
+            f"(train_batch_size = micro-batch x gradient accumulation x world size): a loop that skips the "
+            "trained samples by counting steps will repeat or miss some; keep the global batch to resume exactly"
+        )
 
 
 def _open_checked(engine, load_dir: str, tag) -> Optional[SavedCheckpoint]:

@@ -15,6 +15,7 @@ every rank, when an engine of ours was prepared (a log line says when that chang
 
 from __future__ import annotations
 
+from ..config import SECTION, ConfigError
 from ..log import logger
 
 ACCELERATOR_MODULE = "accelerate.accelerator"
@@ -41,11 +42,34 @@ def _load_state(wrapped, instance, args, kwargs):
     return out
 
 
+def _sections(plugin) -> list:
+    plugins = plugin.values() if isinstance(plugin, dict) else [plugin]
+    found = []
+    for p in plugins:
+        cfg = getattr(p, "deepspeed_config", None) or getattr(getattr(p, "hf_ds_config", None), "config", None)
+        if isinstance(cfg, dict) and SECTION in cfg and (cfg[SECTION] or {}).get("enabled", True) is not False:
+            found.append(p)
+    return found
+
+
+def _init(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    plugin = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
+    if plugin is not None and _sections(plugin) and str(instance.distributed_type) != "DistributedType.DEEPSPEED":
+        raise ConfigError(
+            f"this Accelerator does not use DeepSpeed (distributed type {instance.distributed_type}), so the "
+            f"{SECTION!r} section of its DeepSpeed plugin's config would be ignored: Accelerate selects DeepSpeed "
+            "with `accelerate launch --use_deepspeed` (or ACCELERATE_USE_DEEPSPEED=true) and without cpu=True"
+        )
+    return out
+
+
 def _hook(module) -> None:
     import wrapt
 
     if not getattr(module.Accelerator.load_state, "__ds_dynatrain_wrapped__", False):
         wrapt.wrap_function_wrapper(module, "Accelerator.load_state", _load_state)
+        wrapt.wrap_function_wrapper(module, "Accelerator.__init__", _init)
         module.Accelerator.load_state.__ds_dynatrain_wrapped__ = True
 
 

@@ -70,14 +70,22 @@ def _numbered(folder: str) -> list:
     return [os.path.join(folder, n) for _, n in sorted(found)]
 
 
+def _first_rank() -> bool:
+    import torch.distributed as tdist
+
+    return not tdist.is_initialized() or tdist.get_rank() == 0
+
+
 def last_complete_checkpoint(folder: str) -> Optional[str]:
     """The highest-numbered ``checkpoint-N`` under ``folder`` that can be resumed from (see
-    :func:`incomplete_reason`), or None. Each newer one passed over is logged with the reason."""
+    :func:`incomplete_reason`), or None. Each newer one passed over is logged with the reason (by
+    the first rank)."""
     for path in reversed(_numbered(folder)):
         why = incomplete_reason(path)
         if why is None:
             return path
-        logger.warning(f"ds_dynatrain: not resuming from {path}: incomplete ({why})")
+        if _first_rank():
+            logger.warning(f"ds_dynatrain: not resuming from {path}: incomplete ({why})")
     return None
 
 
