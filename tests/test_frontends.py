@@ -40,14 +40,15 @@ def test_a_section_reaching_deepspeed_by_another_road_is_refused():
 def test_a_sectioned_config_goes_to_ours_before_anything_is_built():
     """DeepSpeed knows no ``dynatrain`` keys: the error names ours, so the call reached ours."""
     model = torch.nn.Linear(2, 2)
-    config = {"train_batch_size": 2, "dynatrain": {"snapshot": {"intervall": 2}}}
+    adam = {"type": "AdamW", "params": {"lr": 1e-3}}  # a training engine: an optimizer in the config
+    config = {"train_batch_size": 2, "optimizer": adam, "dynatrain": {"snapshot": {"intervall": 2}}}
     for key in ("config", "config_params"):
         with pytest.raises(ConfigError, match=r"dynatrain\.snapshot\.intervall: unknown key"):
             deepspeed.initialize(model=model, model_parameters=model.parameters(), **{key: config})
     with pytest.raises(ConfigError, match="device mesh"):
-        deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config={"dynatrain": {}}, mesh_param=(1, 2)
-        )
+        deepspeed.initialize(model=model, config={"optimizer": adam, "dynatrain": {}}, mesh_param=(1, 2))
+    with pytest.raises(ConfigError, match=r"dynatrain\.bogus: unknown key"):  # an evaluation engine's section too
+        deepspeed.initialize(model=model, config={"train_batch_size": 2, "dynatrain": {"bogus": 1}})
 
 
 def test_section_of_reads_every_form_deepspeed_accepts(tmp_path):
