@@ -31,13 +31,16 @@ def _config_of(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _refuse_frontend_under_launch(frontend: Optional[str]) -> None:
-    """ConfigError for an engine a front-end builds in a process of ``dynatrain launch``."""
-    if frontend is not None and LaunchContext.from_environ() is not None:
+    """ConfigError for an engine a front-end builds under ``dynatrain launch`` outside Trainer's
+    ``train`` (a plain Accelerate or Lightning loop: their counters would not follow a resize)."""
+    from .engine.frontend import catching
+
+    if frontend is not None and not catching() and LaunchContext.from_environ() is not None:
         raise ConfigError(
-            f"an engine built by {frontend} (Hugging Face Trainer or Accelerate, Lightning) under `dynatrain launch`: "
-            "resizing such a job online is not supported yet (the front-end's step, data and accumulation "
-            "counters would not follow); start it with torchrun, accelerate launch or deepspeed, where "
-            "snapshots and resuming at any world size work"
+            f"an engine built by {frontend} outside Hugging Face Trainer's train() under `dynatrain launch`: "
+            "resizing a plain Accelerate (or Lightning) loop online is not supported yet (its step, data and "
+            "accumulation counters would not follow); start it with torchrun, accelerate launch or deepspeed, "
+            "where snapshots and resuming at any world size work, or train with Trainer"
         )
 
 
@@ -61,8 +64,8 @@ def initialize(
 ):
     """Drop-in for ``deepspeed.initialize`` returning an :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine`.
 
-    Same arguments and return values as ``deepspeed.initialize``: ``(engine, optimizer,
-    training_dataloader, lr_scheduler)``. Differences:
+    Same arguments and return values as ``deepspeed.initialize`` (``(engine, optimizer,
+    training_dataloader, lr_scheduler)``), with these differences:
 
     * the config may hold a ``"dynatrain"`` section (validated; DeepSpeed never sees it);
     * ``training_data`` is served by an :class:`~ds_dynatrain.data.ElasticDataLoader` (sample order
@@ -70,14 +73,14 @@ def initialize(
     * in a process the launcher started as a *joiner*, this call joins the running job: it receives
       its partitions and the training state, and returns an engine positioned at the job's step.
 
-    ``frontend``: the module (Accelerate, Lightning) whose ``deepspeed.initialize`` call the route
-    of :mod:`ds_dynatrain.frontends` sent here; refused under ``dynatrain launch`` (no resizes yet).
+    ``frontend``: the module whose ``deepspeed.initialize`` call :mod:`ds_dynatrain.frontends` sent
+    here; under ``dynatrain launch`` only inside Trainer's ``train`` (``frontends.restart``).
 
     Raises:
         ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
             keep the global batch, resizing asked of a job not started by ``dynatrain launch``, or
             a ``snapshot.dir`` that is no writable directory and cannot be made one (before any engine);
-            a ``frontend`` engine in a process started by ``dynatrain launch``.
+            a ``frontend`` engine outside Trainer's ``train`` in a process of ``dynatrain launch``.
     """
     import deepspeed
 
@@ -103,7 +106,6 @@ def initialize(
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
     _refuse_frontend_under_launch(frontend)
     _check_storage(dt_cfg)  # bad storage found before anything trains
-
     engine = start_engine(
         model,
         optimizer,
@@ -120,4 +122,5 @@ def initialize(
         loader = ElasticDataLoader(
             training_data, engine, engine._dt.global_batch, seed=seed, shuffle=shuffle, collate_fn=collate_fn
         )
+    engine._dt.frontend = frontend
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -10,8 +10,11 @@ every optimizer step sees the same samples).
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from tests.conftest import run_plain
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "trainer_worker.py")
 GAS_AT = {1: 6, 2: 3, 3: 2}  # accumulation steps at each world size: a global batch of 12
-STEPS, SAVE_AT = 6, 3
+STEPS, SAVE_AT = 8, 3  # 8 steps of 12 samples: the whole epoch of 96
 
 
 def _trainer(tmp_path, nproc: int, name: str, *args: str, ok: bool = True):
@@ -178,14 +181,55 @@ def test_accelerate_loop_saves_state_on_2_and_loads_it_on_3(tmp_path):
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
 
 
-def test_a_trainer_script_under_dynatrain_launch_is_refused_before_it_trains(tmp_path):
-    """Online resizes under Trainer are not supported yet: the engine is refused at its build,
-    with the reason, on every rank; the job ends (no hang, no training)."""
+def _trained_samples(out: str) -> collections.Counter:
+    seen = collections.Counter()
+    for path in glob.glob(os.path.join(out, "samples_*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                seen.update(json.loads(line))
+    return seen
+
+
+def test_trainer_resized_2_3_2_online_trains_as_a_static_run_and_every_sample_once(tmp_path, zero2_run):
+    """`dynatrain launch` of a Trainer script (its config named by its own --deepspeed, as users
+    start Trainer scripts), resized 2 -> 3 after step 3 (a joiner) and 3 -> 2 after step 6, the
+    global batch kept (12 = 2 x 2 x 3 = 3 x 2 x 2): the losses equal the static 2-process run's;
+    the epoch's 96 samples are each trained exactly once over all processes; Trainer's saves at
+    the resize steps (save_steps 3) are there and complete."""
+    from ds_dynatrain.frontends.trainer import incomplete_reason
+    from tests.conftest import _run
+
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    cfg["dynatrain"] = {"resize_schedule": [{"step": 3, "world_size": 3}, {"step": 6, "world_size": 2}]}
+    cfg["dynatrain"]["max_world_size"] = 3
+    path = os.path.join(tmp_path, "ds.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    out = os.path.join(tmp_path, "out")
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--slots", "3", WORKER]
+    cmd += ["--deepspeed", path, "--out", out, "--steps", str(STEPS), "--gas", "3", "--save-steps", str(SAVE_AT)]
+    job = _run(cmd, os.path.join(tmp_path, "launch.log"), timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    assert "resize 2 → 3 after step 3" in job.output and "resize 3 → 2 after step 6" in job.output
+    assert job.output.count("the training loop resumes at step 3 on 3 processes") == 3
+    got, oracle = _losses(out)[0], _losses(zero2_run)[0]
+    assert sorted(got) == [1, 2, 4, 5, 7, 8]  # Trainer logs no loss at the steps its loop ended in
+    for s in got:
+        assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs static {oracle[s]}"
+    seen = _trained_samples(out)
+    assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}
+    for step in (3, 6):
+        assert incomplete_reason(os.path.join(out, f"checkpoint-{step}")) is None
+
+
+def test_a_plain_accelerate_loop_under_dynatrain_launch_is_refused_before_it_trains(tmp_path):
+    """Only Trainer's loop follows a resize; a plain Accelerate loop's engine is refused at its
+    build under `dynatrain launch`, with the reason, on every rank; the job ends (no hang)."""
     from tests.conftest import launch
 
-    out = os.path.join(tmp_path, "out")
     cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}  # what the launcher checks
-    job = launch(tmp_path, WORKER, 2, cfg, ["--out", out, "--steps", "2", "--gas", "3"], timeout=180)
+    job = launch(tmp_path, ACCELERATE_WORKER, 2, cfg, ["--out", str(tmp_path), "--steps", "2", "--gas", "3"])
     assert job.returncode != 0
-    assert "under `dynatrain launch`: resizing such a job online is not supported yet" in job.output
-    assert not os.path.exists(os.path.join(out, "losses.json"))
+    assert "outside Hugging Face Trainer's train() under `dynatrain launch`" in job.output
+    assert not os.path.exists(os.path.join(tmp_path, "losses_2.json"))

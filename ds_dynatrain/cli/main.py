@@ -29,24 +29,35 @@ from ..version import version_line
 TRAINER_FLAG = "--deepspeed"  # Hugging Face TrainingArguments' flag for the DeepSpeed config
 
 
+def _config_in(script_args) -> Optional[str]:
+    """The path after ``--deepspeed`` (Trainer's flag) or ``--deepspeed_config`` in ``script_args``."""
+    for i, arg in enumerate(script_args):
+        for flag in (TRAINER_FLAG, "--deepspeed_config"):
+            if arg == flag and i + 1 < len(script_args):
+                return script_args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg[len(flag) + 1 :]
+    return None
+
+
 def _cmd_launch(a) -> int:
     from ..elastic.launch import launch
 
-    if any(arg == TRAINER_FLAG or arg.startswith(TRAINER_FLAG + "=") for arg in a.script_args):
-        print(
-            f"dynatrain {a.command}: {a.script} takes {TRAINER_FLAG} (a Hugging Face Trainer script): online "
-            "resizes under Trainer are not supported yet; start it with torchrun, accelerate launch or "
-            'deepspeed, where snapshots and resuming at any world size work (README, "Hugging Face Trainer '
-            'and Accelerate")',
-            file=sys.stderr,
-        )
-        return 2
+    config, pass_config = a.config, True
+    if config is None:
+        config, pass_config = _config_in(a.script_args), False
+        if config is None:
+            print(
+                f"dynatrain {a.command}: no --config, and {a.script}'s arguments name none ({TRAINER_FLAG})",
+                file=sys.stderr,
+            )
+            return 2
     try:
         return launch(
             a.script,
             a.script_args,
             a.nproc,
-            a.config,
+            config,
             a.store,
             nnodes=getattr(a, "nnodes", None),
             node_rank=getattr(a, "node_rank", None),
@@ -54,6 +65,7 @@ def _cmd_launch(a) -> int:
             slots=getattr(a, "slots", None),
             allow_oversubscribe=a.allow_oversubscribe,
             max_refills=getattr(a, "max_refills", 0),
+            pass_config=pass_config,
         )
     except ConfigError as err:
         print(f"dynatrain {a.command}: {err}", file=sys.stderr)
@@ -171,7 +183,11 @@ def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: st
         action="store_true",
         help="joiners may start on this host past its slots (several workers on one device)",
     )
-    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument(
+        "--config",
+        default=None,
+        help=config_help + " (default: the path after the script's own --deepspeed or --deepspeed_config)",
+    )
     p.add_argument("script", help=script_help)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_launch)

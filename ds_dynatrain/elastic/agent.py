@@ -101,7 +101,8 @@ class Agent:
 
     Args:
         script: the training script.  script_args: its arguments.
-        nproc: workers at launch.  config: path of the DeepSpeed config (passed on).
+        nproc: workers at launch.  config: path of the DeepSpeed config (passed on; None: the script's
+            own arguments name it).
         store_host, store_port: where the store listens (port 0: any free port).
         python: interpreter for the workers.  slots, oversubscribe: what this host offers joiners
         (:class:`~ds_dynatrain.elastic.placement.Host`; default ``nproc`` slots, not past them).
@@ -115,7 +116,7 @@ class Agent:
         script: str,
         script_args: Sequence[str],
         nproc: int,
-        config: str,
+        config: Optional[str],
         store_host: str = "127.0.0.1",
         store_port: int = 0,
         python: str = sys.executable,
@@ -134,7 +135,7 @@ class Agent:
         self.script = script
         self.script_args = list(script_args)
         self.nproc = nproc
-        self.config = config
+        self.config_args = ["--deepspeed_config", config] if config else []
         self.python = python
         self.nnodes = nnodes
         self.joining = join
@@ -201,7 +202,7 @@ class Agent:
             ctx = dataclasses.replace(ctx, restore_dir=self.restore_dir)
         env = dict(os.environ)
         env.update(ctx.worker_environ(0 if wave is None else self._wave_port(wave)))
-        cmd = [self.python, self.script, *self.script_args, "--deepspeed_config", self.config]
+        cmd = [self.python, self.script, *self.script_args, *self.config_args]
         self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
         nice = self.joiner_nice if ctx.joiner and self.joiner_env else 0
         env.update(self.joiner_env if nice else {})

@@ -28,6 +28,7 @@ def launch(
     slots: Optional[int] = None,
     allow_oversubscribe: bool = False,
     max_refills: int = 0,
+    pass_config: bool = True,
 ) -> int:
     """Validate ``config``, then run this node's share of the job under an :class:`Agent`.
     Returns the exit status.
@@ -39,6 +40,7 @@ def launch(
         slots: the workers this host can hold (default ``nproc``); joiners of a grow go to free
             slots.  allow_oversubscribe: joiners may start on this host past its slots.
         max_refills: after a failure shrank the job, grow it back to its slots at most this often.
+        pass_config: add ``--deepspeed_config CONFIG`` to the script's arguments (False: they name it).
 
     Raises:
         ConfigError: a bad config, store address, node place or slot count; a world size the batch
@@ -68,7 +70,7 @@ def launch(
             script,
             script_args,
             nproc,
-            config,
+            config if pass_config else None,
             host,
             port,
             restore_dir=restore,

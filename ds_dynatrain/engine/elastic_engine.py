@@ -27,6 +27,7 @@ from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, requests
+from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
 from .warmup import publish_inputs
@@ -155,7 +156,10 @@ class ElasticEngine(DeepSpeedEngine):
                 self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
+            generation = self._dt.generation
             boundary.after_optimizer_step(self)
+            if catching() and self._dt.frontend is not None and (self._dt.generation != generation or self._dt.retired):
+                raise FrontendRestart(self)  # Trainer's loop resumes on the new world (frontends.restart)
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's ``save_checkpoint`` through the snapshot engine; ``latest`` is replaced
@@ -241,6 +245,12 @@ class ElasticEngine(DeepSpeedEngine):
         for k, (_, p) in enumerate(self.module.named_parameters()):
             tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
         return None
+
+    def destroy(self):
+        """DeepSpeed's ``destroy``, except inside Trainer's ``train`` whose loop resumes after a
+        resize with this engine (Accelerate destroys the prepared engine when the loop starts)."""
+        if not (catching() and self._dt.frontend is not None):
+            super().destroy()
 
     def _require_member(self):
         dt = getattr(self, "_dt", None)

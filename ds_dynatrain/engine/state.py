@@ -49,6 +49,7 @@ class ElasticState:
     loss_sum: float = 0.0
     loss_count: int = 0
     retired: bool = False
+    frontend: Optional[str] = None  # the front-end (accelerate, lightning) whose loop restarts after a resize
     spawned_for: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> joiners started
     snapshot_stall_s: float = 0.0
     published: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> members published

@@ -18,43 +18,19 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import os
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from ..config import SECTION, ConfigError
 from ..log import logger
+from .configs import parsed_config, section_of  # noqa: F401  (section_of: the package's public name)
 
 _ORIGINAL_ATTR = "__ds_dynatrain_original__"
 # callers that keep step, data and accumulation counters of their own (Trainer goes through accelerate)
 FRONTEND_PACKAGES = ("accelerate", "transformers", "lightning", "pytorch_lightning")
-
-
-def parsed_config(config: Any) -> Optional[dict]:
-    """A DeepSpeed config given as DeepSpeed accepts it (a dict, a JSON file path or a JSON
-    string) as a dict, or None where it cannot be read (left to the initializer that will read it
-    and name the problem)."""
-    if isinstance(config, (str, os.PathLike)):
-        text = os.fspath(config)
-        try:
-            if text.lstrip().startswith("{"):
-                config = json.loads(text)
-            else:
-                with open(text) as f:
-                    config = json.load(f)
-        except (OSError, ValueError):
-            return None
-    return config if isinstance(config, dict) else None
-
-
-def section_of(config: Any) -> Optional[Any]:
-    """The ``"dynatrain"`` section of a DeepSpeed config (any form :func:`parsed_config` reads), or None."""
-    parsed = parsed_config(config)
-    return None if parsed is None else parsed.get(SECTION)
 
 
 def _config_of(args: Any, kwargs: dict) -> Any:
@@ -117,11 +93,21 @@ def routed_initialize(original):
                 f"the {SECTION!r} section with a device mesh (mesh_param: tensor or sequence parallelism) "
                 "is not supported; ds_dynatrain resizes data-parallel ZeRO jobs"
             )
+        from ..engine.frontend import FrontendRestart, catching
         from ..initialize import initialize as dynatrain_initialize
+        from .restart import engine_for, remember
 
+        live = engine_for(model)
+        if live is not None:  # a front-end's loop resumed after a resize: the same engine
+            return live, live.optimizer, None, live.lr_scheduler
         caller = sys._getframe(1).f_globals.get("__name__", "")
         frontend = caller if caller.split(".")[0] in FRONTEND_PACKAGES else None
-        return dynatrain_initialize(args=args, model=model, frontend=frontend, **kwargs)
+        out = dynatrain_initialize(args=args, model=model, frontend=frontend, **kwargs)
+        engine = out[0]
+        remember(engine)
+        if frontend is not None and catching() and engine.global_steps > 0:
+            raise FrontendRestart(engine)  # a joiner (or a restored job): its loop starts at the job's step
+        return out
 
     setattr(initialize, _ORIGINAL_ATTR, original)
     return initialize

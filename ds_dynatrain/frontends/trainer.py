@@ -142,7 +142,30 @@ def _hook(module) -> None:
         module.rotate_checkpoints = functools.wraps(module.rotate_checkpoints)(rotation_keeping_durable(utils))
     else:
         logger.debug("ds_dynatrain: this transformers release rotates checkpoints inside Trainer; rotation not guarded")
+    import wrapt
+
+    from .restart import skip_live_load, train_resuming_after_resizes
+
+    wrapt.wrap_function_wrapper(module, "Trainer.train", train_resuming_after_resizes)
+    if hasattr(module, "deepspeed_load_checkpoint"):
+        module.deepspeed_load_checkpoint = skip_live_load(module.deepspeed_load_checkpoint)
     setattr(module, _HOOKED, True)
+
+
+def _hook_args(module) -> None:
+    import wrapt
+
+    from .restart import accumulation_for_world
+
+    wrapt.wrap_function_wrapper(module, "TrainingArguments.__post_init__", accumulation_for_world)
+
+
+def _hook_state(module) -> None:
+    import wrapt
+
+    from .restart import generation_view
+
+    wrapt.wrap_function_wrapper(module, "PartialState.__init__", generation_view)
 
 
 def install_trainer_hooks() -> None:
@@ -151,3 +174,5 @@ def install_trainer_hooks() -> None:
     import wrapt
 
     wrapt.register_post_import_hook(_hook, TRAINER_MODULE)
+    wrapt.register_post_import_hook(_hook_args, "transformers.training_args")
+    wrapt.register_post_import_hook(_hook_state, "accelerate.state")

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Dict, List, Sequence
 
 import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .geometry import is_zero3, zero_optimizer_of
 
@@ -109,7 +110,7 @@ def detach_engine(engine) -> None:
         if h is not None:
             h.remove()
             setattr(engine, attr, None)
-    engine.destroy()
+    DeepSpeedEngine.destroy(engine)  # DeepSpeed's own (an engine may keep itself from a front-end's destroy)
 
 
 def count_module_hooks(module: torch.nn.Module) -> int:

@@ -38,6 +38,7 @@ def main() -> int:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load-at", type=int, default=0, help="the step of the state in --out/state")
+    p.add_argument("--deepspeed_config", default=None, help="what `dynatrain launch` adds (not used)")
     a = p.parse_args()
 
     world = int(os.environ["WORLD_SIZE"])

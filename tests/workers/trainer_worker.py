@@ -7,6 +7,10 @@ started by ``run_plain`` (torch env:// variables), on the CPU (``use_cpu=True``,
 * ``--dump DIR``: the gathered training state (``gather_state``, collective) after any load, at
   train begin (``begin.pt``), and at every save (``save<step>.pt``); rank 0 writes
   ``losses.json`` (step -> logged loss) at the end.
+* ``--deepspeed FILE``: that config (batch keys, ``"dynatrain"`` section) over the worker's own,
+  as a Trainer script started by ``dynatrain launch`` takes it.
+* Every process appends the indices of the samples it trains, micro-batch by micro-batch, to
+  ``--out/samples_<pid>.jsonl`` (a ``Trainer`` subclass's ``training_step``: what is trained).
 * ``--kill-at K``: SEAM (the kill is real, the seam picks its moment): once the snapshot of the save
   before step K is durable, the io queue of every rank's snapshot writer is replaced by one whose
   first write waits until Trainer has finished the save at step K (its rotation included), then
@@ -28,6 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import ds_dynatrain  # noqa: E402,F401  (the one line a Trainer script adds)
 from tests.workers.common import gather_state  # noqa: E402
 
+# started by `dynatrain launch` as a joiner, this process imports the package before Trainer as
+# any Trainer script does; nothing else here knows of resizes
+
 VOCAB, SEQ, SAMPLES = 64, 16, 96
 
 
@@ -43,6 +50,16 @@ def ds_config(stage: int, plain: bool) -> dict:
     if not plain:
         cfg["dynatrain"] = {"snapshot": {"keep_last": 1}}
     return cfg
+
+
+def _launch_config(path: str) -> dict:
+    """The config file given (``--deepspeed``: its batch keys and resize schedule), completed with
+    this worker's optimizer and Trainer's "auto" values."""
+    with open(path) as f:
+        cfg = json.load(f)
+    base = ds_config(cfg.get("zero_optimization", {}).get("stage", 2), plain=False)
+    base.update(cfg)
+    return base
 
 
 def model():
@@ -64,7 +81,34 @@ def model():
 
 def dataset() -> list:
     g = torch.Generator().manual_seed(1)
-    return [{"input_ids": t, "labels": t} for t in torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)]
+    return [
+        {"input_ids": t, "labels": t, "idx": i}
+        for i, t in enumerate(torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g))
+    ]
+
+
+def collate(samples) -> dict:
+    """A micro-batch, with the indices of its samples (``idx``, taken out again before the model)."""
+    return {
+        "input_ids": torch.stack([x["input_ids"] for x in samples]),
+        "labels": torch.stack([x["labels"] for x in samples]),
+        "idx": torch.tensor([x["idx"] for x in samples]),
+    }
+
+
+def counting_trainer(out: str):
+    """``Trainer`` whose ``training_step`` appends the indices of each micro-batch it trains to
+    ``out/samples_<pid>.jsonl`` (what is trained, not what the loader fetched ahead)."""
+    from transformers import Trainer
+
+    class CountingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            idx = inputs.pop("idx")
+            with open(os.path.join(out, f"samples_{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(idx.tolist()) + "\n")
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    return CountingTrainer
 
 
 def killing_queue_factory(release: threading.Event):
@@ -93,7 +137,7 @@ def killing_queue_factory(release: threading.Event):
 
 def main() -> int:
     import torch.distributed as tdist
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -107,8 +151,9 @@ def main() -> int:
     p.add_argument("--resume", default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--kill-at", type=int, default=0)
-    p.add_argument("--deepspeed_config", default=None, help="what `dynatrain launch` adds (not used)")
+    p.add_argument("--deepspeed", default=None, help="a DeepSpeed config file, as Trainer scripts take it")
     a = p.parse_args()
+    ds_dynatrain.log_to_console()
 
     args = TrainingArguments(
         output_dir=a.out,
@@ -126,9 +171,10 @@ def main() -> int:
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        deepspeed=ds_config(a.stage, a.plain),
+        remove_unused_columns=False,  # the sample index reaches training_step
+        deepspeed=_launch_config(a.deepspeed) if a.deepspeed else ds_config(a.stage, a.plain),
     )
-    trainer = Trainer(model=model(), args=args, train_dataset=dataset())
+    trainer = counting_trainer(a.out)(model=model(), args=args, train_dataset=dataset(), data_collator=collate)
     release = threading.Event()
 
     class Probe(TrainerCallback):

@@ -1,0 +1,186 @@
+"""Online resizes under Hugging Face Trainer: the training loop is entered anew at the step the
+world changed, in memory.
+
+Trainer's loop (transformers 5 ``Trainer._inner_training_loop`` / ``_run_epoch``) keeps the world
+it started with in locals and in Accelerate's caches: the data loader's shard (``BatchSamplerShard``
+holds the process count and index), the accumulation steps of each update step, the steps per
+epoch. None of them can be changed from a callback. What Trainer does know is how to start at any
+step on any world: its resume from a checkpoint (skip the batches already trained, recompute the
+epoch arithmetic for this world). So a resize under Trainer ends the running loop and resumes it,
+from memory rather than from disk:
+
+1. right after a resize (inside ``engine.step()``, before Trainer issues another collective), the
+   elastic engine raises :class:`FrontendRestart`; a joiner raises it as soon as it has joined;
+2. the wrapped ``Trainer.train`` catches it, sets Accelerate's cached process count and index, the
+   accumulation steps (Trainer's, Accelerate's and the DeepSpeed config's) to the new world, writes
+   Trainer's state at the engine's step (``trainer_state.json``; a joiner gets rank 0's through the
+   job's store) into a directory of its own, and calls ``train`` again with it as the checkpoint;
+3. the resumed ``train`` builds its data loader for the new world, skips what was trained, and
+   ``accelerator.prepare`` gets the same engine back (the route of :mod:`.route` keeps it); the
+   engine's state is not loaded from anywhere (``deepspeed_load_checkpoint`` is skipped there).
+
+A process that left at the resize returns from ``train`` with None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+from ..engine.frontend import Catching, FrontendRestart
+from ..log import logger
+
+TRAINER_STATE_KEY = "dynatrain/frontend/trainer_state/{}"  # generation -> rank 0's TrainerState JSON
+IN_MEMORY = ".dynatrain-in-memory"  # marks a resume directory whose engine state is already live
+_engines = {}  # id(module) -> the elastic engine built for it (what a resumed prepare gets back)
+
+
+def remember(engine) -> None:
+    _engines[id(engine.module)] = engine
+
+
+def engine_for(model) -> Optional[object]:
+    """The live elastic engine already built for ``model``, or None."""
+    engine = _engines.get(id(model))
+    if engine is None or engine.module is not model or not engine.is_member:
+        return None
+    return engine
+
+
+def _realign(trainer, engine) -> None:
+    """Accelerate's and Trainer's cached world and accumulation steps set to ``engine``'s."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    world, rank = engine.dp_world_size, engine.global_rank
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        if "num_processes" in shared:
+            shared["num_processes"], shared["process_index"] = world, rank
+    gas = engine.gradient_accumulation_steps()
+    trainer.model_wrapped = trainer.model  # so that the loop prepares it again: the route gives the engine back
+    trainer.args.gradient_accumulation_steps = gas
+    trainer.accelerator.gradient_accumulation_steps = gas
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        cfg = plugin.deepspeed_config
+        cfg["gradient_accumulation_steps"] = gas
+        cfg["train_batch_size"] = engine.train_batch_size()
+        cfg["train_micro_batch_size_per_gpu"] = engine.train_micro_batch_size_per_gpu()
+
+
+def _state_dir(trainer, engine) -> str:
+    """A directory holding Trainer's state at ``engine``'s step: rank 0's, shared through the store."""
+    dt = engine._dt
+    key = TRAINER_STATE_KEY.format(dt.generation)
+    store = dt.membership.store
+    where = tempfile.mkdtemp(prefix=f"dynatrain-resume-g{dt.generation}-")
+    path = os.path.join(where, "trainer_state.json")
+    if engine.global_rank == 0:
+        trainer.state.global_step = engine.global_steps
+        trainer.state.save_to_json(path)  # Trainer's own serialisation
+        with open(path) as f:
+            store.set(key, f.read())
+    text = store.get(key).decode()
+    with open(path, "w") as f:
+        f.write(text)
+    with open(os.path.join(where, IN_MEMORY), "w") as f:
+        json.dump({"step": engine.global_steps, "generation": dt.generation}, f)
+    return where
+
+
+def _save_if_due(trainer, engine, state_path: str) -> None:
+    """The save Trainer would have made at the step the world changed (its loop ended inside that
+    step, before its own save): every member of the new world, at the same point, with rank 0's
+    state."""
+    from transformers.trainer_callback import TrainerState
+
+    trainer.state = TrainerState.load_from_json(state_path)
+    trainer.current_flos = float(getattr(trainer, "current_flos", 0))  # one dtype on every rank: it is gathered
+    every = trainer.state.save_steps
+    if str(trainer.args.save_strategy).split(".")[-1].lower() != "steps" or not every or engine.global_steps % every:
+        return
+    trainer.model_wrapped = trainer.deepspeed = engine
+    try:
+        trainer._save_checkpoint(engine, trial=None)
+    finally:
+        trainer.model_wrapped = trainer.model
+
+
+def train_resuming_after_resizes(wrapped, trainer, args, kwargs):
+    """``Trainer.train`` entered anew after each change of the world (module docstring)."""
+    made = []
+    try:
+        while True:
+            try:
+                with Catching():
+                    return wrapped(*args, **kwargs)
+            except FrontendRestart as restart:
+                engine = restart.engine
+                if not engine.is_member:
+                    logger.info(f"member {engine._dt.member} left the job at a resize; trainer.train returns None")
+                    return None
+                _realign(trainer, engine)
+                resume = _state_dir(trainer, engine)
+                made.append(resume)
+                _save_if_due(trainer, engine, os.path.join(resume, "trainer_state.json"))
+                logger.info(
+                    f"the training loop resumes at step {engine.global_steps} on {engine.dp_world_size} processes "
+                    f"({engine.gradient_accumulation_steps()} accumulation steps)"
+                )
+                args, kwargs = (), {**kwargs, "resume_from_checkpoint": resume}
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def skip_live_load(original):
+    """Trainer's ``deepspeed_load_checkpoint``, skipped for a resume directory of ours."""
+
+    def deepspeed_load_checkpoint(engine, checkpoint_path, *args, **kwargs):
+        if os.path.isfile(os.path.join(checkpoint_path, IN_MEMORY)):
+            return None
+        return original(engine, checkpoint_path, *args, **kwargs)
+
+    return deepspeed_load_checkpoint
+
+
+def _launch_context():
+    from ..elastic.launch_env import LaunchContext
+
+    return LaunchContext.from_environ()
+
+
+def generation_view(wrapped, instance, args, kwargs):
+    """Accelerate's ``PartialState.__init__``; in a joiner of ``dynatrain launch`` (whose own
+    process group is a group of one until it joins) the process count and index it reports are
+    its generation's, so that Trainer sizes batches and shards data for the world it will join."""
+    out = wrapped(*args, **kwargs)
+    ctx = _launch_context()
+    shared = type(instance)._shared_state
+    if ctx is not None and ctx.joiner and "num_processes" in shared:
+        shared["num_processes"], shared["process_index"] = ctx.world_size, ctx.rank
+    return out
+
+
+def accumulation_for_world(wrapped, instance, args, kwargs):
+    """``TrainingArguments.__post_init__``; under ``dynatrain launch`` with a DeepSpeed config that
+    gives ``train_batch_size`` and ``train_micro_batch_size_per_gpu``, the accumulation steps are
+    the ones that keep that global batch at this process's world size (a joiner's is its
+    generation's, not the launch command's)."""
+    from .configs import parsed_config
+
+    ctx = _launch_context()
+    cfg = parsed_config(getattr(instance, "deepspeed", None)) if ctx is not None else None
+    if cfg is not None:
+        tb, micro = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
+        if isinstance(tb, int) and isinstance(micro, int) and tb % (micro * ctx.world_size) == 0:
+            gas = tb // (micro * ctx.world_size)
+            if gas != instance.gradient_accumulation_steps:
+                logger.info(
+                    f"gradient_accumulation_steps {instance.gradient_accumulation_steps} -> {gas}: the global batch "
+                    f"{tb} at {ctx.world_size} processes of {micro}"
+                )
+                instance.gradient_accumulation_steps = gas
+    return wrapped(*args, **kwargs)
