@@ -241,7 +241,9 @@ def load_ds_config(config: Any) -> Tuple[dict, DynatrainConfig]:
 def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
     """``(global batch, largest micro-batch)`` in samples from DeepSpeed's batch keys at ``world_size``.
 
-    Follows DeepSpeed's rule ``train_batch_size = micro * accumulation * world_size``.
+    Follows DeepSpeed's rule ``train_batch_size = micro * accumulation * world_size``. With both
+    batch sizes given, ``gradient_accumulation_steps`` may be ``"auto"`` (Hugging Face Trainer fills
+    it in for the world each process trains in).
 
     Raises:
         ConfigError: no batch key, or keys that contradict each other.
@@ -249,6 +251,8 @@ def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
     tb = ds_config.get("train_batch_size")
     mb = ds_config.get("train_micro_batch_size_per_gpu")
     ga = ds_config.get("gradient_accumulation_steps")
+    if ga == "auto" and tb and mb:
+        ga = None
     for name, v in (
         ("train_batch_size", tb),
         ("train_micro_batch_size_per_gpu", mb),
