@@ -103,7 +103,7 @@ def test_rotation_keeps_the_newest_complete_checkpoint_while_a_newer_one_flushes
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6"]
 
 
-@pytest.mark.parametrize("order", ["ds_dynatrain first", "transformers first"])
+@pytest.mark.parametrize("order", ["ds_dynatrain first", pytest.param("transformers first", marks=pytest.mark.slow)])
 def test_trainer_hooks_are_installed_whatever_the_import_order(order):
     first, second = ("ds_dynatrain", "transformers.trainer")
     if order == "transformers first":
