@@ -122,7 +122,11 @@ def test_trainer_hooks_are_installed_whatever_the_import_order(order):
 
 @pytest.mark.parametrize(
     "case,engine",
-    [("path", "ElasticEngine"), ("args", "ElasticEngine"), ("evaluation", "DeepSpeedEngine")],
+    [
+        ("path", "ElasticEngine"),
+        pytest.param("args", "ElasticEngine", marks=pytest.mark.slow),
+        pytest.param("evaluation", "DeepSpeedEngine", marks=pytest.mark.slow),
+    ],
 )
 def test_config_files_and_args_are_routed_as_deepspeed_reads_them(tmp_path, case, engine):
     """A config file (``config=PATH`` or ``args.deepspeed_config``) with an optimizer and no

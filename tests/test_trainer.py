@@ -155,6 +155,7 @@ def test_trainer_resumes_at_another_world_size(tmp_path, stage, save_np, load_np
 ACCELERATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "accelerate_worker.py")
 
 
+@pytest.mark.slow
 def test_accelerate_loop_saves_state_on_2_and_loads_it_on_3(tmp_path):
     """A plain Accelerate loop (``prepare``, ``accumulate``, ``save_state``/``load_state``): the
     state loaded on 3 processes equals bitwise the one saved on 2, and the losses go on as the
