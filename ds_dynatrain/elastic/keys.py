@@ -51,6 +51,7 @@ GO_KEY = "dynatrain/gen/{}/go"
 ABANDONED_KEY = "dynatrain/gen/{}/{}/abandoned"  # generation, publishing step: will not be formed
 SWITCH_KEY = "dynatrain/gen/{}/{}/switching"  # generation, publishing step: the header is on its way
 JOB_KEY = "dynatrain/job"  # what a requester needs to check a world size
+TRAINER_STATE_KEY = "dynatrain/frontend/trainer_state/{}"  # generation -> rank 0's Trainer state (JSON)
 BATCH_KEY = "dynatrain/batch"  # shapes and dtypes of rank 0's first forward inputs (joiners' warm-up)
 REQUEST_COUNT = "dynatrain/request/count"
 REQUEST_KEY = "dynatrain/request/{}"  # {"world_size": N} or {"join": node, "slots": K}

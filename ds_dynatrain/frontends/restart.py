@@ -30,10 +30,10 @@ import shutil
 import tempfile
 from typing import Optional
 
+from ..elastic.keys import TRAINER_STATE_KEY
 from ..engine.frontend import Catching, FrontendRestart
 from ..log import logger
 
-TRAINER_STATE_KEY = "dynatrain/frontend/trainer_state/{}"  # generation -> rank 0's TrainerState JSON
 IN_MEMORY = ".dynatrain-in-memory"  # marks a resume directory whose engine state is already live
 _engines = {}  # id(module) -> the elastic engine built for it (what a resumed prepare gets back)
 

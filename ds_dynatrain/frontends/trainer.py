@@ -59,15 +59,18 @@ def incomplete_reason(folder: str) -> Optional[str]:
     return None
 
 
+def _by_number(paths) -> list:
+    """The ``checkpoint-N`` among ``paths``, oldest (lowest N) first."""
+    found = [(int(m.group(1)), p) for p in map(os.fspath, paths) if (m := _CHECKPOINT.match(os.path.basename(p)))]
+    return [p for _, p in sorted(found)]
+
+
 def _numbered(folder: str) -> list:
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    found = [
-        (int(m.group(1)), n) for n in names if (m := _CHECKPOINT.match(n)) and os.path.isdir(os.path.join(folder, n))
-    ]
-    return [os.path.join(folder, n) for _, n in sorted(found)]
+    return _by_number(p for p in (os.path.join(folder, n) for n in names) if os.path.isdir(p))
 
 
 def _first_rank() -> bool:
@@ -90,13 +93,7 @@ def last_complete_checkpoint(folder: str) -> Optional[str]:
 
 
 def _newest_complete(checkpoints) -> Optional[str]:
-    numbered = sorted(
-        (int(m.group(1)), c) for c in checkpoints if (m := _CHECKPOINT.match(os.path.basename(os.fspath(c))))
-    )
-    for _, path in reversed(numbered):
-        if incomplete_reason(os.fspath(path)) is None:
-            return os.fspath(path)
-    return None
+    return next((p for p in reversed(_by_number(checkpoints)) if incomplete_reason(p) is None), None)
 
 
 def rotation_keeping_durable(sort_checkpoints):
