@@ -21,6 +21,10 @@ import torch
 
 from tests.conftest import run_plain
 
+# several Trainer jobs per test (the shared uninterrupted run is built inside the first test's time):
+# beside a CPU-heavy job they took over the suite's default 240 s
+pytestmark = pytest.mark.timeout(900)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "trainer_worker.py")
 GAS_AT = {1: 6, 2: 3, 3: 2}  # accumulation steps at each world size: a global batch of 12
 STEPS, SAVE_AT = 8, 3  # 8 steps of 12 samples: the whole epoch of 96
