@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -21,6 +22,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # must not place those jobs' agents on several nodes (dynatrain launch reads these variables)
 for _name in [n for n in os.environ if n.startswith("SLURM_") or n == "JOB_COMPLETION_INDEX"]:
     del os.environ[_name]
+# the suite builds no DeepSpeed op: a JIT build (FusedAdam for an Adam config without "torch_adam",
+# the CPU shared-memory collective) takes minutes on a fresh 2-core machine and nothing here needs
+# one; under a path whose parent is a file, any such build fails at once, naming the directory
+_NO_OP_BUILDS = tempfile.mkdtemp(prefix="dt-no-op-builds-")
+open(os.path.join(_NO_OP_BUILDS, "not-a-directory"), "w").close()
+os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(_NO_OP_BUILDS, "not-a-directory", "torch_extensions")
 
 
 @dataclass

@@ -46,7 +46,7 @@ def main() -> int:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": a.gas,
         "train_batch_size": 2 * a.gas * world,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
         "zero_optimization": {"stage": a.stage},
         "dynatrain": {},

@@ -44,7 +44,7 @@ def ds_config(stage: int, plain: bool) -> dict:
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
         "zero_optimization": {"stage": stage},
     }
     if not plain:
