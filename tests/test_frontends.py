@@ -40,7 +40,7 @@ def test_a_section_reaching_deepspeed_by_another_road_is_refused():
 def test_a_sectioned_config_goes_to_ours_before_anything_is_built():
     """DeepSpeed knows no ``dynatrain`` keys: the error names ours, so the call reached ours."""
     model = torch.nn.Linear(2, 2)
-    adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}  # a training engine: an optimizer in the config
+    adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}  # a training engine: an optimizer
     config = {"train_batch_size": 2, "optimizer": adam, "dynatrain": {"snapshot": {"intervall": 2}}}
     for key in ("config", "config_params"):
         with pytest.raises(ConfigError, match=r"dynatrain\.snapshot\.intervall: unknown key"):
