@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,17 +30,18 @@ def _config_of(args: Any, config: Any, config_params: Any) -> Any:
     raise ConfigError("no DeepSpeed config: pass config= or args.deepspeed_config")
 
 
-def _refuse_frontend_under_launch(frontend: Optional[str]) -> None:
+def _refuse_frontend_under_launch(frontend: Optional[str], in_place_loop: Optional[Callable]) -> None:
     """ConfigError for an engine a front-end builds under ``dynatrain launch`` outside Trainer's
-    ``train`` (a plain Accelerate or Lightning loop: their counters would not follow a resize)."""
+    ``train`` when nothing makes its loop follow a resize (Lightning; Accelerate's plain loop
+    passes ``in_place_loop``)."""
     from .engine.frontend import catching
 
-    if frontend is not None and not catching() and LaunchContext.from_environ() is not None:
+    if frontend is not None and in_place_loop is None and not catching() and LaunchContext.from_environ() is not None:
         raise ConfigError(
             f"an engine built by {frontend} outside Hugging Face Trainer's train() under `dynatrain launch`: "
-            "resizing a plain Accelerate (or Lightning) loop online is not supported yet (its step, data and "
-            "accumulation counters would not follow); start it with torchrun, accelerate launch or deepspeed, "
-            "where snapshots and resuming at any world size work, or train with Trainer"
+            "resizing this loop online is not supported (its step, data and accumulation counters would not "
+            "follow); start it with torchrun or deepspeed, where snapshots and resuming at any world size "
+            "work, or train with Trainer or a plain Accelerate loop"
         )
 
 
@@ -61,6 +62,7 @@ def initialize(
     seed: int = 0,
     shuffle: bool = True,
     frontend: Optional[str] = None,
+    in_place_loop: Optional[Callable] = None,
 ):
     """Drop-in for ``deepspeed.initialize`` returning an :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine`.
 
@@ -74,13 +76,16 @@ def initialize(
       its partitions and the training state, and returns an engine positioned at the job's step.
 
     ``frontend``: the module whose ``deepspeed.initialize`` call :mod:`ds_dynatrain.frontends` sent
-    here; under ``dynatrain launch`` only inside Trainer's ``train`` (``frontends.restart``).
+    here; under ``dynatrain launch`` only inside Trainer's ``train`` (``frontends.restart``) or with
+    ``in_place_loop``, called with the engine on every process after each change of the world (a
+    plain Accelerate loop, ``frontends.accelerate_loop``; such a job refuses grows).
 
     Raises:
         ConfigError: invalid ``"dynatrain"`` section or batch keys, a resize schedule that cannot
             keep the global batch, resizing asked of a job not started by ``dynatrain launch``, or
             a ``snapshot.dir`` that is no writable directory and cannot be made one (before any engine);
-            a ``frontend`` engine outside Trainer's ``train`` in a process of ``dynatrain launch``.
+            a ``frontend`` engine outside Trainer's ``train`` in a process of ``dynatrain launch``
+            without ``in_place_loop``.
     """
     import deepspeed
 
@@ -104,7 +109,7 @@ def initialize(
         )
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
-    _refuse_frontend_under_launch(frontend)
+    _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(
         model,
@@ -123,4 +128,5 @@ def initialize(
             training_data, engine, engine._dt.global_batch, seed=seed, shuffle=shuffle, collate_fn=collate_fn
         )
     engine._dt.frontend = frontend
+    engine._dt.in_place_loop = in_place_loop
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -64,9 +64,9 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert set(a["__step__"]) == set(b["__step__"])
 
 
-def _uninterrupted(tmp_path, stage: int, nproc: int, plain: bool) -> str:
+def _uninterrupted(tmp_path, stage: int, nproc: int, plain: bool, *extra: str) -> str:
     """The run that saves at step SAVE_AT and goes on to STEPS: the oracle of every resume."""
-    args = ["--steps", str(STEPS), "--save-steps", str(SAVE_AT), "--stage", str(stage)]
+    args = ["--steps", str(STEPS), "--save-steps", str(SAVE_AT), "--stage", str(stage), *extra]
     saved, _ = _trainer(tmp_path, nproc, "saved", *args, *(["--plain"] if plain else []))
     assert _losses(saved)[1] == ("DeepSpeedEngine" if plain else "ElasticEngine")
     return saved
@@ -74,8 +74,9 @@ def _uninterrupted(tmp_path, stage: int, nproc: int, plain: bool) -> str:
 
 @pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory):
-    """The uninterrupted ZeRO-2 run of 2 ranks with snapshots (shared by the tests that need it)."""
-    return _uninterrupted(tmp_path_factory.mktemp("zero2"), stage=2, nproc=2, plain=False)
+    """The uninterrupted ZeRO-2 run of 2 ranks with snapshots and an evaluation every SAVE_AT steps
+    (shared by the tests that need it)."""
+    return _uninterrupted(tmp_path_factory.mktemp("zero2"), 2, 2, False, "--eval-steps", str(SAVE_AT))
 
 
 def _check_resume(tmp_path, stage: int, save_np: int, load_np: int, plain_save: bool, saved: str = None) -> None:
@@ -156,34 +157,6 @@ def test_trainer_resumes_at_another_world_size(tmp_path, stage, save_np, load_np
     _check_resume(tmp_path, stage, save_np, load_np, plain_save)
 
 
-ACCELERATE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "accelerate_worker.py")
-
-
-@pytest.mark.slow
-def test_accelerate_loop_saves_state_on_2_and_loads_it_on_3(tmp_path):
-    """A plain Accelerate loop (``prepare``, ``accumulate``, ``save_state``/``load_state``): the
-    state loaded on 3 processes equals bitwise the one saved on 2, and the losses go on as the
-    2-process run's (12 samples a step on both)."""
-    out = str(tmp_path)
-
-    def run(nproc, *args):
-        gas = str(GAS_AT[nproc])
-        jobs = run_plain(tmp_path, ACCELERATE_WORKER, nproc, ["--out", out, "--gas", gas, "--steps", str(STEPS), *args])
-        for r, job in enumerate(jobs):
-            assert job.returncode == 0, f"rank {r}:\n{job.output[-4000:]}"
-        with open(os.path.join(out, f"losses_{nproc}.json")) as f:
-            got = json.load(f)
-        assert got["engine"] == "ElasticEngine"
-        return {int(k): v for k, v in got["losses"].items()}
-
-    oracle = run(2, "--save-at", str(SAVE_AT))
-    got = run(3, "--load-at", str(SAVE_AT))
-    assert_same_state(torch.load(os.path.join(out, "save.pt")), torch.load(os.path.join(out, "begin.pt")))
-    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
-    for s in got:
-        assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
-
-
 def _trained_samples(out: str) -> collections.Counter:
     seen = collections.Counter()
     for path in glob.glob(os.path.join(out, "samples_*.jsonl")):
@@ -212,27 +185,21 @@ def test_trainer_resized_2_3_2_online_trains_as_a_static_run_and_every_sample_on
     os.makedirs(out)
     cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--slots", "3", WORKER]
     cmd += ["--deepspeed", path, "--out", out, "--steps", str(STEPS), "--gas", "3", "--save-steps", str(SAVE_AT)]
+    cmd += ["--eval-steps", str(SAVE_AT)]
     job = _run(cmd, os.path.join(tmp_path, "launch.log"), timeout=300)
     assert job.returncode == 0, job.output[-4000:]
     assert "resize 2 → 3 after step 3" in job.output and "resize 3 → 2 after step 6" in job.output
     assert job.output.count("the training loop resumes at step 3 on 3 processes") == 3
     got, oracle = _losses(out)[0], _losses(zero2_run)[0]
-    assert sorted(got) == [1, 2, 4, 5, 7, 8]  # Trainer logs no loss at the steps its loop ended in
+    assert sorted(got) == list(range(1, STEPS + 1))
     for s in got:
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs static {oracle[s]}"
+    with open(os.path.join(out, "losses.json")) as f, open(os.path.join(zero2_run, "losses.json")) as g:
+        evals, static_evals = json.load(f)["eval"], json.load(g)["eval"]
+    assert sorted(evals) == sorted(static_evals) == ["3", "6", "8"]  # and at the end (max_steps)
+    for s in evals:
+        assert evals[s] == pytest.approx(static_evals[s], rel=1e-5), f"evaluation at step {s}"
     seen = _trained_samples(out)
     assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}
     for step in (3, 6):
         assert incomplete_reason(os.path.join(out, f"checkpoint-{step}")) is None
-
-
-def test_a_plain_accelerate_loop_under_dynatrain_launch_is_refused_before_it_trains(tmp_path):
-    """Only Trainer's loop follows a resize; a plain Accelerate loop's engine is refused at its
-    build under `dynatrain launch`, with the reason, on every rank; the job ends (no hang)."""
-    from tests.conftest import launch
-
-    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}  # what the launcher checks
-    job = launch(tmp_path, ACCELERATE_WORKER, 2, cfg, ["--out", str(tmp_path), "--steps", "2", "--gas", "3"])
-    assert job.returncode != 0
-    assert "outside Hugging Face Trainer's train() under `dynatrain launch`" in job.output
-    assert not os.path.exists(os.path.join(tmp_path, "losses_2.json"))

@@ -68,6 +68,7 @@ def after_optimizer_step(engine) -> None:
     if tally.standby_gone:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
+    dt.step_losses.append((engine.global_steps, tally.loss))
     _record_step(engine, tally, step_s)
     if tally.stop or len(tally.preempted) == engine.dp_world_size:
         _end_job(engine, tally)  # raises SystemExit(0) on every rank

@@ -140,7 +140,10 @@ class ElasticEngine(DeepSpeedEngine):
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         self._require_member()
         out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-        self._dt.loss_sum += float(loss.detach().float())
+        value = float(loss.detach().float())
+        if not scale_wrt_gas:  # the caller divided by the accumulation steps itself (Trainer): undone for the records
+            value *= self.gradient_accumulation_steps()
+        self._dt.loss_sum += value
         self._dt.loss_count += 1
         return out
 
@@ -156,10 +159,14 @@ class ElasticEngine(DeepSpeedEngine):
                 self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
-            generation = self._dt.generation
+            dt = self._dt
+            generation = dt.generation
             boundary.after_optimizer_step(self)
-            if catching() and self._dt.frontend is not None and (self._dt.generation != generation or self._dt.retired):
-                raise FrontendRestart(self)  # Trainer's loop resumes on the new world (frontends.restart)
+            if dt.frontend is not None and (dt.generation != generation or dt.retired):
+                if catching():
+                    raise FrontendRestart(self)  # Trainer's loop resumes on the new world (frontends.restart)
+                if dt.in_place_loop is not None:
+                    dt.in_place_loop(self)  # a plain Accelerate loop runs on (frontends.accelerate_loop)
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's ``save_checkpoint`` through the snapshot engine; ``latest`` is replaced

@@ -31,6 +31,12 @@ def serve_request(engine, index: int, world_size: int) -> None:
     if world_size == REFUSED:
         return  # rank 0 refused it when it read it (no free slots) and answered the requester
     try:
+        if dt.in_place_loop is not None and world_size > engine.dp_world_size:
+            raise ResizeRefusedError(
+                f"a grow to {world_size} ranks: this job's training loop ({dt.frontend}, outside Hugging Face "
+                "Trainer) runs on through resizes in its processes and cannot be entered by a new one at the "
+                "job's step; it can shrink (resize down, preemption) but not grow"
+            )
         if dt.config.background_groups and world_size != engine.dp_world_size:
             dt.split(world_size)
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes

@@ -4,8 +4,9 @@ resize whose optimizer-state transfer still runs, and a request being prepared i
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,6 +51,12 @@ class ElasticState:
     loss_count: int = 0
     retired: bool = False
     frontend: Optional[str] = None  # the front-end (accelerate, lightning) whose loop restarts after a resize
+    # a front-end loop that runs on through resizes (a plain Accelerate loop): called with the engine
+    # on every process after each change of the world; such a loop can take no joiners
+    in_place_loop: Any = None
+    # (step, the job's mean loss of the step) of recent steps, on every rank (what a front-end logs
+    # for a step its loop did not finish)
+    step_losses: Deque[Tuple[int, float]] = field(default_factory=lambda: deque(maxlen=4096))
     spawned_for: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> joiners started
     snapshot_stall_s: float = 0.0
     published: Dict[int, Tuple[str, ...]] = field(default_factory=dict)  # generation -> members published

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from ..config import SECTION, ConfigError
 from ..log import logger
+from .accelerate_loop import hook_accelerator
+from .configs import sections
 
 ACCELERATOR_MODULE = "accelerate.accelerator"
 
@@ -42,20 +44,10 @@ def _load_state(wrapped, instance, args, kwargs):
     return out
 
 
-def _sections(plugin) -> list:
-    plugins = plugin.values() if isinstance(plugin, dict) else [plugin]
-    found = []
-    for p in plugins:
-        cfg = getattr(p, "deepspeed_config", None) or getattr(getattr(p, "hf_ds_config", None), "config", None)
-        if isinstance(cfg, dict) and SECTION in cfg and (cfg[SECTION] or {}).get("enabled", True) is not False:
-            found.append(p)
-    return found
-
-
 def _init(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     plugin = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
-    if plugin is not None and _sections(plugin) and str(instance.distributed_type) != "DistributedType.DEEPSPEED":
+    if plugin is not None and sections(plugin) and str(instance.distributed_type) != "DistributedType.DEEPSPEED":
         raise ConfigError(
             f"this Accelerator does not use DeepSpeed (distributed type {instance.distributed_type}), so the "
             f"{SECTION!r} section of its DeepSpeed plugin's config would be ignored: Accelerate selects DeepSpeed "
@@ -70,6 +62,7 @@ def _hook(module) -> None:
     if not getattr(module.Accelerator.load_state, "__ds_dynatrain_wrapped__", False):
         wrapt.wrap_function_wrapper(module, "Accelerator.load_state", _load_state)
         wrapt.wrap_function_wrapper(module, "Accelerator.__init__", _init)
+        hook_accelerator(module)  # a plain loop's data loaders and counters follow resizes
         module.Accelerator.load_state.__ds_dynatrain_wrapped__ = True
 
 

@@ -28,11 +28,12 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..elastic.keys import TRAINER_STATE_KEY
 from ..engine.frontend import Catching, FrontendRestart
 from ..log import logger
+from .accelerate_state import set_accumulation, set_world
 
 IN_MEMORY = ".dynatrain-in-memory"  # marks a resume directory whose engine state is already live
 _engines = {}  # id(module) -> the elastic engine built for it (what a resumed prepare gets back)
@@ -52,26 +53,14 @@ def engine_for(model) -> Optional[object]:
 
 def _realign(trainer, engine) -> None:
     """Accelerate's and Trainer's cached world and accumulation steps set to ``engine``'s."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    world, rank = engine.dp_world_size, engine.global_rank
-    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-        if "num_processes" in shared:
-            shared["num_processes"], shared["process_index"] = world, rank
-    gas = engine.gradient_accumulation_steps()
+    set_world(engine.dp_world_size, engine.global_rank)
     trainer.model_wrapped = trainer.model  # so that the loop prepares it again: the route gives the engine back
-    trainer.args.gradient_accumulation_steps = gas
-    trainer.accelerator.gradient_accumulation_steps = gas
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:
-        cfg = plugin.deepspeed_config
-        cfg["gradient_accumulation_steps"] = gas
-        cfg["train_batch_size"] = engine.train_batch_size()
-        cfg["train_micro_batch_size_per_gpu"] = engine.train_micro_batch_size_per_gpu()
+    trainer.args.gradient_accumulation_steps = set_accumulation(trainer.accelerator, engine)
 
 
-def _state_dir(trainer, engine) -> str:
-    """A directory holding Trainer's state at ``engine``'s step: rank 0's, shared through the store."""
+def _state_dir(trainer, engine) -> Tuple[str, Optional[float]]:
+    """A directory holding Trainer's state at ``engine``'s step, and the loss Trainer's next log
+    reports (:func:`_window_loss`): rank 0's, shared through the store (a joiner has neither)."""
     dt = engine._dt
     key = TRAINER_STATE_KEY.format(dt.generation)
     store = dt.membership.store
@@ -81,31 +70,57 @@ def _state_dir(trainer, engine) -> str:
         trainer.state.global_step = engine.global_steps
         trainer.state.save_to_json(path)  # Trainer's own serialisation
         with open(path) as f:
-            store.set(key, f.read())
-    text = store.get(key).decode()
+            loss = _window_loss(engine, _last_logged(trainer.state))
+            store.set(key, json.dumps({"trainer_state": f.read(), "window_loss": loss}))
+    got = json.loads(store.get(key).decode())
     with open(path, "w") as f:
-        f.write(text)
+        f.write(got["trainer_state"])
     with open(os.path.join(where, IN_MEMORY), "w") as f:
         json.dump({"step": engine.global_steps, "generation": dt.generation}, f)
-    return where
+    return where, got["window_loss"]
 
 
-def _save_if_due(trainer, engine, state_path: str) -> None:
-    """The save Trainer would have made at the step the world changed (its loop ended inside that
-    step, before its own save): every member of the new world, at the same point, with rank 0's
-    state."""
+def _last_logged(state) -> int:
+    return max((e.get("step", 0) for e in state.log_history if "loss" in e), default=0)
+
+
+def _window_loss(engine, since: int) -> Optional[float]:
+    """The mean of the job's step losses after step ``since`` up to the engine's step (what
+    Trainer's next log reports), from the engine's record of recent steps; None when it has none."""
+    got = [loss for step, loss in engine._dt.step_losses if since < step <= engine.global_steps]
+    return sum(got) / len(got) if got else None
+
+
+def _step_end(trainer, engine, state_path: str, loss: Optional[float]) -> None:
+    """What Trainer's loop does at the end of a step, for the step the world changed in (the loop
+    ended inside it): the callbacks' ``on_step_end``, then the log, evaluation and save they ask
+    for (``DefaultFlowCallback``: ``logging_steps``, ``eval_steps``, ``save_steps``), on every
+    member of the new world at the same point, with rank 0's state. The logged ``loss`` is rank
+    0's :func:`_window_loss`."""
     from transformers.trainer_callback import TrainerState
 
     trainer.state = TrainerState.load_from_json(state_path)
     trainer.current_flos = float(getattr(trainer, "current_flos", 0))  # one dtype on every rank: it is gathered
-    every = trainer.state.save_steps
-    if str(trainer.args.save_strategy).split(".")[-1].lower() != "steps" or not every or engine.global_steps % every:
-        return
+    state = trainer.state
+    if state.max_steps and trainer.args.num_train_epochs and state.num_train_epochs:
+        state.epoch = state.global_step / (state.max_steps / state.num_train_epochs)
+    control = trainer.callback_handler.on_step_end(trainer.args, state, trainer.control)
     trainer.model_wrapped = trainer.deepspeed = engine
     try:
-        trainer._save_checkpoint(engine, trial=None)
+        if control.should_log:
+            if loss is not None:
+                trainer.store_flos()
+                lr = engine.get_lr()  # the engine's scheduler: a joiner's Trainer has not taken it yet
+                trainer.log({"loss": loss, "learning_rate": float(lr[0]) if lr else float("nan")})
+        if control.should_evaluate:
+            trainer._evaluate(None, None)
+        if control.should_save:
+            trainer._save_checkpoint(engine, trial=None)
+            trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
     finally:
         trainer.model_wrapped = trainer.model
+    trainer.control.should_log = trainer.control.should_evaluate = trainer.control.should_save = False
+    state.save_to_json(state_path)  # what the resumed loop loads: the log entries made here kept
 
 
 def train_resuming_after_resizes(wrapped, trainer, args, kwargs):
@@ -122,9 +137,9 @@ def train_resuming_after_resizes(wrapped, trainer, args, kwargs):
                     logger.info(f"member {engine._dt.member} left the job at a resize; trainer.train returns None")
                     return None
                 _realign(trainer, engine)
-                resume = _state_dir(trainer, engine)
+                resume, loss = _state_dir(trainer, engine)
                 made.append(resume)
-                _save_if_due(trainer, engine, os.path.join(resume, "trainer_state.json"))
+                _step_end(trainer, engine, os.path.join(resume, "trainer_state.json"), loss)
                 logger.info(
                     f"the training loop resumes at step {engine.global_steps} on {engine.dp_world_size} processes "
                     f"({engine.gradient_accumulation_steps()} accumulation steps)"

@@ -95,6 +95,7 @@ def routed_initialize(original):
             )
         from ..engine.frontend import FrontendRestart, catching
         from ..initialize import initialize as dynatrain_initialize
+        from .accelerate_loop import in_place_loop_for
         from .restart import engine_for, remember
 
         live = engine_for(model)
@@ -102,7 +103,8 @@ def routed_initialize(original):
             return live, live.optimizer, None, live.lr_scheduler
         caller = sys._getframe(1).f_globals.get("__name__", "")
         frontend = caller if caller.split(".")[0] in FRONTEND_PACKAGES else None
-        out = dynatrain_initialize(args=args, model=model, frontend=frontend, **kwargs)
+        in_place = in_place_loop_for(frontend, parsed[SECTION])  # a plain Accelerate loop under dynatrain launch
+        out = dynatrain_initialize(args=args, model=model, frontend=frontend, in_place_loop=in_place, **kwargs)
         engine = out[0]
         remember(engine)
         if frontend is not None and catching() and engine.global_steps > 0:

@@ -108,6 +108,10 @@ def counting_trainer(out: str):
                 f.write(json.dumps(idx.tolist()) + "\n")
             return super().training_step(model, inputs, *args, **kwargs)
 
+        def prediction_step(self, model, inputs, *args, **kwargs):
+            inputs = {k: v for k, v in inputs.items() if k != "idx"}  # evaluation: not counted
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
     return CountingTrainer
 
 
@@ -151,6 +155,7 @@ def main() -> int:
     p.add_argument("--resume", default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate on 24 samples every this many steps")
     p.add_argument("--deepspeed", default=None, help="a DeepSpeed config file, as Trainer scripts take it")
     a = p.parse_args()
     ds_dynatrain.log_to_console()
@@ -164,6 +169,9 @@ def main() -> int:
         save_steps=a.save_steps or 500,
         save_total_limit=a.save_total_limit,
         logging_steps=1,
+        eval_strategy="steps" if a.eval_steps else "no",
+        eval_steps=a.eval_steps or None,
+        per_device_eval_batch_size=2,
         learning_rate=1e-2,
         warmup_steps=2,
         weight_decay=0.01,
@@ -174,7 +182,10 @@ def main() -> int:
         remove_unused_columns=False,  # the sample index reaches training_step
         deepspeed=_launch_config(a.deepspeed) if a.deepspeed else ds_config(a.stage, a.plain),
     )
-    trainer = counting_trainer(a.out)(model=model(), args=args, train_dataset=dataset(), data_collator=collate)
+    evaluation = dataset()[:24] if a.eval_steps else None
+    trainer = counting_trainer(a.out)(
+        model=model(), args=args, train_dataset=dataset(), eval_dataset=evaluation, data_collator=collate
+    )
     release = threading.Event()
 
     class Probe(TrainerCallback):
@@ -206,8 +217,9 @@ def main() -> int:
     trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
         with open(os.path.join(a.dump or a.out, "losses.json"), "w") as f:
-            json.dump({"losses": losses, "engine": type(trainer.model_wrapped).__name__}, f)
+            json.dump({"losses": losses, "eval": evals, "engine": type(trainer.model_wrapped).__name__}, f)
     if a.plain:
         # DeepSpeed's own engine leaves its gloo group to the interpreter's exit, where a gloo thread
         # still alive sometimes aborts the process ("terminate called without an active exception");
