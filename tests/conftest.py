@@ -3,6 +3,7 @@ its whole process group is killed when the test ends, passes or not (no stray wo
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -168,3 +169,17 @@ def run_plain(
 def read_jsonl(path: str) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def worker_pids(out: str) -> list:
+    """The pids of the workers that wrote ``out/samples_<pid>.jsonl`` (the test workers' sample counts)."""
+    return [int(os.path.basename(p)[len("samples_") : -len(".jsonl")]) for p in glob.glob(f"{out}/samples_*.jsonl")]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except OSError:
+        return False

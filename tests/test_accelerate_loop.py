@@ -9,7 +9,6 @@ samples, so the losses agree within reduction noise; a loaded state equals the s
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import signal
 import pytest
 import torch
 
-from tests.conftest import launch, run_plain
+from tests.conftest import launch, run_plain, running, worker_pids
 from tests.test_trainer import GAS_AT, SAVE_AT, STEPS, _trained_samples, assert_same_state
 
 pytestmark = pytest.mark.timeout(600)
@@ -100,18 +99,6 @@ def test_accelerate_loop_saves_state_on_2_and_loads_it_on_3(tmp_path):
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
 
 
-def _worker_pids(out: str) -> list:
-    return [int(os.path.basename(p)[len("samples_") : -len(".jsonl")]) for p in glob.glob(f"{out}/samples_*.jsonl")]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] not in "ZX"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_it(tmp_path):
     """`dynatrain resize` against a running plain loop of 3 processes (3 epochs, 24 steps): a grow
@@ -151,7 +138,7 @@ def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_
             time.sleep(0.2)
         grow = subprocess.run(resize_command(f"127.0.0.1:{port}", 4, 120), capture_output=True, text=True, cwd=ROOT)
         shrink = subprocess.run(resize_command(f"127.0.0.1:{port}", 2, 120), capture_output=True, text=True, cwd=ROOT)
-        alive = [pid for pid in _worker_pids(out) if _running(pid)]
+        alive = [pid for pid in worker_pids(out) if running(pid)]
         assert len(alive) == 2, alive
         os.kill(max(alive), signal.SIGTERM)  # a preemption notice
         while "on 1 processes" not in open(os.path.join(tmp_path, "job.log")).read():

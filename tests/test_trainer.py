@@ -14,6 +14,7 @@ import collections
 import glob
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -203,3 +204,70 @@ def test_trainer_resized_2_3_2_online_trains_as_a_static_run_and_every_sample_on
     assert sorted(seen) == list(range(96)) and set(seen.values()) == {1}
     for step in (3, 6):
         assert incomplete_reason(os.path.join(out, f"checkpoint-{step}")) is None
+
+
+@pytest.mark.slow
+def test_trainer_grown_by_dynatrain_resize_and_shrunk_by_a_preemption(tmp_path):
+    """`dynatrain resize` 2 -> 3 against a running Trainer job (3 epochs, 24 steps), then SIGTERM to
+    one of the 3 (a preemption) -> 2: the job ends with status 0; the logged losses of every step
+    equal the static 2-process run's; each sample is trained exactly 3 times over all processes."""
+    import re
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT, _env, free_port, resize_command, running, worker_pids
+
+    steps = 3 * STEPS
+    static, _ = _trainer(tmp_path, 2, "static", "--steps", str(steps))
+    oracle = _losses(static)[0]
+    out = os.path.join(tmp_path, "online")
+    os.makedirs(out)
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    cfg["dynatrain"] = {"max_world_size": 3}
+    path = os.path.join(tmp_path, "ds.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    slow = tmp_path / "slow"  # the steps are slowed until the preemption is served: both land mid-run
+    slow.write_text("")
+    port = free_port()
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--slots", "3"]
+    cmd += ["--store", f"127.0.0.1:{port}", WORKER, "--deepspeed", path, "--out", out, "--steps", str(steps)]
+    cmd += ["--gas", "3", "--step-sleep", "1", "--sleep-while", str(slow)]
+    log_path = os.path.join(tmp_path, "job.log")
+    log = open(log_path, "w")
+    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while sum(_trained_samples(out).values()) < 24:  # two steps trained
+            assert time.monotonic() < deadline and job.poll() is None, "the job did not train"
+            time.sleep(0.2)
+        grow = subprocess.run(resize_command(f"127.0.0.1:{port}", 3, 150), capture_output=True, text=True, cwd=ROOT)
+        assert grow.returncode == 0, grow.stdout + grow.stderr
+        alive = [pid for pid in worker_pids(out) if running(pid)]
+        while len(alive) < 3:  # the joiner has trained a micro-batch
+            assert time.monotonic() < deadline and job.poll() is None, "the joiner did not train"
+            time.sleep(0.2)
+            alive = [pid for pid in worker_pids(out) if running(pid)]
+        os.kill(max(alive), signal.SIGTERM)  # a preemption notice
+        while "resumes at step" not in open(log_path).read().split("preemption of")[-1]:
+            assert time.monotonic() < deadline and job.poll() is None, "the preemption was not served"
+            time.sleep(0.2)
+        slow.unlink()
+        rc = job.wait(timeout=300)
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+    output = open(log_path).read()
+    assert rc == 0, output[-4000:]
+    grown = set(re.findall(r"the training loop resumes at step (\d+) on 3 processes", output))
+    shrunk = set(re.findall(r"the training loop resumes at step (\d+) on 2 processes", output))
+    assert len(grown) == 1 and len(shrunk) == 1 and int(min(grown)) < int(min(shrunk)) <= steps - 2, output[-4000:]
+    got = _losses(out)[0]
+    assert sorted(got) == list(range(1, steps + 1))
+    for s in got:
+        assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs static {oracle[s]}"
+    seen = _trained_samples(out)
+    assert sorted(seen) == list(range(96)) and set(seen.values()) == {3}

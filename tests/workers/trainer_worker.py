@@ -7,6 +7,9 @@ started by ``run_plain`` (torch env:// variables), on the CPU (``use_cpu=True``,
 * ``--dump DIR``: the gathered training state (``gather_state``, collective) after any load, at
   train begin (``begin.pt``), and at every save (``save<step>.pt``); rank 0 writes
   ``losses.json`` (step -> logged loss) at the end.
+* ``--step-sleep S``: seconds of sleep after each step (``on_step_end``), while the file
+  ``--sleep-while`` exists if given.
+* ``--eval-steps N``: an evaluation on 24 samples every N steps (``losses.json`` has them).
 * ``--deepspeed FILE``: that config (batch keys, ``"dynatrain"`` section) over the worker's own,
   as a Trainer script started by ``dynatrain launch`` takes it.
 * Every process appends the indices of the samples it trains, micro-batch by micro-batch, to
@@ -25,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -155,6 +159,8 @@ def main() -> int:
     p.add_argument("--resume", default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep after each step")
+    p.add_argument("--sleep-while", default=None, help="the --step-sleep only while this file exists")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate on 24 samples every this many steps")
     p.add_argument("--deepspeed", default=None, help="a DeepSpeed config file, as Trainer scripts take it")
     a = p.parse_args()
@@ -212,7 +218,13 @@ def main() -> int:
                     flusher=Flusher(IOConfig(), queue_factory=killing_queue_factory(release))
                 )
 
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if a.sleep_while is None or os.path.exists(a.sleep_while):
+                time.sleep(a.step_sleep)
+
     trainer.add_callback(Probe())
+    trainer.add_callback(Slow())
     resume = True if a.resume == "last" else a.resume
     trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
