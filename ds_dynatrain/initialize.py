@@ -95,18 +95,9 @@ def initialize(
         model_parameters = list(model_parameters)  # a generator would be spent by the first engine
     ds_config, dt_cfg = load_ds_config(_config_of(args, config, config_params))
     if not dt_cfg.enabled:
-        return deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            distributed_port=distributed_port,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            config=ds_config,
-        )
+        plain = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data)
+        plain.update(lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, collate_fn=collate_fn)
+        return deepspeed.initialize(model=model, dist_init_required=dist_init_required, config=ds_config, **plain)
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
     _refuse_frontend_under_launch(frontend, in_place_loop)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 import torch
 
-from tests.conftest import launch, run_plain, running, worker_pids
+from tests.conftest import _run, launch, run_plain, running, worker_pids
 from tests.test_trainer import GAS_AT, SAVE_AT, STEPS, _trained_samples, assert_same_state
 
 pytestmark = pytest.mark.timeout(600)
@@ -42,17 +43,32 @@ def _static(tmp_path, nproc: int, *args: str) -> dict:
 
 
 def test_a_plain_accelerate_loop_shrunk_3_to_2_online_trains_as_a_static_run_and_every_sample_once(tmp_path):
-    """`dynatrain launch` of the plain loop on 3 processes, shrunk to 2 after step 3 by its resize
-    schedule: the process that leaves ends with status 0; the others go on in the same loop, the
+    """`dynatrain launch --deepspeed_config_file` of the plain loop on 3 processes (its
+    ``Accelerator()`` takes DeepSpeed and the config from Accelerate's variables), shrunk to 2 after
+    step 3 by its resize schedule: the process that leaves ends with status 0; the others go on in the same loop, the
     accumulation steps 2 -> 3 (the global batch kept); the losses equal the static 2-process
     run's and the epoch's 96 samples are each trained exactly once over all processes."""
     oracle = _losses(_static(tmp_path, 2, "--count"), 2)
     out = os.path.join(tmp_path, "online")
     os.makedirs(out)
-    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
+    }
+    cfg["zero_optimization"] = {"stage": 2}
     cfg["dynatrain"] = {"resize_schedule": [{"step": SAVE_AT, "world_size": 2}]}
-    job = launch(tmp_path, WORKER, 3, cfg, ["--out", out, "--steps", str(STEPS), "--gas", "2", "--count"], timeout=300)
+    path = os.path.join(tmp_path, "ds.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    # started as `accelerate launch --use_deepspeed --deepspeed_config_file` starts it: Accelerator()
+    # takes the config from Accelerate's variables
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "3", "--deepspeed_config_file", path]
+    cmd += [WORKER, "--out", out, "--steps", str(STEPS), "--gas", "2", "--count"]
+    job = _run(cmd, os.path.join(tmp_path, "job.log"), timeout=300)
     assert job.returncode == 0, job.output[-4000:]
+    assert "--deepspeed_config" not in open(os.path.join(tmp_path, "job.log")).read()
     assert f"resize 3 → 2 after step {SAVE_AT}" in job.output
     assert job.output.count(f"the Accelerate loop goes on at step {SAVE_AT} on 2 processes (3 accumulation") == 2
     assert "left the job at a resize; this process ends (exit status 0)" in job.output
@@ -167,3 +183,17 @@ def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs static {oracle[s]}"
     seen = _trained_samples(out)
     assert sorted(seen) == list(range(96)) and set(seen.values()) == {3}
+
+
+def test_launch_takes_the_config_by_one_flag_only(tmp_path, capsys):
+    """`--config` and Accelerate's `--deepspeed_config_file` name the same thing: both given is a
+    refusal (exit 2) before anything starts, and Accelerate's variables are left unset."""
+    from ds_dynatrain.cli.main import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2}))
+    before = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    argv = ["launch", "--nproc", "1", "--config", str(path), "--deepspeed_config_file", str(path), WORKER]
+    assert main(argv) == 2
+    assert "--config and --deepspeed_config_file both given" in capsys.readouterr().err
+    assert os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") == before

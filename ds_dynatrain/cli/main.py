@@ -44,6 +44,12 @@ def _cmd_launch(a) -> int:
     from ..elastic.launch import launch
 
     config, pass_config = a.config, True
+    if a.deepspeed_config_file is not None:  # Accelerate's flag: the config reaches Accelerator() by its variables
+        if config is not None:
+            print(f"dynatrain {a.command}: --config and --deepspeed_config_file both given", file=sys.stderr)
+            return 2
+        config, pass_config = a.deepspeed_config_file, False
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=os.path.abspath(config))
     if config is None:
         config, pass_config = _config_in(a.script_args), False
         if config is None:
@@ -187,6 +193,13 @@ def _job_arguments(p: argparse.ArgumentParser, config_help: str, script_help: st
         "--config",
         default=None,
         help=config_help + " (default: the path after the script's own --deepspeed or --deepspeed_config)",
+    )
+    p.add_argument(
+        "--deepspeed_config_file",
+        default=None,
+        help="the config, for a Hugging Face Accelerate script (as `accelerate launch --use_deepspeed "
+        "--deepspeed_config_file`): the workers get ACCELERATE_USE_DEEPSPEED=true and "
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE, not a --deepspeed_config argument",
     )
     p.add_argument("script", help=script_help)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -147,10 +147,10 @@ def _prepare_data_loader(wrapped, instance, args, kwargs):
 def _skip_first_batches(wrapped, instance, args, kwargs):
     """``Accelerator.skip_first_batches``: for an elastic shard, a copy that starts that many of
     this process's batches (at the current world) into the epoch."""
-    from .elastic_shard import _elastic_class
+    from .elastic_shard import ElasticLoaderShard
 
     loader = args[0] if args else kwargs.get("dataloader")
-    if not isinstance(loader, _elastic_class()):
+    if not isinstance(loader, ElasticLoaderShard):
         return wrapped(*args, **kwargs)
     num = args[1] if len(args) > 1 else kwargs.get("num_batches", 0)
     skipped = type(loader).__new__(type(loader))

@@ -20,13 +20,18 @@ start of the order (Accelerate's ``even_batches``), or dropped when the batch sa
 last incomplete batch.
 
 Batches are fetched in the training process (``dataset[i]`` and the loader's ``collate_fn``): a
-worker pool would fetch ahead, before a resize decides whose samples are next.
+worker pool would fetch ahead, before a resize decides whose samples are next. (Imported only once
+Accelerate is: by :mod:`.accelerate_loop`'s hooks.)
 """
 
 from __future__ import annotations
 
 import math
 from typing import Callable, List, Optional, Tuple
+
+from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+from accelerate.state import PartialState
+from accelerate.utils import send_to_device, synchronize_rng_states
 
 from ..config import ConfigError
 
@@ -38,8 +43,6 @@ def _shard_parts(loader) -> Tuple[object, int]:
         ConfigError: a loader Accelerate did not shard by batches (an iterable dataset, batches
             split or dispatched by the main process).
     """
-    from accelerate.data_loader import BatchSamplerShard
-
     shard = getattr(loader, "batch_sampler", None)
     if not isinstance(shard, BatchSamplerShard) or shard.split_batches:
         raise ConfigError(
@@ -62,8 +65,7 @@ def elastic_shard(loader, engine_of: Callable[[], Optional[object]]):
         ConfigError: see :func:`_shard_parts`.
     """
     inner, batch_size = _shard_parts(loader)
-    cls = _elastic_class()
-    new = cls.__new__(cls)
+    new = ElasticLoaderShard.__new__(ElasticLoaderShard)
     new.__dict__.update(loader.__dict__)
     new._dt_inner = inner
     new._dt_batch = batch_size
@@ -73,88 +75,74 @@ def elastic_shard(loader, engine_of: Callable[[], Optional[object]]):
     return new
 
 
-_CLASS = None
+class ElasticLoaderShard(DataLoaderShard):
+    """A ``DataLoaderShard`` whose shard follows the engine's world (module docstring).
 
+    Every iteration is one epoch: ``begin``/``end`` of Accelerate's gradient state,
+    ``end_of_dataloader`` set with the last micro-batch (``accumulate()`` then ends the
+    step) and ``remainder`` (what ``gather_for_metrics`` drops) at the world of the start.
+    ``len()`` and ``total_batch_size`` are the current world's.
+    """
 
-def _elastic_class():
-    """:class:`ElasticLoaderShard`, defined once Accelerate is imported (it subclasses its shard)."""
-    global _CLASS
-    if _CLASS is None:
-        from accelerate.data_loader import DataLoaderShard
-        from accelerate.state import PartialState
-        from accelerate.utils import send_to_device, synchronize_rng_states
+    def _view(self) -> Tuple[int, int, int]:
+        """(world size, rank, micro-batch) of this moment."""
+        engine = self._dt_engine_of()
+        if engine is None or not engine.is_member:
+            state = PartialState()
+            return state.num_processes, state.process_index, self._dt_batch
+        micro = engine.train_micro_batch_size_per_gpu()
+        if self._dt_follows_engine is None:  # the training loader: its batches are the engine's micro-batches
+            self._dt_follows_engine = micro == self._dt_batch
+        return engine.dp_world_size, engine.global_rank, micro if self._dt_follows_engine else self._dt_batch
 
-        class ElasticLoaderShard(DataLoaderShard):
-            """A ``DataLoaderShard`` whose shard follows the engine's world (module docstring).
+    def _order(self) -> List[int]:
+        return [int(i) for batch in self._dt_inner for i in batch]
 
-            Every iteration is one epoch: ``begin``/``end`` of Accelerate's gradient state,
-            ``end_of_dataloader`` set with the last micro-batch (``accumulate()`` then ends the
-            step) and ``remainder`` (what ``gather_for_metrics`` drops) at the world of the start.
-            ``len()`` and ``total_batch_size`` are the current world's.
-            """
+    def _samples(self) -> int:
+        if getattr(self._dt_inner, "drop_last", False):
+            return len(self._dt_inner) * self._dt_batch
+        return len(self._dt_inner.sampler)
 
-            def _view(self) -> Tuple[int, int, int]:
-                """(world size, rank, micro-batch) of this moment."""
-                engine = self._dt_engine_of()
-                if engine is None or not engine.is_member:
-                    state = PartialState()
-                    return state.num_processes, state.process_index, self._dt_batch
-                micro = engine.train_micro_batch_size_per_gpu()
-                if self._dt_follows_engine is None:  # the training loader: its batches are the engine's micro-batches
-                    self._dt_follows_engine = micro == self._dt_batch
-                return engine.dp_world_size, engine.global_rank, micro if self._dt_follows_engine else self._dt_batch
+    def __len__(self) -> int:
+        world, _, micro = self._view()
+        per_round = world * micro
+        left = max(0, self._samples() - self.skip_batches * per_round)
+        if getattr(self._dt_inner, "drop_last", False):
+            return left // per_round
+        return math.ceil(left / per_round)
 
-            def _order(self) -> List[int]:
-                return [int(i) for batch in self._dt_inner for i in batch]
+    @property
+    def total_batch_size(self) -> int:
+        world, _, micro = self._view()
+        return world * micro
 
-            def _samples(self) -> int:
-                if getattr(self._dt_inner, "drop_last", False):
-                    return len(self._dt_inner) * self._dt_batch
-                return len(self._dt_inner.sampler)
+    def __iter__(self):
+        if self.rng_types is not None:
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        self.begin()
+        self.set_epoch(self.iteration)
+        order = self._order()
+        n = len(order)
+        drop_last = getattr(self._dt_inner, "drop_last", False)
+        world, _, micro = self._view()
+        pos = self.skip_batches * world * micro
+        try:
+            while pos < n:
+                world, rank, micro = self._view()
+                if drop_last and pos + world * micro > n:
+                    break
+                start = pos + rank * micro
+                indices = [order[(start + k) % n] for k in range(micro)]
+                pos += world * micro
+                if pos >= n or (drop_last and pos + world * micro > n):
+                    self.end_of_dataloader = True
+                batch = self.collate_fn([self.dataset[i] for i in indices])
+                if self.device is not None:
+                    batch = send_to_device(batch, self.device, non_blocking=self._non_blocking)
+                yield batch
+            self.iteration += 1
+        finally:
+            self.end()
 
-            def __len__(self) -> int:
-                world, _, micro = self._view()
-                per_round = world * micro
-                left = max(0, self._samples() - self.skip_batches * per_round)
-                if getattr(self._dt_inner, "drop_last", False):
-                    return left // per_round
-                return math.ceil(left / per_round)
-
-            @property
-            def total_batch_size(self) -> int:
-                world, _, micro = self._view()
-                return world * micro
-
-            def __iter__(self):
-                if self.rng_types is not None:
-                    synchronize_rng_states(self.rng_types, self.synchronized_generator)
-                self.begin()
-                self.set_epoch(self.iteration)
-                order = self._order()
-                n = len(order)
-                drop_last = getattr(self._dt_inner, "drop_last", False)
-                world, _, micro = self._view()
-                pos = self.skip_batches * world * micro
-                try:
-                    while pos < n:
-                        world, rank, micro = self._view()
-                        if drop_last and pos + world * micro > n:
-                            break
-                        start = pos + rank * micro
-                        indices = [order[(start + k) % n] for k in range(micro)]
-                        pos += world * micro
-                        if pos >= n or (drop_last and pos + world * micro > n):
-                            self.end_of_dataloader = True
-                        batch = self.collate_fn([self.dataset[i] for i in indices])
-                        if self.device is not None:
-                            batch = send_to_device(batch, self.device, non_blocking=self._non_blocking)
-                        yield batch
-                    self.iteration += 1
-                finally:
-                    self.end()
-
-            def __reduce__(self):
-                raise TypeError("an ElasticLoaderShard follows a live engine and cannot be pickled")
-
-        _CLASS = ElasticLoaderShard
-    return _CLASS
+    def __reduce__(self):
+        raise TypeError("an ElasticLoaderShard follows a live engine and cannot be pickled")

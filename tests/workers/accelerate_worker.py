@@ -70,7 +70,10 @@ def main() -> int:
     # `accelerate launch --use_deepspeed` selects it
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(cpu=True)
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=a.gas)
+    if os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):  # the script as users write it: the launcher's config
+        accelerator = Accelerator()
+    else:
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=a.gas)
     net = model()
     optimizer = DummyOptim(net.parameters())
     loader = torch.utils.data.DataLoader(dataset(), batch_size=2, shuffle=False)
