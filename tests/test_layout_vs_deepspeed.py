@@ -26,7 +26,13 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize(
-    "world_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3, 4]
+    "world_size",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.slow),
+        pytest.param(3, marks=pytest.mark.slow),
+        4,
+    ],
 )
 def test_layout_equals_deepspeed(tmp_path, world_size):
     jobs = run_plain(
