@@ -18,8 +18,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
 
 import ds_dynatrain  # noqa: E402,F401
+
+# DeepSpeed's own engine (a config without the section) starts deepspeed.comm, which on the CPU
+# JIT-builds its shared-memory op (inference only; minutes on a fresh machine): skipped, as
+# ds_dynatrain skips it for its engines (ds_dynatrain/zero/comm.py)
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def main() -> int:
