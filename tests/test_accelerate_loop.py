@@ -68,7 +68,6 @@ def test_a_plain_accelerate_loop_shrunk_3_to_2_online_trains_as_a_static_run_and
     cmd += [WORKER, "--out", out, "--steps", str(STEPS), "--gas", "2", "--count"]
     job = _run(cmd, os.path.join(tmp_path, "job.log"), timeout=300)
     assert job.returncode == 0, job.output[-4000:]
-    assert "--deepspeed_config" not in open(os.path.join(tmp_path, "job.log")).read()
     assert f"resize 3 → 2 after step {SAVE_AT}" in job.output
     assert job.output.count(f"the Accelerate loop goes on at step {SAVE_AT} on 2 processes (3 accumulation") == 2
     assert "left the job at a resize; this process ends (exit status 0)" in job.output

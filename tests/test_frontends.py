@@ -163,3 +163,16 @@ def test_an_accelerator_that_drops_deepspeed_refuses_the_section():
     assert "plain DistributedType.NO" in out.stdout
     assert out.returncode != 0
     assert "ConfigError: this Accelerator does not use DeepSpeed (distributed type DistributedType.NO)" in out.stderr
+
+
+def test_an_accelerator_that_drops_the_deepspeed_config_of_its_variables_refuses_the_section(tmp_path):
+    """The same through Accelerate's variables (what `accelerate launch --deepspeed_config_file` and
+    `dynatrain launch --deepspeed_config_file` set): cpu=True drops the config's section; an error."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "zero_optimization": {"stage": 2}, "dynatrain": {}}))
+    code = "import ds_dynatrain\nfrom accelerate import Accelerator\nAccelerator(cpu=True)\n"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, ACCELERATE_USE_DEEPSPEED="true")
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert "ConfigError: this Accelerator does not use DeepSpeed (distributed type DistributedType.NO)" in out.stderr

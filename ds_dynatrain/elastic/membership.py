@@ -166,6 +166,11 @@ class Membership:
             ),
         )
 
+    def job(self) -> dict:
+        """What :meth:`publish_job` published: the job's global batch, largest micro-batch,
+        ``max_world_size`` and launch world size."""
+        return json.loads(self.store.get(JOB_KEY))
+
     def pending_request(self, seen: int):
         """The next resize request after the first ``seen``, as ``(index, request dict)``, or None."""
         if int(self.store.add(REQUEST_COUNT, 0)) <= seen:

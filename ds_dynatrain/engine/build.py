@@ -90,6 +90,10 @@ def start_engine(
         world_size, member, generation = ctx.world_size, ctx.member, ctx.generation
     # the launch world size, and every scheduled one, must keep the global batch
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
+    if ctx is not None and ctx.joiner:
+        # the batch rule is the job's: its largest micro-batch is the launch config's (a front-end may
+        # have given this joiner its generation's smaller one, as Trainer's per-device batch)
+        micro = int(membership.job()["micro_batch"])
     dt = ElasticState(
         config=dt_cfg,
         ds_config=ds_config,

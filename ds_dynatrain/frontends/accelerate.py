@@ -15,10 +15,12 @@ every rank, when an engine of ours was prepared (a log line says when that chang
 
 from __future__ import annotations
 
+import os
+
 from ..config import SECTION, ConfigError
 from ..log import logger
-from .accelerate_loop import hook_accelerator
-from .configs import sections
+from .accelerate_loop import hook_accelerator, hook_skip_function
+from .configs import section_of, sections
 
 ACCELERATOR_MODULE = "accelerate.accelerator"
 
@@ -47,7 +49,11 @@ def _load_state(wrapped, instance, args, kwargs):
 def _init(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     plugin = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
-    if plugin is not None and sections(plugin) and str(instance.distributed_type) != "DistributedType.DEEPSPEED":
+    sectioned = plugin is not None and bool(sections(plugin))
+    if plugin is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes"):
+        # the config of `accelerate launch --deepspeed_config_file` (or `dynatrain launch`'s) by Accelerate's variable
+        sectioned = section_of(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) is not None
+    if sectioned and str(instance.distributed_type) != "DistributedType.DEEPSPEED":
         raise ConfigError(
             f"this Accelerator does not use DeepSpeed (distributed type {instance.distributed_type}), so the "
             f"{SECTION!r} section of its DeepSpeed plugin's config would be ignored: Accelerate selects DeepSpeed "
@@ -71,3 +77,5 @@ def install_accelerate_hooks() -> None:
     import wrapt
 
     wrapt.register_post_import_hook(_hook, ACCELERATOR_MODULE)
+    for name in ("accelerate.data_loader", "accelerate"):  # the function, and its re-export
+        wrapt.register_post_import_hook(hook_skip_function, name)

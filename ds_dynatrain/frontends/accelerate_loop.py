@@ -132,7 +132,8 @@ def _prepare_data_loader(wrapped, instance, args, kwargs):
     from .elastic_shard import elastic_shard
 
     loader = wrapped(*args, **kwargs)
-    if catching() or not _under_launch() or not _uses_section(instance):
+    trainers = getattr(instance, "_dt_trainer", False)  # Trainer prepares its loaders anew after a resize
+    if trainers or catching() or not _under_launch() or not _uses_section(instance):
         return loader
     ref = weakref.ref(instance)
     shard = elastic_shard(loader, lambda: _elastic_engine_of(ref()) if ref() is not None else None)
@@ -157,6 +158,16 @@ def _skip_first_batches(wrapped, instance, args, kwargs):
     skipped.__dict__.update(loader.__dict__)
     skipped.skip_batches = int(num)
     return skipped
+
+
+def hook_skip_function(module) -> None:
+    """Wrap ``module.skip_first_batches`` (``accelerate.data_loader``'s, or the package's re-export)
+    once, so that ``from accelerate import skip_first_batches`` keeps an elastic shard too."""
+    import wrapt
+
+    fn = getattr(module, "skip_first_batches", None)
+    if fn is not None and not isinstance(fn, wrapt.FunctionWrapper):
+        wrapt.wrap_function_wrapper(module, "skip_first_batches", _skip_first_batches)
 
 
 def hook_accelerator(module) -> None:

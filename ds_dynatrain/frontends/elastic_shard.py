@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Tuple
 from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
 from accelerate.state import PartialState
 from accelerate.utils import send_to_device, synchronize_rng_states
+from torch.utils.data import BatchSampler
 
 from ..config import ConfigError
 
@@ -44,7 +45,14 @@ def _shard_parts(loader) -> Tuple[object, int]:
             split or dispatched by the main process).
     """
     shard = getattr(loader, "batch_sampler", None)
-    if not isinstance(shard, BatchSamplerShard) or shard.split_batches:
+    if isinstance(shard, BatchSampler) and not isinstance(shard, BatchSamplerShard):
+        return shard, int(shard.batch_size)  # one process: Accelerate keeps the user's batch sampler
+    if getattr(loader, "use_stateful_dataloader", False):
+        raise ConfigError(
+            "a data loader prepared with use_stateful_dataloader cannot follow a resize under `dynatrain "
+            "launch` (its saved position would be the old world's)"
+        )
+    if not isinstance(shard, BatchSamplerShard) or shard.split_batches or shard.batch_size is None:
         raise ConfigError(
             f"a data loader prepared as {type(loader).__name__} over {type(shard).__name__} cannot follow a "
             "resize under `dynatrain launch`: ds_dynatrain re-shards map-style datasets that Accelerate "
@@ -92,7 +100,7 @@ class ElasticLoaderShard(DataLoaderShard):
             return state.num_processes, state.process_index, self._dt_batch
         micro = engine.train_micro_batch_size_per_gpu()
         if self._dt_follows_engine is None:  # the training loader: its batches are the engine's micro-batches
-            self._dt_follows_engine = micro == self._dt_batch
+            self._dt_follows_engine = self._dt_batch in (micro, engine._dt.micro_batch)
         return engine.dp_world_size, engine.global_rank, micro if self._dt_follows_engine else self._dt_batch
 
     def _order(self) -> List[int]:
@@ -101,7 +109,8 @@ class ElasticLoaderShard(DataLoaderShard):
     def _samples(self) -> int:
         if getattr(self._dt_inner, "drop_last", False):
             return len(self._dt_inner) * self._dt_batch
-        return len(self._dt_inner.sampler)
+        sampler = getattr(self._dt_inner, "sampler", None)
+        return len(sampler) if sampler is not None else len(self.dataset)
 
     def __len__(self) -> int:
         world, _, micro = self._view()
@@ -127,7 +136,7 @@ class ElasticLoaderShard(DataLoaderShard):
         world, _, micro = self._view()
         pos = self.skip_batches * world * micro
         try:
-            while pos < n:
+            while pos < n and not self.end_of_dataloader:
                 world, rank, micro = self._view()
                 if drop_last and pos + world * micro > n:
                     break

@@ -19,7 +19,8 @@ from memory rather than from disk:
    ``accelerator.prepare`` gets the same engine back (the route of :mod:`.route` keeps it); the
    engine's state is not loaded from anywhere (``deepspeed_load_checkpoint`` is skipped there).
 
-A process that left at the resize returns from ``train`` with None.
+A process that left at the resize ends there (``SystemExit(0)`` from ``train``): what the script does
+after ``train`` (its metrics, ``save_model``, a final ``evaluate``) is for the processes that stay.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def _realign(trainer, engine) -> None:
     set_world(engine.dp_world_size, engine.global_rank)
     trainer.model_wrapped = trainer.model  # so that the loop prepares it again: the route gives the engine back
     trainer.args.gradient_accumulation_steps = set_accumulation(trainer.accelerator, engine)
+    # the batch rule may take a smaller micro-batch at the new world (24 over 4 ranks of at most 4:
+    # 3 x 2): the resumed loop's data loader must cut batches of that size
+    micro = engine.train_micro_batch_size_per_gpu()
+    trainer.args.per_device_train_batch_size = micro
+    trainer._train_batch_size = micro * max(1, trainer.args.n_gpu)
 
 
 def _state_dir(trainer, engine) -> Tuple[str, Optional[float]]:
@@ -93,32 +99,37 @@ def _window_loss(engine, since: int) -> Optional[float]:
 
 def _step_end(trainer, engine, state_path: str, loss: Optional[float]) -> None:
     """What Trainer's loop does at the end of a step, for the step the world changed in (the loop
-    ended inside it): the callbacks' ``on_step_end``, then the log, evaluation and save they ask
-    for (``DefaultFlowCallback``: ``logging_steps``, ``eval_steps``, ``save_steps``), on every
-    member of the new world at the same point, with rank 0's state. The logged ``loss`` is rank
-    0's :func:`_window_loss`."""
+    ended inside it): the callbacks' ``on_step_end``, then the log, evaluation (and the best
+    metric) and save they ask for (``DefaultFlowCallback``: ``logging_steps``, ``eval_steps``,
+    ``save_steps``), on every member of the new world at the same point, with rank 0's state. The
+    logged ``loss`` is rank 0's :func:`_window_loss`, logged also off the logging steps (the
+    resumed loop's window starts at this step). A stop a callback asks for ends training here.
+    Not replayed: ``on_epoch_end`` when this step ends an epoch."""
     from transformers.trainer_callback import TrainerState
 
     trainer.state = TrainerState.load_from_json(state_path)
     trainer.current_flos = float(getattr(trainer, "current_flos", 0))  # one dtype on every rank: it is gathered
     state = trainer.state
-    if state.max_steps and trainer.args.num_train_epochs and state.num_train_epochs:
-        state.epoch = state.global_step / (state.max_steps / state.num_train_epochs)
     control = trainer.callback_handler.on_step_end(trainer.args, state, trainer.control)
     trainer.model_wrapped = trainer.deepspeed = engine
     try:
-        if control.should_log:
-            if loss is not None:
-                trainer.store_flos()
-                lr = engine.get_lr()  # the engine's scheduler: a joiner's Trainer has not taken it yet
-                trainer.log({"loss": loss, "learning_rate": float(lr[0]) if lr else float("nan")})
+        # logged also when this is no logging step: the resumed loop counts its loss window from here
+        if loss is not None and (control.should_log or state.global_step > _last_logged(state)):
+            trainer.store_flos()
+            lr = engine.get_lr()  # the engine's scheduler: a joiner's Trainer has not taken it yet
+            trainer.log({"loss": loss, "learning_rate": float(lr[0]) if lr else float("nan")})
         if control.should_evaluate:
-            trainer._evaluate(None, None)
+            metrics = trainer._evaluate(None, None)
+            best = trainer._determine_best_metric(metrics=metrics, trial=None)
+            if str(trainer.args.save_strategy).split(".")[-1].lower() == "best":
+                control.should_save = best
         if control.should_save:
             trainer._save_checkpoint(engine, trial=None)
             trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
     finally:
         trainer.model_wrapped = trainer.model
+    if trainer.control.should_training_stop:  # a callback ended training at this step (early stopping)
+        trainer.args.max_steps = state.global_step
     trainer.control.should_log = trainer.control.should_evaluate = trainer.control.should_save = False
     state.save_to_json(state_path)  # what the resumed loop loads: the log entries made here kept
 
@@ -134,8 +145,12 @@ def train_resuming_after_resizes(wrapped, trainer, args, kwargs):
             except FrontendRestart as restart:
                 engine = restart.engine
                 if not engine.is_member:
-                    logger.info(f"member {engine._dt.member} left the job at a resize; trainer.train returns None")
-                    return None
+                    # the rest of the script (its metrics, save_model, a final evaluate) is for the
+                    # processes that stay: this one ends here, as a finished worker
+                    logger.info(
+                        f"member {engine._dt.member} left the job at a resize; this process ends (exit status 0)"
+                    )
+                    raise SystemExit(0) from None
                 _realign(trainer, engine)
                 resume, loss = _state_dir(trainer, engine)
                 made.append(resume)
@@ -181,21 +196,34 @@ def generation_view(wrapped, instance, args, kwargs):
 
 def accumulation_for_world(wrapped, instance, args, kwargs):
     """``TrainingArguments.__post_init__``; under ``dynatrain launch`` with a DeepSpeed config that
-    gives ``train_batch_size`` and ``train_micro_batch_size_per_gpu``, the accumulation steps are
-    the ones that keep that global batch at this process's world size (a joiner's is its
-    generation's, not the launch command's)."""
+    gives ``train_batch_size`` and ``train_micro_batch_size_per_gpu``, the accumulation steps and
+    the per-device batch are those the engine's batch rule (:func:`~ds_dynatrain.batch.split_global_batch`)
+    takes at this process's world size (a joiner's is its generation's, not the launch command's)."""
+    from ..batch import split_global_batch
     from .configs import parsed_config
 
     ctx = _launch_context()
     cfg = parsed_config(getattr(instance, "deepspeed", None)) if ctx is not None else None
     if cfg is not None:
         tb, micro = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
-        if isinstance(tb, int) and isinstance(micro, int) and tb % (micro * ctx.world_size) == 0:
-            gas = tb // (micro * ctx.world_size)
-            if gas != instance.gradient_accumulation_steps:
+        if isinstance(tb, int) and isinstance(micro, int):
+            try:
+                split = split_global_batch(tb, micro, ctx.world_size)
+            except ValueError:
+                split = None  # the engine's build names the problem
+            if split is not None and (split.gradient_accumulation_steps, split.micro_batch) != (
+                instance.gradient_accumulation_steps,
+                instance.per_device_train_batch_size,
+            ):
+                was = f"{instance.per_device_train_batch_size} x {instance.gradient_accumulation_steps}"
+                now = f"{split.micro_batch} x {split.gradient_accumulation_steps}"
                 logger.info(
-                    f"gradient_accumulation_steps {instance.gradient_accumulation_steps} -> {gas}: the global batch "
-                    f"{tb} at {ctx.world_size} processes of {micro}"
+                    f"per-device batch x accumulation steps {was} -> {now}: the global batch {tb} at "
+                    f"{ctx.world_size} processes (micro-batch at most {micro})"
                 )
-                instance.gradient_accumulation_steps = gas
+                instance.gradient_accumulation_steps = split.gradient_accumulation_steps
+                instance.per_device_train_batch_size = split.micro_batch
+                # Trainer checks the config's micro-batch against its per-device batch; the job's
+                # largest stays with the job (the engine of a joiner takes it from the job's store)
+                instance.deepspeed = {**cfg, "train_micro_batch_size_per_gpu": split.micro_batch}
     return wrapped(*args, **kwargs)

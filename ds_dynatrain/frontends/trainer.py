@@ -129,6 +129,17 @@ def rotation_keeping_durable(sort_checkpoints):
     return rotate_checkpoints
 
 
+def _mark_trainer_accelerator(wrapped, instance, args, kwargs):
+    """``Trainer.create_accelerator_and_postprocess``: its accelerator is marked as Trainer's, whose
+    data loaders Trainer prepares anew for each loop and evaluation (no elastic shard,
+    :mod:`.accelerate_loop`)."""
+    out = wrapped(*args, **kwargs)
+    accelerator = getattr(instance, "accelerator", None)
+    if accelerator is not None:
+        accelerator._dt_trainer = True
+    return out
+
+
 def _hook(module) -> None:
     if getattr(module, _HOOKED, False):
         return
@@ -144,6 +155,8 @@ def _hook(module) -> None:
     from .restart import skip_live_load, train_resuming_after_resizes
 
     wrapt.wrap_function_wrapper(module, "Trainer.train", train_resuming_after_resizes)
+    if hasattr(module.Trainer, "create_accelerator_and_postprocess"):
+        wrapt.wrap_function_wrapper(module, "Trainer.create_accelerator_and_postprocess", _mark_trainer_accelerator)
     if hasattr(module, "deepspeed_load_checkpoint"):
         module.deepspeed_load_checkpoint = skip_live_load(module.deepspeed_load_checkpoint)
     setattr(module, _HOOKED, True)
