@@ -3,6 +3,7 @@ its whole process group is killed when the test ends, passes or not (no stray wo
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -183,3 +184,22 @@ def running(pid: int) -> bool:
             return f.read().split(") ")[1][0] not in "ZX"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def background_job(cmd: Sequence[str], log_path: str):
+    """Start ``cmd`` in its own session with its output in ``log_path``; yield the process, and
+    kill its whole process group when the block ends, passed or not."""
+    log = open(log_path, "w")
+    job = subprocess.Popen(
+        list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(), start_new_session=True
+    )
+    try:
+        yield job
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        job.wait()
+        log.close()

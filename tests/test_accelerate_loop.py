@@ -127,7 +127,7 @@ def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_
     import sys
     import time
 
-    from tests.conftest import ROOT, _env, free_port, resize_command
+    from tests.conftest import ROOT, background_job, free_port, resize_command
 
     steps = 3 * STEPS
     oracle = _losses(_static(tmp_path, 2, "--count", "--steps", str(steps)), 2)
@@ -144,9 +144,7 @@ def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_
     slow = tmp_path / "slow"  # the steps are slowed until the shrink is answered: it lands mid-run
     slow.write_text("")
     cmd += ["--gas", "2", "--count", "--step-sleep", "1", "--sleep-while", str(slow)]
-    log = open(os.path.join(tmp_path, "job.log"), "w")
-    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(), start_new_session=True)
-    try:
+    with background_job(cmd, os.path.join(tmp_path, "job.log")) as job:
         deadline = time.monotonic() + 200
         while sum(1 for _ in _trained_samples(out).elements()) < 24:  # two steps trained
             assert time.monotonic() < deadline and job.poll() is None, "the job did not train"
@@ -161,12 +159,6 @@ def test_dynatrain_resize_of_a_plain_accelerate_loop_refuses_a_grow_and_shrinks_
             time.sleep(0.2)
         slow.unlink()
         rc = job.wait(timeout=240)
-    finally:
-        try:
-            os.killpg(job.pid, 9)
-        except ProcessLookupError:
-            pass
-        log.close()
     output = open(os.path.join(tmp_path, "job.log")).read()
     assert grow.returncode != 0 and "cannot be entered by a new one" in grow.stdout + grow.stderr, grow
     assert shrink.returncode == 0, shrink.stdout + shrink.stderr

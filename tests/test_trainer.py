@@ -217,7 +217,7 @@ def test_trainer_grown_by_dynatrain_resize_and_shrunk_by_a_preemption(tmp_path):
     import subprocess
     import time
 
-    from tests.conftest import ROOT, _env, free_port, resize_command, running, worker_pids
+    from tests.conftest import ROOT, background_job, free_port, resize_command, running, worker_pids
 
     steps = 3 * STEPS
     static, _ = _trainer(tmp_path, 2, "static", "--steps", str(steps))
@@ -236,9 +236,7 @@ def test_trainer_grown_by_dynatrain_resize_and_shrunk_by_a_preemption(tmp_path):
     cmd += ["--store", f"127.0.0.1:{port}", WORKER, "--deepspeed", path, "--out", out, "--steps", str(steps)]
     cmd += ["--gas", "3", "--step-sleep", "1", "--sleep-while", str(slow)]
     log_path = os.path.join(tmp_path, "job.log")
-    log = open(log_path, "w")
-    job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(), start_new_session=True)
-    try:
+    with background_job(cmd, log_path) as job:
         deadline = time.monotonic() + 300
         while sum(_trained_samples(out).values()) < 24:  # two steps trained
             assert time.monotonic() < deadline and job.poll() is None, "the job did not train"
@@ -256,12 +254,6 @@ def test_trainer_grown_by_dynatrain_resize_and_shrunk_by_a_preemption(tmp_path):
             time.sleep(0.2)
         slow.unlink()
         rc = job.wait(timeout=300)
-    finally:
-        try:
-            os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        log.close()
     output = open(log_path).read()
     assert rc == 0, output[-4000:]
     grown = set(re.findall(r"the training loop resumes at step (\d+) on 3 processes", output))
