@@ -13,10 +13,14 @@ Python standard library's sources), ZeRO-2, gloo, global batch 12, under ``dynat
   record on 4 ranks. ``hidden_fraction``: the resize record's share of the new world's
   construction (joiner start-up and group rendezvous, ``background_build_s``) that ran while the
   old world trained, against the part left at the switch (``group_s + xfer_group_s``).
-  ``stall_s``: the longest gap between two step records around the resize minus the median step.
+  ``stall_s``: the longest gap between two step records around the resize minus the median gap
+  (each record's own ``time``, written as its step ended: the benchmark's polling, paused while it
+  waits for the request's answer, does not enter); ``longest_gap_s`` and ``median_gap_s`` beside
+  it; ``step_s_preparing`` against ``step_s_before``: what building the new world beside training
+  costs each step on a host whose CPUs the workers use (joiners start up there).
 * **request, blocking** (the anchor: ``background_groups: false``, the job stops at the step that
   serves the request until the new world is up): the same request, ``anchor_request_to_step_s``
-  and ``anchor_stall_s``; ``stall_ratio = anchor_stall_s / stall_s``.
+  and ``anchor_stall_s``; ``gap_ratio = anchor_longest_gap_s / longest_gap_s``.
 * **SIGKILL** (``snapshot.interval_steps: 4``, ``restore_on_failure``): at step 10 one of the two
   workers is killed. ``kill_to_step_s``: from the kill to the first step record after the
   restore (the agent restarts the job from the latest complete snapshot on the largest world size
@@ -58,9 +62,9 @@ def _records(path):
 
 
 class Job:
-    """One ``dynatrain launch`` of the example, with a step-record watcher (wall-clock stamps)."""
+    """One ``dynatrain launch`` of the example, with a watcher of its records."""
 
-    def __init__(self, work: str, name: str, dynatrain: dict, steps: int):
+    def __init__(self, work: str, name: str, dynatrain: dict, steps: int, nproc: int = 2):
         with open(os.path.join(ROOT, "configs", "zero2_elastic.json")) as f:
             cfg = json.load(f)
         self.metrics = os.path.join(work, f"{name}.jsonl")
@@ -85,7 +89,7 @@ class Job:
                 "ds_dynatrain.cli",
                 "launch",
                 "--nproc",
-                "2",
+                str(nproc),
                 "--slots",
                 "4",  # the request grows the job to 4 workers on this host
                 "--config",
@@ -104,15 +108,9 @@ class Job:
             env=env,
             start_new_session=True,
         )
-        self.seen = {}  # step record index -> wall-clock time it was first seen
 
     def poll(self) -> list:
-        recs = _records(self.metrics)
-        now = time.time()
-        for i, r in enumerate(recs):
-            if r["event"] == "step" and i not in self.seen:
-                self.seen[i] = now
-        return recs
+        return _records(self.metrics)
 
     def wait_for(self, pred, timeout: float = 300.0, after: int = -1):
         """The first record (index, record) after index ``after`` for which ``pred`` holds."""
@@ -142,30 +140,44 @@ class Job:
         if rc != 0:
             raise RuntimeError(f"the job failed ({rc}):\n{self._tail()}")
 
-    def stall(self, resize_step: int) -> float:
-        """Longest gap between consecutive step records (seen times) around ``resize_step``,
-        minus the median gap."""
-        recs = self.poll()
-        steps = [(r["step"], self.seen[i]) for i, r in enumerate(recs) if r["event"] == "step"]
-        gaps = [b[1] - a[1] for a, b in zip(steps, steps[1:])]
-        near = [b[1] - a[1] for a, b in zip(steps, steps[1:]) if resize_step - 1 <= a[0] <= resize_step + 6]
-        return max(0.0, max(near) - statistics.median(gaps))
+    def stall(self, resize_step: int, t_request: float) -> dict:
+        """Around a resize after ``resize_step`` requested at ``t_request`` (Unix seconds), from
+        the step records' own ``time`` stamps (written as each step ended) and ``step_s``:
+        ``longest_gap_s`` between two consecutive step records from the step before the resize to
+        six after it, ``median_gap_s`` over the whole job, ``stall_s`` = their difference (0 at
+        least); ``step_s_before`` (median ``step_s`` before the request) and
+        ``step_s_preparing`` (median ``step_s`` of the steps between the request and the switch,
+        while the new world was built beside them)."""
+        steps = [r for r in self.poll() if r["event"] == "step"]
+        gaps = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])]
+        near = [
+            b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if resize_step - 1 <= a["step"] <= resize_step + 6
+        ]
+        before = [r["step_s"] for r in steps if r["time"] < t_request]
+        preparing = [r["step_s"] for r in steps if r["time"] >= t_request and r["step"] <= resize_step]
+        return {
+            "longest_gap_s": max(near),
+            "median_gap_s": statistics.median(gaps),
+            "stall_s": max(0.0, max(near) - statistics.median(gaps)),
+            "step_s_before": statistics.median(before) if before else float("nan"),
+            "step_s_preparing": statistics.median(preparing) if preparing else float("nan"),
+        }
 
 
 def _request_phase(work: str, name: str, background: bool) -> dict:
     from ds_dynatrain.elastic.requests import request_resize
 
-    job = Job(work, name, {"background_groups": background}, 24)
+    job = Job(work, name, {"background_groups": background}, 40)
     try:
         job.wait_for(lambda r: r["event"] == "step" and r["step"] >= 4)
         t0 = time.time()
         answer = request_resize("127.0.0.1", job.port, 4, 300.0)
-        i, first = job.wait_for(lambda r: r["event"] == "step" and r["world_size"] == 4)
-        to_step = job.seen[i] - t0
+        _, first = job.wait_for(lambda r: r["event"] == "step" and r["world_size"] == 4)
+        to_step = first["time"] - t0
     finally:
         job.finish()
     rec = answer["record"]
-    return {"request_to_step_s": to_step, "stall_s": job.stall(rec["step"]), "record": rec}
+    return {"request_to_step_s": to_step, **job.stall(rec["step"], t0), "record": rec}
 
 
 def _kill_phase(work: str) -> dict:
@@ -177,8 +189,8 @@ def _kill_phase(work: str) -> dict:
         t0 = time.time()
         os.kill(int(pids[-1]), signal.SIGKILL)
         ri, restore = job.wait_for(lambda r: r["event"] == "restore")
-        i, _ = job.wait_for(lambda r: r["event"] == "step", after=ri)
-        kill_to_step = job.seen[i] - t0
+        _, first = job.wait_for(lambda r: r["event"] == "step", after=ri)
+        kill_to_step = first["time"] - t0
     finally:
         job.finish()
     return {
@@ -208,10 +220,15 @@ def main(argv=None) -> int:
         "resize_s": rec["seconds"],
         "request_to_step_s": ours["request_to_step_s"],
         "stall_s": ours["stall_s"],
+        "longest_gap_s": ours["longest_gap_s"],
+        "median_gap_s": ours["median_gap_s"],
+        "step_s_before": ours["step_s_before"],
+        "step_s_preparing": ours["step_s_preparing"],
         "anchor_request_to_step_s": anchor["request_to_step_s"],
         "anchor_stall_s": anchor["stall_s"],
+        "anchor_longest_gap_s": anchor["longest_gap_s"],
         "anchor_group_s": anchor["record"]["group_s"],
-        "stall_ratio": anchor["stall_s"] / max(ours["stall_s"], 1e-3),
+        "gap_ratio": anchor["longest_gap_s"] / ours["longest_gap_s"],
         **kill,
     }
     if a.json:
@@ -219,14 +236,16 @@ def main(argv=None) -> int:
         return 0
     print(
         f"request 2 -> 4, background: {out['request_to_step_s']:.2f} s to the first step on 4 ranks; "
-        f"stall {out['stall_s']:.2f} s; {100 * out['hidden_fraction']:.1f} % of the new world's construction "
+        f"stall {out['stall_s']:.2f} s (longest gap between steps {out['longest_gap_s']:.2f} s, median "
+        f"{out['median_gap_s']:.2f} s); {100 * out['hidden_fraction']:.1f} % of the new world's construction "
         f"({out['background_build_s']:.2f} s) hidden behind training, {out['exposed_group_s']:.3f} s left "
-        f"at the switch"
+        f"at the switch; a step took {out['step_s_preparing']:.2f} s while it was built beside training, "
+        f"{out['step_s_before']:.2f} s before"
     )
     print(
         f"request 2 -> 4, blocking (anchor): {out['anchor_request_to_step_s']:.2f} s to the first step; "
-        f"stall {out['anchor_stall_s']:.2f} s (group {out['anchor_group_s']:.2f} s); "
-        f"stall ratio {out['stall_ratio']:.1f}x"
+        f"stall {out['anchor_stall_s']:.2f} s (longest gap {out['anchor_longest_gap_s']:.2f} s, group "
+        f"{out['anchor_group_s']:.2f} s); longest gap {out['gap_ratio']:.1f}x ours"
     )
     print(
         f"SIGKILL of one of 2: {out['kill_to_step_s']:.2f} s to the first step on {out['restored_world_size']} "

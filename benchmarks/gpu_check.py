@@ -108,7 +108,7 @@ def ds_config(device: str, metrics: str, world: int, gloo: bool) -> dict:
     cfg = {
         "train_batch_size": 4 * world,
         "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True, "fused": True}},
         "zero_optimization": {"stage": 2},
         "steps_per_print": 10**9,
         "dynatrain": {

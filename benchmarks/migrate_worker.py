@@ -50,7 +50,7 @@ def config(a, world_size: int, load_universal: bool = False) -> dict:
         "train_batch_size": 12,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 12 // world_size,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
         "zero_optimization": {"stage": 2},
         "steps_per_print": 10**9,
     }

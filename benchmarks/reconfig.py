@@ -5,7 +5,8 @@
 One run, on this machine, a Llama-shaped model (vocabulary 8192, hidden 768, MLP 2048, 64-wide
 heads, untied embeddings, sequence length 64, micro-batch 1; ``--params`` picks the number of
 layers, 12 for about 97 M parameters; ``--hidden``/``--layers`` override), ZeRO-2, fp32, AdamW
-(``torch_adam``), the same global batch on both sides of each transition. Per transition N->M:
+(``torch_adam`` with ``fused``: torch's one-kernel CPU AdamW), the same global batch on both sides
+of each transition. Per transition N->M:
 
 * ``ours``: ``dynatrain launch --nproc N`` with ``resize_schedule`` at step K (``--steps-before``)
   to M; K steps on N, the resize inside ``engine.step()`` of step K, then ``--steps-after`` steps
@@ -199,7 +200,7 @@ def base_config(batch: int) -> dict:
     return {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
         "zero_optimization": {"stage": 2},
         "steps_per_print": 10**9,
     }

@@ -1,6 +1,6 @@
 """Snapshot cost: our asynchronous engine beside DeepSpeed's default engine and PyTorch DCP.
 
-    python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR] [--worker-nice N]
+    python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR] [--worker-nice N] [--unpaired]
 
 One run: a Llama-shaped model (about 100 M parameters at the defaults; byte vocabulary), ZeRO-2,
 2 ranks on this machine, a snapshot every ``--every`` steps, once per engine:
@@ -13,12 +13,18 @@ Printed per engine: the stall of the training loop per snapshot (time the loop i
 ``save`` call plus the wait for its capture at the next optimizer step), the plain step time, the flush
 throughput of one snapshot, and the device bound measured in the same run (O_DIRECT sequential
 write of the same size into the same directory, ``benchmarks.io_bound``), and the slowdown of the
-mean iteration (snapshot steps included) against a run without snapshots, and the CPU time rank 0
-spent per iteration (every thread, user and system, the last flush included) against that run's:
-on a machine whose cores training fills, the extra CPU time is what a snapshot takes from training,
-and it is steadier than wall times when other work shares the machine. ``--json`` prints one object
-per engine with ``engine, stall_s, step_s, iter_s, slowdown, cpu_s, cpu_overhead, flush_gbps,
-bound_gbps``.
+mean iteration (snapshot steps included, the last snapshot's flush waited for inside the block)
+against the mean iteration without snapshots, and the CPU time rank 0 spent per iteration (every
+thread, user and system) against that baseline's: on a machine whose cores training fills, the
+extra CPU time is what a snapshot takes from training.
+
+The baseline is paired: each engine's job runs ``--steps`` iterations without snapshots, then
+``--steps`` with them, then ``--steps`` without again, and the slowdown is against the mean of the
+two blocks without (the machine's speed drifts by more than the effect between separate jobs; the
+drift between the block before and the block after is printed). ``--unpaired`` runs the blocks
+with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
+per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
+paired_drift, flush_gbps, bound_gbps``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
     cfg = {
         "train_batch_size": 4,
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
         "zero_optimization": {"stage": 2},
         "steps_per_print": 10**9,
         "dynatrain": {
@@ -73,6 +79,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
         a.dir,
         "--out",
         out,
+        *(["--paired"] if a.paired else []),
     ]
     env = dict(
         os.environ,
@@ -93,7 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dynatrain-snapshot-bench"))
-    ap.add_argument("--engines", default="none,dynatrain,torch,dcp", help="'none': no snapshots (the baseline)")
+    ap.add_argument(
+        "--engines", default="dynatrain,torch,dcp", help="'none': a job without snapshots (the unpaired baseline)"
+    )
+    ap.add_argument(
+        "--unpaired",
+        dest="paired",
+        action="store_false",
+        help="no baseline blocks inside each engine's job: slowdowns against the 'none' job's",
+    )
     ap.add_argument("--worker-nice", type=int, default=None, help="snapshot.worker_nice (default: the config's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -113,9 +128,14 @@ def main(argv=None) -> int:
         r["bound_gbps"] = bound
         r["stall_vs_torch"] = r["stall_s"] / torch_stall if torch_stall else None
         r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
-        r["baseline_iter_s"] = base["iter_s"] if base else None
-        r["slowdown"] = r["iter_s"] / base["iter_s"] - 1 if base else None
-        r["cpu_overhead"] = r["cpu_s"] / base["cpu_s"] - 1 if base else None
+        if r.get("paired_base_iter_s"):  # the same job's blocks without snapshots, before and after
+            r["baseline_iter_s"] = r["paired_base_iter_s"]
+            r["slowdown"] = r["iter_s"] / r["paired_base_iter_s"] - 1
+            r["cpu_overhead"] = r["cpu_s"] / r["paired_base_cpu_s"] - 1
+        else:
+            r["baseline_iter_s"] = base["iter_s"] if base else None
+            r["slowdown"] = r["iter_s"] / base["iter_s"] - 1 if base else None
+            r["cpu_overhead"] = r["cpu_s"] / base["cpu_s"] - 1 if base else None
     if a.json:
         for r in results:
             print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
@@ -126,6 +146,12 @@ def main(argv=None) -> int:
     )
     if base:
         print(f"baseline (no snapshots): {base['iter_s']:.2f} s per iteration, {base['cpu_s']:.2f} CPU s on rank 0")
+    for r in results:
+        if r.get("paired_base_iter_s"):
+            print(
+                f"{r['engine']}: {r['paired_base_iter_s']:.2f} s per iteration without snapshots in the same job "
+                f"(drift from the block before to the block after: {100 * r['paired_drift']:+.1f} %)"
+            )
     print(
         f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
         f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10}"

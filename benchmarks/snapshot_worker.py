@@ -29,7 +29,7 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=["none", "dynatrain", "torch", "dcp"], required=True)
     p.add_argument("--hidden", type=int, default=768)
@@ -38,12 +38,16 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--every", type=int, default=2)
+    p.add_argument("--paired", action="store_true", help="also run --steps without snapshots before and after")
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--deepspeed_config", required=True)
-    a = p.parse_args()
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
+    return p.parse_args()
+
+
+def build_engine(a):
+    """The Llama-shaped model (byte vocabulary) under ``ds_dynatrain.initialize``, with DeepSpeed's
+    own checkpoint engine for ``--engine torch``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -65,94 +69,138 @@ def main():
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
         engine.checkpoint_engine = TorchCheckpointEngine()
-    rank = engine.global_rank
-    g = torch.Generator().manual_seed(rank)
-    batch = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), a.seq_len), generator=g)
-    save_dir = os.path.join(a.dir, a.engine)
-    if rank == 0:
-        shutil.rmtree(save_dir, ignore_errors=True)
-    torch.distributed.barrier()
+    return model, engine
 
-    plain, with_snap, stalls, flush = [], [], [], []
-    pending = None  # dcp future
 
-    def step():
+def cpu_now() -> float:
+    """CPU seconds of every thread of this process so far, user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Loop:
+    """The timed training loop of one rank: iterations, snapshots with one engine, and what they
+    cost (seconds per iteration, stalls per snapshot, flushes of DCP)."""
+
+    def __init__(self, a, engine):
+        self.a, self.engine = a, engine
+        self.rank = engine.global_rank
+        g = torch.Generator().manual_seed(self.rank)
+        self.batch = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), a.seq_len), generator=g)
+        self.save_dir = os.path.join(a.dir, a.engine)
+        self.plain, self.with_snap, self.stalls, self.flush = [], [], [], []
+        self.pending = None  # DCP's future, its start and its directory
+
+    def step(self) -> None:
+        engine = self.engine
         for _ in range(engine.gradient_accumulation_steps()):
-            engine.backward(engine(input_ids=batch, labels=batch).loss)
+            engine.backward(engine(input_ids=self.batch, labels=self.batch).loss)
             engine.step()
 
-    cpu0 = None
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup:
-            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
-        stall = 0.0
-        ce = engine.checkpoint_engine
-        wait0 = getattr(ce, "stats", {}).get("capture_wait_s", 0.0)
-        step()
-        if a.engine == "dynatrain" and stalls:
-            # the optimizer step waited for the capture of the last snapshot: that snapshot's stall
-            stalls[-1] += engine.checkpoint_engine.stats["capture_wait_s"] - wait0
-        snap = a.engine != "none" and i >= a.warmup and (i - a.warmup) % a.every == 0
-        if snap:
-            s0 = time.perf_counter()
-            tag = f"global_step{engine.global_steps}"
-            if a.engine == "dcp":
-                import torch.distributed.checkpoint as dcp
+    def _finish_dcp(self) -> None:
+        if self.pending is not None:
+            future, f0, path = self.pending
+            future.result()
+            self.flush.append((path, time.perf_counter() - f0))
+            self.pending = None
 
-                if pending is not None:
-                    f0 = pending[1]
-                    pending[0].result()
-                    flush.append((pending[2], time.perf_counter() - f0))
-                state = {
-                    f"rank{rank}": {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
-                }
-                pending = (
-                    dcp.async_save(state, checkpoint_id=os.path.join(save_dir, tag)),
-                    s0,
-                    os.path.join(save_dir, tag),
-                )
-            else:
-                engine.save_checkpoint(save_dir, tag=tag)
-            stall += time.perf_counter() - s0
-        dt = time.perf_counter() - t0
-        if i >= a.warmup:
-            (with_snap if snap else plain).append(dt)
+    def snapshot(self) -> float:
+        """Take one snapshot; returns the seconds the loop was held by the call."""
+        s0 = time.perf_counter()
+        engine = self.engine
+        tag = f"global_step{engine.global_steps}"
+        if self.a.engine == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            self._finish_dcp()
+            state = {
+                f"rank{self.rank}": {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+            }
+            path = os.path.join(self.save_dir, tag)
+            self.pending = (dcp.async_save(state, checkpoint_id=path), s0, path)
+        else:
+            engine.save_checkpoint(self.save_dir, tag=tag)
+        return time.perf_counter() - s0
+
+    def block(self, count: int, snapshots: bool, times: list) -> float:
+        """``count`` iterations, a snapshot after every ``--every``-th from the first when
+        ``snapshots``; each iteration's seconds appended to ``times`` (and to ``plain`` or
+        ``with_snap``). The last snapshot's flush is waited for and its wait added to the last
+        iteration (a conservative count: in steady state it overlaps the next iterations).
+        Returns the CPU seconds of the block."""
+        c0 = cpu_now()
+        for i in range(count):
+            t0 = time.perf_counter()
+            ce = self.engine.checkpoint_engine
+            wait0 = getattr(ce, "stats", {}).get("capture_wait_s", 0.0)
+            self.step()
+            if snapshots and self.a.engine == "dynatrain" and self.stalls:
+                # the optimizer step waited for the capture of the last snapshot: that snapshot's stall
+                self.stalls[-1] += ce.stats["capture_wait_s"] - wait0
+            snap = snapshots and i % self.a.every == 0
+            stall = self.snapshot() if snap else 0.0
+            if snapshots and i == count - 1:  # the block's last flush, counted in the block
+                if self.a.engine == "dcp":
+                    self._finish_dcp()
+                elif self.a.engine == "dynatrain":
+                    ce.wait()
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            (self.with_snap if snap else self.plain).append(dt)
             if snap:
-                stalls.append(stall)
-    if a.engine == "dcp" and pending is not None:
-        pending[0].result()
-        flush.append((pending[2], time.perf_counter() - pending[1]))
-    ce = engine.checkpoint_engine
+                self.stalls.append(stall)
+        return cpu_now() - c0
+
+
+def flush_figures(a, loop: Loop, snap_bytes: int):
+    """``(persist_s, flush_gbps)``: seconds per snapshot to make this rank's files durable and the
+    resulting write bandwidth (GB/s) of the whole snapshot."""
+    if a.engine == "none":
+        return 0.0, 0.0
     if a.engine == "dynatrain":
-        ce.wait()
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank, the last flush included
-    cpu_s = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / a.steps
+        persist = loop.engine.checkpoint_engine.stats["persist_s"] / max(1, len(loop.stalls))
+        return persist, (snap_bytes / persist / 1e9 if persist else 0.0)
+    persist = statistics.median(loop.stalls) if a.engine == "torch" else statistics.median(s for _, s in loop.flush)
+    return persist, snap_bytes / persist / 1e9
+
+
+def main():
+    a = parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
+    model, engine = build_engine(a)
+    loop = Loop(a, engine)
+    if loop.rank == 0:
+        shutil.rmtree(loop.save_dir, ignore_errors=True)
     torch.distributed.barrier()
+    for _ in range(a.warmup):
+        loop.step()
+    snapshots = a.engine != "none"
+    paired = a.paired and snapshots  # the same process without snapshots, before and after (drift cancels)
+    main_times, before, after = [], [], []
+    cpu_before = loop.block(a.steps, False, before) if paired else 0.0
+    cpu_main = loop.block(a.steps, snapshots, main_times)
+    cpu_after = loop.block(a.steps, False, after) if paired else 0.0
+    torch.distributed.barrier()
+    save_dir = loop.save_dir
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []
     snap_bytes = dir_bytes(os.path.join(save_dir, tags[-1])) if tags else 0
-    if a.engine == "none":
-        persist, flush_gbps, stalls = 0.0, 0.0, [0.0]
-    elif a.engine == "dynatrain":
-        persist = ce.stats["persist_s"] / max(1, len(stalls))  # this rank's files, seconds per snapshot
-        flush_gbps = snap_bytes / 2 / persist / 1e9 * 2 if persist else 0.0
-    elif a.engine == "torch":
-        persist = statistics.median(stalls)
-        flush_gbps = snap_bytes / persist / 1e9
-    else:
-        persist = statistics.median(s for _, s in flush)
-        flush_gbps = snap_bytes / persist / 1e9
-    if rank == 0:
+    persist, flush_gbps = flush_figures(a, loop, snap_bytes)
+    stalls = loop.stalls or [0.0]
+    if loop.rank == 0:
         with open(a.out, "w") as f:
             json.dump(
                 {
                     "engine": a.engine,
                     "stall_s": statistics.median(stalls),
                     "stalls": stalls,
-                    "step_s": statistics.median(plain) if plain else None,
-                    "step_with_snapshot_s": statistics.median(with_snap) if with_snap else None,
-                    "iter_s": statistics.mean(plain + with_snap),
-                    "cpu_s": cpu_s,
+                    "step_s": statistics.median(loop.plain) if loop.plain else None,
+                    "step_with_snapshot_s": statistics.median(loop.with_snap) if loop.with_snap else None,
+                    "iter_s": statistics.mean(main_times),
+                    "cpu_s": cpu_main / a.steps,
+                    "paired_base_iter_s": statistics.mean(before + after) if paired else None,
+                    "paired_base_cpu_s": (cpu_before + cpu_after) / (2 * a.steps) if paired else None,
+                    "paired_drift": statistics.mean(after) / statistics.mean(before) - 1 if paired else None,
                     "snapshot_bytes": snap_bytes,
                     "persist_s": persist,
                     "flush_gbps": flush_gbps,

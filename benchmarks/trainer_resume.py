@@ -48,7 +48,10 @@ def config(section: bool, universal: bool = False) -> dict:
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True, "fused": True},
+        },
         "scheduler": {
             "type": "WarmupDecayLR",
             "params": {

@@ -84,6 +84,26 @@ class SnapshotConfig(_Strict):
         return self
 
 
+class RecoveryConfig(_Strict):
+    """In-place recovery from a worker killed without notice: peer replicas in host memory."""
+
+    peer_replicas: Literal[0, 1] = Field(
+        0,
+        description="copies of each rank's partition state (fp32 master, optimizer moments, step scalars) kept in "
+        "another rank's host memory, on another host when the job spans hosts; 1 turns in-place recovery on, 0 "
+        "leaves a worker's death to snapshot.restore_on_failure",
+    )
+    interval_steps: int = Field(
+        1, ge=1, description="refresh the replicas every this many optimizer steps (at most this many steps are lost)"
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long the survivors wait for each phase of a recovery (the dead worker's report, the "
+        "others' offers, the new group), seconds; past it the job falls back to the restart from the snapshot",
+    )
+
+
 class DynatrainConfig(_Strict):
     """The whole ``"dynatrain"`` section. Every field has a default; an empty section is valid."""
 
@@ -93,6 +113,7 @@ class DynatrainConfig(_Strict):
     )
     max_world_size: Optional[int] = Field(None, ge=1, description="largest data-parallel world size allowed")
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     metrics_path: Optional[str] = Field(None, description="JSON-lines file of step and resize records (rank 0)")
     log_interval_steps: int = Field(
         1, ge=1, description="print one step line every this many steps (step time and throughput averaged over them)"
@@ -309,6 +330,13 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
             split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
         except ResizeRefusedError as err:
             raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
+    if dt_cfg.recovery.peer_replicas:
+        stage = (ds_config.get("zero_optimization", {}) or {}).get("stage", 0)
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"invalid DeepSpeed config: dynatrain.recovery.peer_replicas needs zero_optimization.stage 1 or 2 "
+                f"(stage {stage}: a worker's death falls back to snapshot.restore_on_failure)"
+            )
     if dt_cfg.resize_schedule:
         zero = ds_config.get("zero_optimization", {}) or {}
         stage = zero.get("stage", 0)

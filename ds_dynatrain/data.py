@@ -67,6 +67,7 @@ class ElasticDataLoader:
         self._order = None
         self._step = -1
         self._micro = 0
+        self._generation = 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -96,9 +97,10 @@ class ElasticDataLoader:
         engine = self.engine
         epoch = engine.global_steps // self.steps_per_epoch
         while engine.is_member and engine.global_steps // self.steps_per_epoch == epoch:
-            step = engine.global_steps
-            if step != self._step:
-                self._step, self._micro = step, 0
+            step, generation = engine.global_steps, getattr(engine, "generation", 0)
+            if step != self._step or generation != self._generation:
+                # a new step, or a new world (an in-place recovery may go back to a step begun)
+                self._step, self._micro, self._generation = step, 0, generation
             accum = engine.gradient_accumulation_steps()
             if self._micro >= accum:
                 raise RuntimeError(

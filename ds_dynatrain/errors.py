@@ -34,6 +34,12 @@ class TransitionAbortedError(DynatrainError):
     about the plan. The message names the peer and the phase."""
 
 
+class RecoveryNotPossibleError(TransitionAbortedError):
+    """An in-place recovery cannot serve a worker's death (a dead member's replica holder died too,
+    no replica was complete yet, a resize was in flight); the job falls back to the restart from
+    its snapshot. The message says why."""
+
+
 class NotAMemberError(DynatrainError):
     """This process left the job at a resize; its engine can no longer train."""
 

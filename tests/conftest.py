@@ -38,6 +38,15 @@ class Job:
     output: str
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session``) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
@@ -56,11 +65,7 @@ def _run(cmd: Sequence[str], log_path: str, timeout: float, env: Optional[dict] 
         except subprocess.TimeoutExpired:
             rc = -9
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            kill_group(proc)
     with open(log_path) as f:
         out = f.read()
     if rc == -9:
@@ -197,9 +202,5 @@ def background_job(cmd: Sequence[str], log_path: str):
     try:
         yield job
     finally:
-        try:
-            os.killpg(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        job.wait()
+        kill_group(job)
         log.close()

@@ -129,3 +129,43 @@ def test_a_model_the_synthetic_batch_does_not_fit_joins_cold(store):
     model = torch.nn.Embedding(4, 2)
     assert warm_joiner(store, model, 3, timeout_s=10) is None
     assert all(p.grad is None for p in model.parameters())
+
+
+PRELOAD_CHILD = r"""
+import json, sys
+from datetime import timedelta
+import torch
+import torch.distributed as tdist
+from ds_dynatrain.elastic.keys import BATCH_KEY, MODULES_KEY
+from ds_dynatrain.engine.warmup import describe_inputs, publish_modules, warm_joiner
+
+store = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+publish_modules(store)  # this process's own list, as rank 0 writes it
+listed = json.loads(store.get(MODULES_KEY))
+wanted = ["json.tool", "pydoc_data.topics", "json.no_such_module"]
+before = {name: name in sys.modules for name in wanted}
+store.set(MODULES_KEY, json.dumps(wanted))
+store.set(BATCH_KEY, json.dumps(describe_inputs((torch.zeros(1, 2),), {})))
+seconds = warm_joiner(store, torch.nn.Linear(2, 2), 3, timeout_s=10)
+print(json.dumps({
+    "listed_torch": "torch" in listed, "listed_main": "__main__" in listed, "sorted": listed == sorted(listed),
+    "before": before, "after": {name: name in sys.modules for name in wanted}, "seconds": seconds,
+}))
+"""
+
+
+def test_joiner_imports_the_modules_rank_0_listed_of_the_packages_it_uses():
+    """In a fresh interpreter (its modules are the subject): the list rank 0 writes names what it
+    has imported, sorted, without the script; a joiner imports a listed module of a package it
+    has (json.tool), leaves a package it never touched alone (pydoc_data) and skips a module that
+    does not import; its warm-up goes on after them."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PRELOAD_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["listed_torch"] and not got["listed_main"] and got["sorted"]
+    assert got["before"] == {"json.tool": False, "pydoc_data.topics": False, "json.no_such_module": False}
+    assert got["after"] == {"json.tool": True, "pydoc_data.topics": False, "json.no_such_module": False}
+    assert got["seconds"] is not None and got["seconds"] > 0

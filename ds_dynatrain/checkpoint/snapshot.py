@@ -479,5 +479,17 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         if err is not None:
             logger.warning(f"{err}")
 
+    def abandon(self) -> None:
+        """Stop without waiting for the snapshot in flight (an in-place recovery: its commit needs
+        a rank that died). The worker ends after its current task; that snapshot is never
+        published (rank 0's wait for the ranks fails after ``timeout_s`` and removes its
+        temporary directory)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+        self._stores.clear()
+
     def cleanup(self):
         self.close()

@@ -52,8 +52,6 @@ from typing import Dict, Optional, Sequence
 
 import torch.distributed as tdist
 
-from io_engine import BadLatestError, read_latest
-
 from ..log import logger, plural
 from .keys import (
     ANSWER_KEY,
@@ -82,7 +80,9 @@ from .launch_env import LaunchContext, member_id
 from .membership import connect_store, next_generation
 from .placement import alive_workers, others_running
 from .priority import joiner_start_env
+from .recovery_watch import RecoveryWatch
 from .refill import Refill
+from .restart import latest_tag, post_restart, restart_ranks
 
 POLL_S = 0.05
 GRACE_S = 10.0
@@ -109,6 +109,8 @@ class Agent:
         max_refills: grows back to the slots after a restart shrank the job (0: none).
         joiner_nice: joiners start this much above the agent's nice value until their generation
             forms (:mod:`~ds_dynatrain.elastic.priority`; 0: unchanged).
+        recovery_timeout_s: ``recovery.timeout_s`` when the job keeps peer replicas: a worker's
+            death is reported to the survivors (:mod:`~ds_dynatrain.elastic.recovery_watch`).
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class Agent:
         oversubscribe: bool = False,
         max_refills: int = 0,
         joiner_nice: int = 0,
+        recovery_timeout_s: Optional[float] = None,
     ):
         self.script = script
         self.script_args = list(script_args)
@@ -170,6 +173,8 @@ class Agent:
         self._restore_env = False
         self.joiner_env = joiner_start_env(joiner_nice)  # joiners start below the workers (priority.py)
         self.joiner_nice = joiner_nice
+        # in-place recovery (recovery.peer_replicas): a death is reported to the survivors, not restarted
+        self.recovery = None if recovery_timeout_s is None else RecoveryWatch(self.store, self.node, recovery_timeout_s)
 
     @property
     def store_port(self) -> int:
@@ -306,44 +311,25 @@ class Agent:
             self.store.set(NODE_ALIVE_KEY.format(self.node), json.dumps({"alive": alive, "time": time.time()}))
             self._alive_sent, self._beat_sent = alive, now
 
-    def _latest(self) -> Optional[str]:
-        """What the snapshot directory's ``latest`` names; a damaged ``latest`` is reported as such
-        (the restarted workers' restore then tries the directory's older snapshots)."""
-        try:
-            return read_latest(self.restore_dir)
-        except BadLatestError as err:
-            logger.warning(f"agent: {err}; the restore will try the other snapshots of {self.restore_dir}")
-            return "(damaged latest)"
-
     def _restart(self, dead: str, why: str) -> bool:
         """Publish a restart of the job from its latest snapshot on the live workers of every node
         (or the largest size below their number that keeps the global batch), in a new
         generation; every agent applies it (:meth:`_poll_restarts`). False when it cannot."""
-        if self.restore_dir is None or self.restores_left <= 0 or self._latest() is None:
+        if self.restore_dir is None or self.restores_left <= 0 or latest_tag(self.restore_dir) is None:
             return False
         self._publish_alive()
         alive = alive_workers(self.store, self.node)  # a lost host serves nothing
         size = self.largest(sum(alive.values()))
         if size == 0:
             return False
-        ranks, r = {}, 0
-        for node in sorted(alive):
-            k = min(alive[node], size - r)
-            if k > 0:
-                ranks[str(node)] = list(range(r, r + k))
-                r += k
-        tag = self._latest()
         logger.info(
             f"agent: worker {dead} failed ({why}); restarting the job on {plural(size, 'rank')} from snapshot "
-            f"{tag} in {self.restore_dir}"
+            f"{latest_tag(self.restore_dir)} in {self.restore_dir}"
         )
-        self._post_restart({"generation": next_generation(self.store), "world_size": size, "ranks": ranks})
+        rec = {"generation": next_generation(self.store), "world_size": size, "ranks": restart_ranks(alive, size)}
+        post_restart(self.store, rec)
         self.refill.after_restart(size)
         return True
-
-    def _post_restart(self, rec: dict) -> None:
-        i = int(self.store.add(RESTART_COUNT, 1)) - 1
-        self.store.set(RESTART_KEY.format(i), json.dumps(rec))
 
     def _poll_restarts(self) -> Optional[int]:
         """Apply restarts published by any agent: kill this node's workers, start its share of the
@@ -422,6 +408,13 @@ class Agent:
             logger.info(f"agent: worker {member} failed ({why}) while the job was stopping; killing the others")
             self._stop_all(signal.SIGKILL)
             return self._end(128 + (self._stop_signal or signal.SIGTERM))
+        if self.recovery is not None:
+            self.recovery.report(member, why, rc)  # the survivors go on in place (recovery_watch)
+            return None
+        return self._fail(member, why, rc)
+
+    def _fail(self, member: str, why: str, rc: int) -> Optional[int]:
+        """Restart the job from its snapshot after ``member`` failed, or stop it (as :meth:`_watch`)."""
         seen = self._restarts_seen
         stopped = self._poll_restarts()
         if stopped is not None:
@@ -432,7 +425,7 @@ class Agent:
             return -1  # the restart is applied at the top of the loop
         logger.info(f"agent: worker {member} failed ({why}); stopping the job")
         code = rc if rc > 0 else 128 - rc
-        self._post_restart({"stop": code})
+        post_restart(self.store, {"stop": code})
         # not SIGTERM: a worker takes that as a preemption notice and would wait for a step
         # boundary its failed peer never reaches
         self._stop_all(signal.SIGKILL)
@@ -449,6 +442,12 @@ class Agent:
         self._poll_cancels()
         self._poll_spawns()
         self.refill.poll()
+        live = lambda: sum(alive_workers(self.store, self.node).values())  # noqa: E731
+        for member, why, rc, reason in self.recovery.poll(live) if self.recovery is not None else ():
+            logger.info(f"agent: no in-place recovery from {member}: {reason}")
+            ended = self._fail(member, why, rc)
+            if ended is not None and ended != -1:
+                return ended
         refused = self._join_refused()
         if refused:
             logger.info(f"agent: the job refused to grow: {refused}")

@@ -20,6 +20,11 @@ Processes:
   joiners the agent must stop because their generation will not be formed.
 * ``dynatrain/joiner/<member>/failed``: a joiner died before its generation formed.
 * ``dynatrain/standby/<member>/gone``: a standby process left (preempted).
+* ``dynatrain/dead/<member>``: ``{"why", "node"}``, a member died and the job recovers in place
+  (``recovery.peer_replicas``); ``dynatrain/recovery/<member>/done`` or ``.../fallback``: the
+  survivors recovered from it, or could not (``{"reason"}``: its agent restarts the job from the
+  snapshot); ``dynatrain/recovery/<generation>/offer/<member>``: a survivor's copies
+  (:mod:`~ds_dynatrain.engine.recover`).
 * ``dynatrain/node/...``, ``dynatrain/member/<m>/node``, ``dynatrain/restart/...``: the agents'
   registry, heartbeats and published restarts (:mod:`~ds_dynatrain.elastic.agent`).
 
@@ -53,6 +58,7 @@ SWITCH_KEY = "dynatrain/gen/{}/{}/switching"  # generation, publishing step: the
 JOB_KEY = "dynatrain/job"  # what a requester needs to check a world size
 TRAINER_STATE_KEY = "dynatrain/frontend/trainer_state/{}"  # generation -> rank 0's Trainer state (JSON)
 BATCH_KEY = "dynatrain/batch"  # shapes and dtypes of rank 0's first forward inputs (joiners' warm-up)
+MODULES_KEY = "dynatrain/modules"  # modules rank 0 had imported after its first step (joiners import them early)
 REQUEST_COUNT = "dynatrain/request/count"
 REQUEST_KEY = "dynatrain/request/{}"  # {"world_size": N} or {"join": node, "slots": K}
 ANSWER_KEY = "dynatrain/request/{}/answer"  # {"ok": bool, "message": str, "record": {...}, "aborted"}
@@ -74,6 +80,10 @@ NODE_KEY = "dynatrain/node/{}"  # {"slots": K, "oversubscribe": bool}: what that
 NODE_DONE_KEY = "dynatrain/node/{}/done"  # that agent's workers have all exited
 NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time": heartbeat, unix seconds}
 MEMBER_NODE_KEY = "dynatrain/member/{}/node"  # the node a member runs on
+DEAD_KEY = "dynatrain/dead/{}"  # {"why", "node"}: a member died; the survivors recover in place
+RECOVERED_KEY = "dynatrain/recovery/{}/done"  # dead member -> the recovery record (new rank 0)
+FALLBACK_KEY = "dynatrain/recovery/{}/fallback"  # dead member -> {"reason"}: restart from the snapshot
+OFFER_KEY = "dynatrain/recovery/{}/offer/{}"  # generation, member -> the copies it holds
 RESTART_COUNT = "dynatrain/restart/count"
 RESTART_KEY = "dynatrain/restart/{}"  # {"generation", "world_size", "ranks": {node: [ranks]}} or {"stop": rc}
 

@@ -82,6 +82,7 @@ def launch(
             oversubscribe=allow_oversubscribe,
             max_refills=max_refills,
             joiner_nice=dt_cfg.joiner_nice,
+            recovery_timeout_s=dt_cfg.recovery.timeout_s if dt_cfg.recovery.peer_replicas else None,
         )
     except RuntimeError as err:
         raise ConfigError(f"no dynatrain job store at {host}:{port}: {err}") from None

@@ -26,6 +26,7 @@ from ..elastic.placement import place_joiners
 from ..errors import ResizeRefusedError
 from ..log import logger, plural
 from ..zero.state import relink_optimizer_state
+from . import replicas
 from .lifecycle import stop_job
 from .members import request_joiners
 from .records import StepRecord, format_step
@@ -52,6 +53,7 @@ def after_optimizer_step(engine) -> None:
     request = _read_request(engine) if prep is None and step not in dt.schedule else None
     gone = _gone_standby(engine)
     stop = dt.membership.stop_requested() if dt.membership is not None and engine.global_rank == 0 else 0
+    replicas.before_vote(engine)  # a completed vote proves every replica of the last refresh complete
     vote = StepVote(
         loss_sum=dt.loss_sum,
         loss_count=dt.loss_count,
@@ -72,6 +74,7 @@ def after_optimizer_step(engine) -> None:
     _record_step(engine, tally, step_s)
     if tally.stop or len(tally.preempted) == engine.dp_world_size:
         _end_job(engine, tally)  # raises SystemExit(0) on every rank
+    replicas.after_vote(engine)
     _snapshot(engine)
     _decide(engine, tally, error)
 

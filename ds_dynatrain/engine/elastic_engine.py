@@ -26,11 +26,11 @@ from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
-from . import boundary, loading, pending, requests
+from . import boundary, loading, pending, recover, requests
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
-from .warmup import publish_inputs
+from .warmup import publish_inputs, publish_modules
 
 
 class ElasticEngine(DeepSpeedEngine):
@@ -138,8 +138,19 @@ class ElasticEngine(DeepSpeedEngine):
         return super().forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """DeepSpeed's ``backward``. A collective that fails because a worker died (with
+        ``recovery.peer_replicas``) does not escape: the survivors recover in place
+        (:mod:`~ds_dynatrain.engine.recover`), the step is abandoned, the next :meth:`step` call
+        does nothing and the loader serves the step's samples again."""
         self._require_member()
-        out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        try:
+            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        except Exception as err:
+            if not recover.handles(self, err):
+                raise
+            recover.recover(self, err)
+            self._dt.abandoned = True
+            return None
         value = float(loss.detach().float())
         if not scale_wrt_gas:  # the caller divided by the accumulation steps itself (Trainer): undone for the records
             value *= self.gradient_accumulation_steps()
@@ -149,8 +160,22 @@ class ElasticEngine(DeepSpeedEngine):
 
     def step(self, lr_kwargs=None):
         """DeepSpeed's ``step``; after an optimizer step, the plugin's step boundary
-        (:func:`~ds_dynatrain.engine.boundary.after_optimizer_step`)."""
+        (:func:`~ds_dynatrain.engine.boundary.after_optimizer_step`). After an in-place recovery
+        in :meth:`backward`, the abandoned step's call does nothing; a worker's death inside the
+        step is recovered from here (the step is then not taken)."""
+        dt = self._dt
+        if dt.abandoned:
+            dt.abandoned = False
+            return
         self._require_member()
+        try:
+            self._elastic_step(lr_kwargs)
+        except Exception as err:
+            if not recover.handles(self, err):
+                raise
+            recover.recover(self, err)
+
+    def _elastic_step(self, lr_kwargs):
         before = self.global_steps
         if self.is_gradient_accumulation_boundary():
             self.wait_transition()  # the optimizer moments of the last resize must have arrived
@@ -160,6 +185,9 @@ class ElasticEngine(DeepSpeedEngine):
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
             dt = self._dt
+            if not dt.modules_published and dt.membership is not None and self.global_rank == 0:
+                dt.modules_published = True  # what a joiner imports before it joins (names only)
+                publish_modules(dt.membership.store)
             generation = dt.generation
             boundary.after_optimizer_step(self)
             if dt.frontend is not None and (dt.generation != generation or dt.retired):

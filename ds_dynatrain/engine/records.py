@@ -13,7 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional, Sequence, Type
+from typing import ClassVar, Dict, List, Optional, Sequence, Type
 
 from ..transition.execute import TransitionStats
 
@@ -247,7 +247,39 @@ class RestoreRecord(Record):
     skipped: Sequence[str] = _f("tags of newer snapshots found damaged and skipped (empty: none)", ())
 
 
-RECORDS: List[Type[Record]] = [StepRecord, ResizeRecord, JoinRecord, SnapshotRecord, LoadRecord, RestoreRecord]
+@dataclass
+class RecoveryRecord(Record):
+    """Workers died and the survivors recovered in place from their copies and the peer replicas
+    (rank 0 of the new world)."""
+
+    EVENT: ClassVar[str] = "recovery"
+    dead: Sequence[str] = _f("member ids of the workers that died", ())
+    step: int = _f("step the job went back to (the newest step of the copies and replicas)")
+    failed_step: int = _f("steps this rank had completed when the failure reached it")
+    steps_lost: int = _f("completed steps redone: `failed_step - step`")
+    from_world_size: int = _f("world size before", key="from")
+    to_world_size: int = _f("world size after", key="to")
+    generation: int = _f("membership generation formed")
+    seconds: float = _f("from the failed collective to an engine ready to train", 0.0)
+    detect_s: float = _f("from the failed collective to every member's offer or death (`release_s` included)", 0.0)
+    release_s: float = _f("letting go of the failed generation's engine and process groups", 0.0)
+    plan_s: float = _f("the recovery step, the new members and the plan", 0.0)
+    group_s: float = _f("forming the transfer group and the new default group", 0.0)
+    transfer_s: float = _f("moving the partitions out of the copies and replicas", 0.0)
+    rebuild_s: float = _f("rebuilding the DeepSpeed engine and installing the state", 0.0)
+    bytes_received: int = _f("partition state this rank received")
+    served_by: Dict[str, str] = _f("dead member -> the survivor whose replica served it", None)
+
+
+RECORDS: List[Type[Record]] = [
+    StepRecord,
+    ResizeRecord,
+    JoinRecord,
+    SnapshotRecord,
+    LoadRecord,
+    RestoreRecord,
+    RecoveryRecord,
+]
 
 
 class MetricsWriter:

@@ -38,6 +38,7 @@ from .join import stand_by
 from .members import evict_groups, form_generation, request_joiners
 from .pending import complete_pending, publish, start_peak_rss
 from .records import Record, ResizeRecord
+from .replicas import close_replicas
 from .state import PendingResize, Preparation
 from .transfer import begin_transition
 
@@ -77,6 +78,7 @@ def resize(
     Raises:
         LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
     """
+    close_replicas(engine._dt)  # the new generation keeps its own replicas
     r = _plan(engine, world_size, split, must_leave, prepared)
     _agree(engine, r)
     _start_transfer(engine, r)

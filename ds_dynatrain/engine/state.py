@@ -78,6 +78,10 @@ class ElasticState:
     tokens_per_sample: Optional[int] = None  # what the returned loader saw in its batches (None: unknown)
     window: Tuple[int, float, int] = (0, 0.0, 0)  # steps, seconds and samples since the last step line
     inputs_published: bool = False  # rank 0 described its forward inputs for joiners' warm-up
+    modules_published: bool = False  # rank 0 listed its imported modules after its first step
+    replicas: Any = None  # this rank's peer replicas (transition.replicas.ReplicaSet), None: none yet
+    replica_stall_s: float = 0.0  # waits for replica refreshes at step boundaries, seconds
+    abandoned: bool = False  # a recovery abandoned the running step: the caller's next step() is skipped
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
 
     @property

@@ -43,6 +43,12 @@ def overlap_matrix(old: ZeroLayout, new: ZeroLayout):
     return k.reshape(old.world_size, new.world_size)
 
 
+def import_solver() -> None:
+    """Import the assignment solver (``scipy.optimize``, about 0.35 s here) ahead of a plan that
+    must be made at once (a recovery), e.g. in a background thread."""
+    from scipy.optimize import linear_sum_assignment  # noqa: F401
+
+
 def assign_members_best(
     old: ZeroLayout,
     new: ZeroLayout,

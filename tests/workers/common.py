@@ -119,7 +119,7 @@ def base_config(stage: int, metrics_path: str | None = None) -> dict:
     return {
         "train_batch_size": 12,
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True, "fused": True}},
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {"total_num_steps": 40, "warmup_num_steps": 3, "warmup_type": "linear"},

@@ -1,0 +1,108 @@
+"""Letting go of a generation whose collective failed: the engine is detached and every process
+group of the generation released, so that the peers still waiting in one of them fail too.
+
+gloo closes a process's connections only when the group's context is destroyed, and a failed
+operation's work object (kept alive by the exception's traceback) holds that context. A survivor
+whose own collective failed at once but keeps its groups would leave a peer that waits on *it*
+(not on the dead rank) blocked until the group's timeout. Dropping the traceback, DeepSpeed's
+references (engine, ZeRO optimizer, every parameter's ``_dp_group``, ``deepspeed.comm``) and
+``torch.distributed``'s tables destroys the contexts by reference counting; the peers' waits fail
+within moments and they recover too. A context kept by a reference cycle goes at the next full
+collection (:func:`collect`, which the recovery runs when a peer is slow to answer: about 0.25 s
+on the demo model, so not on the fast path).
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from ..log import logger
+from ..zero.comm import reset_deepspeed_comm
+from ..zero.geometry import zero_optimizer_of
+from ..zero.rebuild import teardown
+
+
+@dataclass
+class Kept:
+    """What the rebuild needs of the released engine: the client's torch optimizer, LR scheduler and
+    model, and the ZeRO-1/2 flat parameter buffers (the parameters still live in them)."""
+
+    optimizer: Any
+    lr_scheduler: Any
+    model: torch.nn.Module
+    flat: Tuple[torch.Tensor, ...]
+
+
+def drop_traceback(err: BaseException) -> None:
+    """Clear the frames of ``err`` and of the exceptions it chains (they hold the failed works)."""
+    seen = set()
+    e = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+
+
+def release(engine, err: BaseException) -> Kept:
+    """Detach ``engine`` and release the process groups of its generation (see the module).
+
+    The engine cannot train afterwards until it is built again; the returned parts are what that
+    build takes back.
+    """
+    dt = engine._dt
+    zopt = zero_optimizer_of(engine)
+    kept = Kept(zopt.optimizer, engine.lr_scheduler, engine.module, tuple(zopt.bit16_groups_flat))
+    drop_traceback(err)
+    _abandon_snapshot(engine)
+    try:
+        teardown(engine)
+    except Exception as e:  # noqa: BLE001 - a half-broken engine: what matters is letting go of it
+        logger.warning(f"detaching the failed engine: {e}")
+    zopt.__dict__.clear()  # the ZeRO optimizer (shared with the object returned at start) held the groups
+    for p in kept.model.parameters():
+        p.grad = None  # the abandoned step's gradients (the backward that failed accumulated some)
+    for obj in (engine, *kept.model.parameters()):  # DeepSpeed tags each parameter with its group
+        for name, value in list(vars(obj).items()):
+            if _holds_group(value):
+                setattr(obj, name, None)
+    reset_deepspeed_comm()
+    if dt.membership is not None:
+        dt.membership.groups.close()  # the default group and the cached ones: formed again as needed
+    elif tdist.is_initialized():
+        tdist.destroy_process_group()
+    return kept
+
+
+def collect() -> None:
+    """A full garbage collection: groups held only by reference cycles go (see the module)."""
+    gc.collect()
+
+
+def _holds_group(value, depth: int = 0) -> bool:
+    if isinstance(value, tdist.ProcessGroup):
+        return True
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_holds_group(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_group(v, depth + 1) for v in value.values())
+    return False
+
+
+def _abandon_snapshot(engine) -> None:
+    """The snapshot in flight is given up: its commit needs the dead rank."""
+    from ..checkpoint.snapshot import SnapshotCheckpointEngine
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if isinstance(ce, SnapshotCheckpointEngine):
+        try:
+            ce.abandon()
+        except Exception as e:  # noqa: BLE001 - the snapshot is lost, training is not
+            logger.warning(f"the snapshot in flight at the failure was given up: {e}")
