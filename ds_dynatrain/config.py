@@ -335,7 +335,8 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
         if stage not in (1, 2):
             raise ConfigError(
                 f"invalid DeepSpeed config: dynatrain.recovery.peer_replicas needs zero_optimization.stage 1 or 2 "
-                f"(stage {stage}: a worker's death falls back to snapshot.restore_on_failure)"
+                f"(stage {stage}: a worker's death falls back to snapshot.restore_on_failure; at stage 3 a survivor "
+                f"blocked in one of ZeRO-3's gathers or reductions can wait out the group's timeout)"
             )
     if dt_cfg.resize_schedule:
         zero = ds_config.get("zero_optimization", {}) or {}

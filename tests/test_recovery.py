@@ -246,6 +246,19 @@ def test_two_dead_holding_each_others_replica_fall_back_to_the_snapshot(tmp_path
     assert "recovery" not in events and "restore" in events
 
 
+@pytest.mark.multiprocess
+def test_a_kill_during_a_resize_transfer_falls_back_to_the_snapshot(tmp_path):
+    snaps = os.path.join(tmp_path, "snaps")
+    # every member resizes 4 -> 3 after step 4 (g0r3 leaves); g0r1 dies as that transfer starts
+    args = ["--steps", "6", "--oracle", "4:3", "--kill", "g0r1:4:transfer"]
+    job, out = _run(tmp_path, "resizing", 2, args, snapshot={"interval_steps": 2, "dir": snaps})
+    assert job.returncode == 0, job.output[-4000:]
+    assert "worker g0r1 died" in job.output
+    assert re.search(r"restarting the job on \d ranks from snapshot global_step[24] ", job.output), job.output[-3000:]
+    events = [r["event"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    assert "recovery" not in events and "restore" in events
+
+
 def test_peer_replicas_are_refused_at_zero_stage_3():
     from ds_dynatrain.config import check_elastic_config, load_ds_config
     from ds_dynatrain.errors import ConfigError

@@ -28,8 +28,8 @@ from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..planner.plan import Transfer, plan_transition, scalars_for
 from ..transition.buffers import allocate_partitions
-from ..zero.geometry import fp32_partitions, is_zero3, layout_of, zero_optimizer_of
-from ..zero.state import install_master, install_optimizer_state
+from ..zero.geometry import fp32_partitions, layout_of, zero_optimizer_of
+from ..zero.state import install_master, install_optimizer_state, working_from_master
 from .fit import check_model, check_param_groups, check_partition_order
 from .saved import MOMENTS, OPTIM_FILE, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
 
@@ -108,7 +108,9 @@ def load_resharded(
             install_optimizer_state(
                 engine, [{k: dests[b][k] for k in MOMENTS} for b in order], scalars_for(plan, scalars0)
             )
-        gather_s = _working_from_master(engine)
+        t_gather = time.perf_counter()
+        working_from_master(engine)
+        gather_s = time.perf_counter() - t_gather
         with torch.no_grad():
             for value, target in frozen:
                 target.data.view(-1).copy_(value)
@@ -223,20 +225,6 @@ def materialize(file: SavedFile, obj: Any, own: bool = True) -> Any:
         return x
 
     return rebuild(obj)
-
-
-def _working_from_master(engine) -> float:
-    """Rebuild the working parameters from the installed fp32 master (ZeRO-1/2: all-gathered;
-    collective). Returns the seconds it took."""
-    zopt = zero_optimizer_of(engine)
-    t = time.perf_counter()
-    with torch.no_grad():
-        if is_zero3(zopt):
-            for flat, fp32 in zip(zopt.fp16_partitioned_groups_flat, fp32_partitions(zopt)):
-                flat.copy_(fp32)
-        else:
-            zopt.update_lp_params()  # working copy from the master, all-gathered
-    return time.perf_counter() - t
 
 
 def _read_frozen(engine, saved: SavedCheckpoint) -> List[Tuple[torch.Tensor, torch.Tensor]]:

@@ -485,7 +485,9 @@ class Agent:
                         if ended is not None:
                             return ended
                 waiting_for_join = self.joining and self._join_request is not None
-                if len(self.exit_codes) == len(self.workers) and not waiting_for_join:
+                # a reported death still awaits the survivors' answer: the next poll decides (restart)
+                awaiting_recovery = self.recovery is not None and bool(self.recovery.waiting)
+                if len(self.exit_codes) == len(self.workers) and not waiting_for_join and not awaiting_recovery:
                     if not self._killed:
                         self._poll_cancels()
                         self._poll_spawns()

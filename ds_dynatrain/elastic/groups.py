@@ -31,6 +31,8 @@ import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
 
+DEAD_POLL_S = 0.05  # how often a group being formed checks whether a member died
+
 DEFAULT_NAME = "0"  # the name init_process_group gives the default group (its group counter starts at 0)
 _CACHES: list = []  # weak references to every GroupCache of this process (closed at exit)
 
@@ -209,22 +211,37 @@ class GroupCache:
         b = self._builds.get(tuple(members))
         return None if b is None else b.error
 
-    def activate(self, members: Sequence[str], prefix: str, timeout_s: float) -> bool:
+    def activate(
+        self,
+        members: Sequence[str],
+        prefix: str,
+        timeout_s: float,
+        cannot_form: Optional[Callable[[], Optional[str]]] = None,
+    ) -> bool:
         """Make the group of ``members`` the default process group: the cached one, or the one
         being built (waited for), or one built now. The current default group is detached and
-        stays cached. Returns True when an existing group was reused.
+        stays cached. Returns True when an existing group was reused. ``cannot_form``: polled
+        while the group is being built; a reason it returns (a member is dead) ends the wait.
 
         Raises:
-            TransitionAbortedError: the group could not be built within ``timeout_s``.
+            TransitionAbortedError: the group could not be built within ``timeout_s``, or
+                ``cannot_form`` gave a reason.
         """
         members = tuple(members)
         b = self._builds.get(members)
         reused = b is not None and b.pg is not None and b.prefix != prefix
         if b is None or b.error is not None or (b.pg is None and b.prefix != prefix):
-            self.prepare(members, prefix, timeout_s, background=False)
+            self.prepare(members, prefix, timeout_s, background=cannot_form is not None)
             b = self._builds[members]
-        if not b.done.wait(timeout_s + 5.0):
-            raise TransitionAbortedError(f"the process group of {list(members)} was not built within {timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s + 5.0
+        while not b.done.wait(DEAD_POLL_S if cannot_form is not None else timeout_s + 5.0):
+            why = cannot_form() if cannot_form is not None else None
+            if why is not None:
+                raise TransitionAbortedError(f"the process group of {list(members)} cannot form: {why}")
+            if time.monotonic() > deadline:
+                raise TransitionAbortedError(
+                    f"the process group of {list(members)} was not built within {timeout_s:.0f} s"
+                )
         self.detach()
         if self.on_new_default is not None:
             self.on_new_default()

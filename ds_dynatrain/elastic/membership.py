@@ -32,6 +32,7 @@ from .keys import (
     ANSWER_KEY,
     CANCEL_COUNT,
     CANCEL_KEY,
+    DEAD_KEY,
     DONE_KEY,
     ENDED_KEY,
     GEN_KEY,
@@ -256,9 +257,16 @@ class Membership:
         Returns True when a cached group was reused.
 
         Raises:
-            TransitionAbortedError: the rendezvous did not complete within ``timeout_s``.
+            TransitionAbortedError: the rendezvous did not complete within ``timeout_s``, or a
+                member's agent reported it dead (:data:`~ds_dynatrain.elastic.keys.DEAD_KEY`,
+                written when the job keeps peer replicas).
         """
-        return self.groups.activate(members, group_prefix(generation, members, step), timeout_s)
+
+        def cannot_form() -> Optional[str]:
+            dead = [m for m in members if self.store.check([DEAD_KEY.format(m)])]
+            return f"{', '.join(dead)} died" if dead else None
+
+        return self.groups.activate(members, group_prefix(generation, members, step), timeout_s, cannot_form)
 
     def wait_recall(self, after: int, member: str, poll_s: float = 0.02):
         """A standby process waits to be taken back: the first generation after ``after`` whose

@@ -172,6 +172,7 @@ class ElasticEngine(DeepSpeedEngine):
             self._elastic_step(lr_kwargs)
         except Exception as err:
             if not recover.handles(self, err):
+                recover.fall_back_if_dead(self, err)  # the last resize's transfer met a death
                 raise
             recover.recover(self, err)
 

@@ -135,6 +135,26 @@ def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
     return rec
 
 
+def fall_back_if_dead(engine, err: BaseException) -> None:
+    """A resize's transfer or group failed with ``err``: where replicas are on and a member of the
+    generation was reported dead, this survivor asks for the restart from the snapshot and waits
+    to be ended (:func:`_fall_back`) instead of exiting, so that its agent restarts the job on the
+    live workers. Returns (the caller raises ``err``) otherwise.
+
+    Raises:
+        TransitionAbortedError: after the fallback, nobody ended this process in time.
+    """
+    dt = getattr(engine, "_dt", None)
+    if dt is None or dt.config.recovery.peer_replicas == 0 or dt.membership is None:
+        return
+    if not isinstance(err, TransitionAbortedError):
+        return
+    store = dt.membership.store
+    dead = [m for m in dt.members if store.check([DEAD_KEY.format(m)])]
+    if dead:
+        _fall_back(dt, dead, f"a resize was in flight ({_first_line(err)})")
+
+
 def _cannot_recover(engine) -> Optional[str]:
     dt = engine._dt
     if not replicas_enabled(engine):

@@ -26,7 +26,7 @@ from ..planner.recovery import replica_ring
 from ..transition.execute import transition_group
 from ..transition.replicas import ReplicaSet
 from ..zero.geometry import is_zero3, zero_optimizer_of
-from ..zero.state import extract_partitions, install_master, install_optimizer_state, state_kinds
+from ..zero.state import extract_partitions, install_master, install_optimizer_state, state_kinds, working_from_master
 from .state import ElasticState
 
 
@@ -148,11 +148,11 @@ def close_replicas(dt: ElasticState) -> None:
 
 
 def install_copy(engine, parts: Dict[int, Dict[str, torch.Tensor]], meta: StepMeta) -> None:
-    """Put a recovered state into a freshly rebuilt ZeRO-1/2 engine: the fp32 master and the
-    moments of its new partitions (``parts[partition][kind]``), ``meta``'s counters, scheduler,
-    hyper-parameters, RNG and loss scaler; then the working parameters from the master (every
-    rank copies its partition and all-gathers: DeepSpeed's ``update_lp_params``,
-    deepspeed/runtime/zero/stage_1_and_2.py). Collective over the new world."""
+    """Put a recovered state into a freshly rebuilt ZeRO-1/2 engine: the fp32 master and the moments of its
+    new partitions (``parts[partition][kind]``), ``meta``'s counters, scheduler, hyper-parameters,
+    RNG and loss scaler; then the working parameters from the master
+    (:func:`~ds_dynatrain.zero.state.working_from_master`; at ZeRO-1/2 a collective over the new
+    world)."""
     order = sorted(parts)
     install_master(engine, [parts[g]["fp32"] for g in order])
     install_optimizer_state(engine, [parts[g] for g in order], meta.scalars)
@@ -173,4 +173,4 @@ def install_copy(engine, parts: Dict[int, Dict[str, torch.Tensor]], meta: StepMe
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None and meta.loss_scaler is not None:
         scaler.__dict__.update(copy.deepcopy(meta.loss_scaler))
-    zero_optimizer_of(engine).update_lp_params()
+    working_from_master(engine)

@@ -26,6 +26,7 @@ import torch.distributed as tdist
 
 from ..batch import BatchSplit
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..errors import TransitionAbortedError
 from ..log import logger
 from ..planner.plan import Plan, plan_transition, scalars_for
 from ..zero.geometry import is_zero3, layout_of, zero_optimizer_of
@@ -38,6 +39,7 @@ from .join import stand_by
 from .members import evict_groups, form_generation, request_joiners
 from .pending import complete_pending, publish, start_peak_rss
 from .records import Record, ResizeRecord
+from .recover import fall_back_if_dead
 from .replicas import close_replicas
 from .state import PendingResize, Preparation
 from .transfer import begin_transition
@@ -79,13 +81,17 @@ def resize(
         LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
     """
     close_replicas(engine._dt)  # the new generation keeps its own replicas
-    r = _plan(engine, world_size, split, must_leave, prepared)
-    _agree(engine, r)
-    _start_transfer(engine, r)
-    if not r.stays:
-        return _leave(engine, r)
-    _rebuild(engine, r)
-    return _finish(engine, r)
+    try:
+        r = _plan(engine, world_size, split, must_leave, prepared)
+        _agree(engine, r)
+        _start_transfer(engine, r)
+        if not r.stays:
+            return _leave(engine, r)
+        _rebuild(engine, r)
+        return _finish(engine, r)
+    except TransitionAbortedError as err:
+        fall_back_if_dead(engine, err)  # a member died: the restart from the snapshot (peer replicas on)
+        raise
 
 
 def _plan(

@@ -105,6 +105,26 @@ def install_optimizer_state(engine, tensors: List[Dict[str, torch.Tensor]], scal
         opt._lazy_init_hp_params_optimizer_state()
 
 
+def working_from_master(engine) -> None:
+    """Set the working (bit16 or fp32) parameters of a freshly built engine from its installed fp32
+    master partitions.
+
+    ZeRO-1/2: every rank casts its partition into the flat working buffer and all-gathers it
+    (``update_lp_params``, deepspeed/runtime/zero/stage_1_and_2.py); collective over the data-parallel
+    group. ZeRO-3: every rank copies its master into its own working partition, as the optimizer
+    step does (``_reassign_or_swap_out_partitioned_parameters``, deepspeed/runtime/zero/stage3.py);
+    no collective: the parameters are gathered at their first use, persistent ones too, since a
+    freshly built engine has fetched none yet.
+    """
+    opt = zero_optimizer_of(engine)
+    with torch.no_grad():
+        if is_zero3(opt):
+            for flat, fp32 in zip(opt.fp16_partitioned_groups_flat, fp32_partitions(opt)):
+                flat.copy_(fp32)
+        else:
+            opt.update_lp_params()
+
+
 def relink_optimizer_state(engine) -> None:
     """Link every ``_hp_mapping`` to the optimizer state again.
 

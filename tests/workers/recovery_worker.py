@@ -9,7 +9,8 @@ SIGKILL at a chosen moment, or (the oracle) the job resizes 4 -> 3 removing that
   at these three the process first lets its replica refresh of step STEP end (on this tiny model a
   step is shorter than a refresh, on a real one it is the other way round);
   ``refresh`` (in the replica refresh of step STEP, before the payload is sent: the replica
-  transport's fault seam). Several kills: the option repeated.
+  transport's fault seam); ``transfer`` (in the transfer of a resize at step STEP, before its first
+  chunk is posted: the transition's fault seam). Several kills: the option repeated.
 * ``--oracle STEP:RANK``: no kill; right after step STEP every member calls
   ``engine.resize(3, must_leave=(member of RANK,))``.
 
@@ -72,6 +73,14 @@ def _arm(engine, model, point: str, step: int) -> None:
                 _die(settled=False)  # in the refresh thread itself, before the payload is posted
 
         replicas.fault_hook = hook
+    elif point == "transfer":
+        import ds_dynatrain.transition.execute as execute
+
+        def in_transfer(_plan_step: int, _chunk: int) -> None:
+            if engine.global_steps == step:
+                _die()
+
+        execute.fault_hook = in_transfer
 
 
 def _rss() -> int:
