@@ -332,11 +332,10 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
             raise ConfigError(f"invalid DeepSpeed config: {where}: {err}") from None
     if dt_cfg.recovery.peer_replicas:
         stage = (ds_config.get("zero_optimization", {}) or {}).get("stage", 0)
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ConfigError(
-                f"invalid DeepSpeed config: dynatrain.recovery.peer_replicas needs zero_optimization.stage 1 or 2 "
-                f"(stage {stage}: a worker's death falls back to snapshot.restore_on_failure; at stage 3 a survivor "
-                f"blocked in one of ZeRO-3's gathers or reductions can wait out the group's timeout)"
+                f"invalid DeepSpeed config: dynatrain.recovery.peer_replicas needs zero_optimization.stage 1, 2 or 3 "
+                f"(stage {stage}: the replicas are copies of ZeRO partitions)"
             )
     if dt_cfg.resize_schedule:
         zero = ds_config.get("zero_optimization", {}) or {}

@@ -197,6 +197,8 @@ SLOW = pytest.mark.slow
     "stage,victim,point",
     [
         (2, "g0r2", "step"),  # inside the optimizer step: survivors past their own update go back
+        (3, "g0r1", "forward"),  # ZeRO-3 gathers parameters in forward: the failure surfaces there
+        pytest.param(3, "g0r3", "step", marks=SLOW),  # ZeRO-3's optimizer step
         pytest.param(2, "g0r2", "between", marks=SLOW),  # right after a step: its refresh may be cut
         pytest.param(2, "g0r1", "forward", marks=SLOW),
         pytest.param(1, "g0r3", "backward", marks=SLOW),  # ZeRO-1 reduces in the last backward
@@ -259,13 +261,13 @@ def test_a_kill_during_a_resize_transfer_falls_back_to_the_snapshot(tmp_path):
     assert "recovery" not in events and "restore" in events
 
 
-def test_peer_replicas_are_refused_at_zero_stage_3():
+def test_peer_replicas_are_refused_without_zero():
     from ds_dynatrain.config import check_elastic_config, load_ds_config
     from ds_dynatrain.errors import ConfigError
 
-    cfg = _config(3, "/nonexistent")
+    cfg = _config(0, "/nonexistent")
     ds_cfg, dt_cfg = load_ds_config(cfg)
-    with pytest.raises(ConfigError, match="peer_replicas needs zero_optimization.stage 1 or 2"):
+    with pytest.raises(ConfigError, match="peer_replicas needs zero_optimization.stage 1, 2 or 3"):
         check_elastic_config(ds_cfg, dt_cfg, 4, elastic=True)
 
 

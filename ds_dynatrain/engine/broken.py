@@ -23,9 +23,10 @@ import torch
 import torch.distributed as tdist
 
 from ..log import logger
-from ..zero.comm import reset_deepspeed_comm
-from ..zero.geometry import zero_optimizer_of
+from ..zero.comm import release_default_arguments, reset_deepspeed_comm
+from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.rebuild import teardown
+from ..zero.zero3 import release_zero3_params
 
 
 @dataclass
@@ -59,13 +60,22 @@ def release(engine, err: BaseException) -> Kept:
     """
     dt = engine._dt
     zopt = zero_optimizer_of(engine)
-    kept = Kept(zopt.optimizer, engine.lr_scheduler, engine.module, tuple(zopt.bit16_groups_flat))
+    zero3 = is_zero3(zopt)
+    kept = Kept(zopt.optimizer, engine.lr_scheduler, engine.module, () if zero3 else tuple(zopt.bit16_groups_flat))
+    shapes = {n: (p.ds_shape, p.dtype) for n, p in kept.model.named_parameters()} if zero3 else {}
     drop_traceback(err)
     _abandon_snapshot(engine)
     try:
         teardown(engine)
     except Exception as e:  # noqa: BLE001 - a half-broken engine: what matters is letting go of it
         logger.warning(f"detaching the failed engine: {e}")
+    if zero3:
+        whole = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()}
+        release_zero3_params(kept.model, whole, dt.param_attrs)
+        offload = getattr(zopt, "parameter_offload", None)
+        if offload is not None:  # its coordinator holds the gathers in flight
+            vars(getattr(offload, "param_coordinator", offload)).clear()
+            vars(offload).clear()
     zopt.__dict__.clear()  # the ZeRO optimizer (shared with the object returned at start) held the groups
     for p in kept.model.parameters():
         p.grad = None  # the abandoned step's gradients (the backward that failed accumulated some)
@@ -73,6 +83,7 @@ def release(engine, err: BaseException) -> Kept:
         for name, value in list(vars(obj).items()):
             if _holds_group(value):
                 setattr(obj, name, None)
+    release_default_arguments()  # torch.distributed.nn.functional's, once ZeRO-3 imported it
     reset_deepspeed_comm()
     if dt.membership is not None:
         dt.membership.groups.close()  # the default group and the cached ones: formed again as needed

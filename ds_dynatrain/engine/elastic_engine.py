@@ -128,6 +128,12 @@ class ElasticEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------------ DeepSpeed's, overridden
     def forward(self, *inputs, **kwargs):
+        """DeepSpeed's ``forward``. A collective that fails because a worker died (ZeRO-3's
+        parameter gathers, with ``recovery.peer_replicas``) does not escape: the survivors recover
+        in place, the step is abandoned and the call returns an output of the last forward's
+        structure whose floating-point tensors are NaN
+        (:func:`~ds_dynatrain.engine.recover.abandoned_output`); the following :meth:`backward`
+        and :meth:`step` do nothing."""
         self._require_member()
         dt = self._dt
         if dt.step_t0 is None:  # the step's time is counted from its first forward
@@ -135,7 +141,18 @@ class ElasticEngine(DeepSpeedEngine):
         if not dt.inputs_published and dt.membership is not None and self.global_rank == 0:
             dt.inputs_published = True  # what a joiner warms up on (shapes and dtypes only)
             publish_inputs(dt.membership.store, inputs, kwargs)
-        return super().forward(*inputs, **kwargs)
+        if dt.config.recovery.peer_replicas == 0:
+            return super().forward(*inputs, **kwargs)
+        try:
+            out = super().forward(*inputs, **kwargs)
+        except Exception as err:  # ZeRO-3 gathers parameters in forward: a death can surface here
+            if not recover.handles(self, err):
+                raise
+            recover.recover(self, err)
+            dt.abandoned = True
+            return recover.abandoned_output(dt.output_template)
+        dt.output_template = recover.output_template(out)
+        return out
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """DeepSpeed's ``backward``. A collective that fails because a worker died (with
@@ -143,6 +160,8 @@ class ElasticEngine(DeepSpeedEngine):
         (:mod:`~ds_dynatrain.engine.recover`), the step is abandoned, the next :meth:`step` call
         does nothing and the loader serves the step's samples again."""
         self._require_member()
+        if self._dt.abandoned:  # the step was abandoned in forward
+            return None
         try:
             out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         except Exception as err:

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as tdist
+import torch.utils._pytree as pytree
 from deepspeed.accelerator import get_accelerator
 
 from ..batch import largest_world_size
@@ -158,7 +161,7 @@ def fall_back_if_dead(engine, err: BaseException) -> None:
 def _cannot_recover(engine) -> Optional[str]:
     dt = engine._dt
     if not replicas_enabled(engine):
-        return "replicas are kept at ZeRO stages 1 and 2 only"
+        return "no replicas are kept (a job of one rank)"
     if dt.pending is not None or dt.preparing is not None:
         return "a resize was in flight"
     if dt.frontend is not None:
@@ -274,6 +277,38 @@ def format_recovery(r: RecoveryRecord) -> str:
         f"world {r.from_world_size} \u2192 {r.to_world_size}, {r.seconds:.2f} s (detect {r.detect_s:.2f} s, "
         f"plan {r.plan_s:.2f} s, group {r.group_s:.2f} s, transfer {r.transfer_s:.3f} s, rebuild {r.rebuild_s:.2f} s)"
     )
+
+
+def output_template(out: Any) -> Tuple[Any, List[Any]]:
+    """The structure of a forward's output (a ``torch.utils._pytree`` spec: tensors, tuples, dicts,
+    Hugging Face ``ModelOutput``) and, per leaf, ``(shape, dtype)`` for a tensor or the value
+    itself; no tensor is kept."""
+    leaves, spec = pytree.tree_flatten(out)
+    return spec, [_TensorLeaf(tuple(x.shape), x.dtype) if torch.is_tensor(x) else x for x in leaves]
+
+
+@dataclass(frozen=True)
+class _TensorLeaf:
+    shape: Tuple[int, ...]
+    dtype: Any
+
+
+def abandoned_output(template: Optional[Tuple[Any, List[Any]]]) -> Any:
+    """What ``forward`` returns for a step abandoned inside it: the last output's structure
+    (:func:`output_template`) with NaN floating-point tensors (zeros of other dtypes), on the
+    accelerator; a NaN scalar where no forward completed before."""
+    device = get_accelerator().current_device_name()
+    if template is None:
+        return torch.full((), float("nan"), device=device)
+    spec, leaves = template
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, _TensorLeaf):
+            fill = float("nan") if leaf.dtype.is_floating_point else 0
+            out.append(torch.full(leaf.shape, fill, dtype=leaf.dtype, device=device))
+        else:
+            out.append(leaf)
+    return pytree.tree_unflatten(out, spec)
 
 
 def _first_line(err: BaseException) -> str:

@@ -25,7 +25,6 @@ from ..planner.assignment import import_solver
 from ..planner.recovery import replica_ring
 from ..transition.execute import transition_group
 from ..transition.replicas import ReplicaSet
-from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.state import extract_partitions, install_master, install_optimizer_state, state_kinds, working_from_master
 from .state import ElasticState
 
@@ -71,14 +70,9 @@ def step_meta(engine, scalars) -> StepMeta:
 
 
 def replicas_enabled(engine) -> bool:
-    """Replicas are kept: on in the config, a launched job, two ranks or more, ZeRO-1/2."""
+    """Replicas are kept: on in the config, a launched job, two ranks or more."""
     dt = engine._dt
-    return (
-        dt.config.recovery.peer_replicas > 0
-        and dt.membership is not None
-        and engine.dp_world_size > 1
-        and not is_zero3(zero_optimizer_of(engine))
-    )
+    return dt.config.recovery.peer_replicas > 0 and dt.membership is not None and engine.dp_world_size > 1
 
 
 def refresh_boundary(engine) -> bool:
@@ -148,7 +142,7 @@ def close_replicas(dt: ElasticState) -> None:
 
 
 def install_copy(engine, parts: Dict[int, Dict[str, torch.Tensor]], meta: StepMeta) -> None:
-    """Put a recovered state into a freshly rebuilt ZeRO-1/2 engine: the fp32 master and the moments of its
+    """Put a recovered state into a freshly rebuilt engine: the fp32 master and the moments of its
     new partitions (``parts[partition][kind]``), ``meta``'s counters, scheduler, hyper-parameters,
     RNG and loss scaler; then the working parameters from the master
     (:func:`~ds_dynatrain.zero.state.working_from_master`; at ZeRO-1/2 a collective over the new

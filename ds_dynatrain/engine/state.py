@@ -82,6 +82,7 @@ class ElasticState:
     replicas: Any = None  # this rank's peer replicas (transition.replicas.ReplicaSet), None: none yet
     replica_stall_s: float = 0.0  # waits for replica refreshes at step boundaries, seconds
     abandoned: bool = False  # a recovery abandoned the running step: the caller's next step() is skipped
+    output_template: Any = None  # the last forward's output structure (recover.output_template)
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
 
     @property

@@ -86,7 +86,7 @@ def _holds_group(value) -> bool:
     return False
 
 
-def _release_default_arguments() -> int:
+def release_default_arguments() -> int:
     """``torch.distributed.nn.functional`` defines ``group=group.WORLD`` defaults: imported once a
     default group exists (DeepSpeed imports it while it builds the engine), every such function
     keeps that group alive for good. Put None (the current default group) in their place."""
@@ -125,7 +125,7 @@ def release_process_groups(engine) -> int:
     module = getattr(engine, "module", None)
     if module is not None:
         objects.extend(module.parameters())
-    gone = _release_default_arguments()
+    gone = release_default_arguments()
     for obj in objects:
         attrs = getattr(obj, "__dict__", None)
         if not attrs:
