@@ -81,6 +81,7 @@ NODE_DONE_KEY = "dynatrain/node/{}/done"  # that agent's workers have all exited
 NODE_ALIVE_KEY = "dynatrain/node/{}/alive"  # {"alive": running workers, "time": heartbeat, unix seconds}
 MEMBER_NODE_KEY = "dynatrain/member/{}/node"  # the node a member runs on
 DEAD_KEY = "dynatrain/dead/{}"  # {"why", "node"}: a member died; the survivors recover in place
+LEFT_KEY = "dynatrain/left/{}"  # a resize's leaver handed over and left (its copies went with it)
 RECOVERED_KEY = "dynatrain/recovery/{}/done"  # dead member -> the recovery record (new rank 0)
 FALLBACK_KEY = "dynatrain/recovery/{}/fallback"  # dead member -> {"reason"}: restart from the snapshot
 OFFER_KEY = "dynatrain/recovery/{}/offer/{}"  # generation, member -> the copies it holds

@@ -21,9 +21,11 @@ closes the dead peer's connections). On each survivor, in order:
 
 The failed step is abandoned: its gradients are dropped with the old engine, the copies are of the
 step before (nothing half-updated survives), and the returned loader serves that step's samples
-again. When the copies cannot serve (a dead member's holder died too, no replica yet, a resize in
-flight) the survivors mark a fallback with the reason, and the dead worker's agent restarts the job
-from its latest snapshot (:mod:`~ds_dynatrain.elastic.agent`).
+again. A death inside a shrink, before the new generation forms, is recovered the same way from the
+old generation's copies (:class:`InResize`; a leaver that already left is served by its holder's
+replica). When the copies cannot serve (a dead member's holder died too, no replica yet, a grow or
+a resize past its switch in flight) the survivors mark a fallback with the reason, and the dead
+worker's agent restarts the job from its latest snapshot (:mod:`~ds_dynatrain.elastic.agent`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.utils._pytree as pytree
 from deepspeed.accelerator import get_accelerator
 
 from ..batch import largest_world_size
-from ..elastic.keys import DEAD_KEY, FALLBACK_KEY, OFFER_KEY, RECOVERED_KEY, group_prefix
+from ..elastic.keys import DEAD_KEY, FALLBACK_KEY, LEFT_KEY, OFFER_KEY, RECOVERED_KEY, group_prefix
 from ..errors import DynatrainError, TransitionAbortedError
 from ..log import logger
 from ..planner.assignment import next_members
@@ -60,6 +62,17 @@ SLOW_PEER_S = 0.2  # a member silent this long after our release: collect the ga
 PEER_FAILURE_WORDS = ("connection", "closed by peer", "reset by peer", "broken pipe", "timed out", "timeout", "gloo")
 
 
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective or transfer: a ``TransitionAbortedError``, or a
+    ``RuntimeError`` of torch or gloo naming a connection or a timeout (none of ours)."""
+    if isinstance(err, TransitionAbortedError):
+        return True
+    if not isinstance(err, RuntimeError) or isinstance(err, DynatrainError):
+        return False
+    text = str(err).lower()
+    return isinstance(err, tdist.DistError) or any(w in text for w in PEER_FAILURE_WORDS)
+
+
 def handles(engine, err: BaseException) -> bool:
     """Whether ``err``, raised by ``backward``/``step``, is for the recovery: replicas are on and
     it is a failure of a collective (a ``RuntimeError`` of torch or gloo naming a connection or a
@@ -67,15 +80,26 @@ def handles(engine, err: BaseException) -> bool:
     dt = getattr(engine, "_dt", None)
     if dt is None or dt.retired or dt.config.recovery.peer_replicas == 0 or dt.membership is None:
         return False
-    if not isinstance(err, RuntimeError) or isinstance(err, DynatrainError):
-        return False
-    text = str(err).lower()
-    return isinstance(err, tdist.DistError) or any(w in text for w in PEER_FAILURE_WORDS)
+    return not isinstance(err, DynatrainError) and is_peer_failure(err)
 
 
-def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
+@dataclass(frozen=True)
+class InResize:
+    """The resize a death interrupted (:func:`recover` from inside
+    :func:`~ds_dynatrain.engine.resize.resize`): the old generation's layout, the size it went to
+    and the members it sent away. The recovery starts from the old generation's copies, removes
+    the dead and these members, and goes to at most ``world_size`` ranks."""
+
+    layout: Any
+    world_size: int
+    must_leave: Tuple[str, ...]
+    grow: bool
+
+
+def recover(engine, err: BaseException, resize: Optional[InResize] = None) -> Optional[RecoveryRecord]:
     """Recover this survivor in place after ``err`` (see the module). Returns the record on the
-    members of the new world, None in a survivor the smaller world leaves out.
+    members of the new world, None in a survivor the smaller world leaves out. ``resize``: the
+    failure came inside a resize (the engine may be detached already).
 
     Raises:
         ``err`` itself: no member was reported dead (the failure was not a death; the engine
@@ -90,8 +114,12 @@ def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
     logger.warning(
         f"member {dt.member}: a collective failed at step {failed_step} ({_first_line(err)}); recovering in place"
     )
-    why = _cannot_recover(engine)
-    layout = layout_of(engine) if why is None else None
+    if resize is None:
+        why = _cannot_recover(engine)
+        layout = layout_of(engine) if why is None else None
+    else:
+        why = "a grow was in flight (its joiners hold no copies)" if resize.grow else None
+        layout = resize.layout
     t = time.perf_counter()
     kept = release(engine, err)  # peers waiting on this rank fail now too
     release_s = time.perf_counter() - t
@@ -102,7 +130,7 @@ def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
     mine = rs.offer() if usable else Offer(dt.member, ())
     store = dt.membership.store
     store.set(OFFER_KEY.format(dt.generation, dt.member), json.dumps(mine.to_dict()))
-    offers, dead, missing = _collect(dt, cfg.timeout_s)
+    offers, dead, left, missing = _collect(dt, cfg.timeout_s)
     if not dead:
         raise err  # nobody died: not ours to handle
     detect_s = time.perf_counter() - t0
@@ -113,7 +141,7 @@ def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
             )
         if why:
             raise RecoveryNotPossibleError(why)
-        step, served = recovery_step(offers, dead)
+        step, served = recovery_step(offers, dead + left)
         rec = RecoveryRecord(
             dead=list(dead),
             step=step,
@@ -123,7 +151,7 @@ def recover(engine, err: BaseException) -> Optional[RecoveryRecord]:
             generation=dt.generation + 1,
             served_by=dict(served),
         )
-        stays = _recover_at(engine, kept, layout, offers, dead, rec)
+        stays = _recover_at(engine, kept, layout, offers, dead + left, rec, resize)
     except (RecoveryNotPossibleError, RuntimeError) as problem:
         _fall_back(dt, dead, str(problem))
     if not stays:
@@ -169,45 +197,57 @@ def _cannot_recover(engine) -> Optional[str]:
     return None
 
 
-def _collect(dt, timeout_s: float) -> Tuple[List[Offer], List[str], List[str]]:
-    """Wait until every member has posted an offer or was reported dead, at most ``timeout_s``.
-    Returns the offers (in rank order), the dead members and those that did neither."""
+def _collect(dt, timeout_s: float) -> Tuple[List[Offer], List[str], List[str], List[str]]:
+    """Wait until every member has posted an offer, was reported dead or left in a resize
+    (:data:`~ds_dynatrain.elastic.keys.LEFT_KEY`), at most ``timeout_s``. Returns the offers (in
+    rank order), the dead members, those that left and those that did none of these."""
     store, g = dt.membership.store, dt.generation
     start = time.monotonic()
     deadline, collected = start + timeout_s, False
     offers: Dict[str, Offer] = {}
-    dead: List[str] = []
+    gone: Dict[str, str] = {}
     while True:
         if not collected and time.monotonic() - start > SLOW_PEER_S:
             collect()  # a peer may be waiting on a group of ours that only a reference cycle keeps
             collected = True
         for m in dt.members:
-            if m in offers or m in dead:
+            if m in offers or m in gone:
                 continue
             if store.check([DEAD_KEY.format(m)]):
-                dead.append(m)
+                gone[m] = "dead"
             elif store.check([OFFER_KEY.format(g, m)]):
                 offers[m] = Offer.from_dict(json.loads(store.get(OFFER_KEY.format(g, m))))
-        missing = [m for m in dt.members if m not in offers and m not in dead]
+            elif store.check([LEFT_KEY.format(m)]):
+                gone[m] = "left"
+        missing = [m for m in dt.members if m not in offers and m not in gone]
         if not missing or time.monotonic() > deadline:
             ranked = [offers[m] for m in dt.members if m in offers]
-            return ranked, [m for m in dt.members if m in dead], missing
+            dead = [m for m in dt.members if gone.get(m) == "dead"]
+            return ranked, dead, [m for m in dt.members if gone.get(m) == "left"], missing
         time.sleep(POLL_S)
 
 
-def _recover_at(engine, kept: Kept, layout, offers: List[Offer], dead: List[str], rec: RecoveryRecord) -> bool:
-    """Phases 2 to 4 on this survivor; fills ``rec``. False when the smaller world leaves it out."""
+def _recover_at(
+    engine, kept: Kept, layout, offers: List[Offer], gone: List[str], rec: RecoveryRecord, resize: Optional[InResize]
+) -> bool:
+    """Phases 2 to 4 on this survivor; fills ``rec``. ``gone``: the members whose partitions come
+    from replicas (dead, or left in the interrupted resize). False when the smaller world leaves
+    this survivor out."""
     dt = engine._dt
     timeout, step, served = dt.config.recovery.timeout_s, rec.step, rec.served_by
     clock = time.perf_counter
     t = clock()
     survivors = tuple(o.member for o in offers)
-    world = largest_world_size(dt.global_batch, dt.micro_batch, len(survivors), dt.config.max_world_size)
+    must_leave = tuple(gone) + (() if resize is None else tuple(m for m in resize.must_leave if m not in gone))
+    stay_at_most = len([m for m in survivors if m not in must_leave])
+    if resize is not None:
+        stay_at_most = min(stay_at_most, resize.world_size)  # the interrupted resize's target at most
+    world = largest_world_size(dt.global_batch, dt.micro_batch, stay_at_most, dt.config.max_world_size)
     if world == 0:
-        raise RecoveryNotPossibleError(f"no world size of at most {len(survivors)} ranks keeps the global batch")
+        raise RecoveryNotPossibleError(f"no world size of at most {stay_at_most} ranks keeps the global batch")
     rec.to_world_size = world
     new_members = next_members(
-        layout, dt.members, (), dt.history, world, tuple(dead), joiner_name=lambda r: f"~unused{r}"
+        layout, dt.members, (), dt.history, world, must_leave, joiner_name=lambda r: f"~unused{r}"
     )
     plan = plan_transition(layout, layout.with_world_size(world), dt.members, new_members)
     live, from_replicas = split_recovery_plan(plan, served)

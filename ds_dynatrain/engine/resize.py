@@ -26,7 +26,7 @@ import torch.distributed as tdist
 
 from ..batch import BatchSplit
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
-from ..errors import TransitionAbortedError
+from ..elastic.keys import LEFT_KEY
 from ..log import logger
 from ..planner.plan import Plan, plan_transition, scalars_for
 from ..zero.geometry import is_zero3, layout_of, zero_optimizer_of
@@ -39,7 +39,7 @@ from .join import stand_by
 from .members import evict_groups, form_generation, request_joiners
 from .pending import complete_pending, publish, start_peak_rss
 from .records import Record, ResizeRecord
-from .recover import fall_back_if_dead
+from .recover import InResize, fall_back_if_dead, is_peer_failure, recover
 from .replicas import close_replicas
 from .state import PendingResize, Preparation
 from .transfer import begin_transition
@@ -80,7 +80,9 @@ def resize(
     Raises:
         LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
     """
-    close_replicas(engine._dt)  # the new generation keeps its own replicas
+    # the old generation's replicas are kept until the next one refreshes its own: a death during
+    # this resize is recovered from them (recover.InResize)
+    r = None
     try:
         r = _plan(engine, world_size, split, must_leave, prepared)
         _agree(engine, r)
@@ -89,9 +91,14 @@ def resize(
             return _leave(engine, r)
         _rebuild(engine, r)
         return _finish(engine, r)
-    except TransitionAbortedError as err:
-        fall_back_if_dead(engine, err)  # a member died: the restart from the snapshot (peer replicas on)
-        raise
+    except RuntimeError as err:
+        dt = engine._dt
+        rs = dt.replicas
+        old_generation = r is not None and dt.generation == r.generation - 1  # not switched yet
+        if not (is_peer_failure(err) and old_generation and rs is not None and rs.generation == dt.generation):
+            fall_back_if_dead(engine, err)  # a member died: the restart from the snapshot (peer replicas on)
+            raise
+        return recover(engine, err, InResize(r.plan.old_layout, r.world_size, r.must_leave, r.grow))
 
 
 def _plan(
@@ -189,6 +196,9 @@ def _leave(engine, r: _Resize) -> Optional[Record]:
     dt.retired = True
     dt.pending = PendingResize(r.transfer, None, [], r.record, r.rss_base, r.xfer)
     complete_pending(engine)  # a leaver hands everything over before it goes
+    if dt.replicas is not None:  # its copies go with it: a recovery of this resize takes its replicas
+        close_replicas(dt)
+        dt.membership.store.set(LEFT_KEY.format(dt.member), "1")
     logger.info(
         f"member {dt.member} left the job after step {engine.global_steps} "
         f"({r.record.bytes_sent / 2**20:.2f} MiB handed over)" + ("; it stands by" if standby else "")

@@ -11,8 +11,8 @@ SIGKILL at a chosen moment, or (the oracle) the job resizes 4 -> 3 removing that
   ``refresh`` (in the replica refresh of step STEP, before the payload is sent: the replica
   transport's fault seam); ``transfer`` (in the transfer of a resize at step STEP, before its first
   chunk is posted: the transition's fault seam). Several kills: the option repeated.
-* ``--oracle STEP:RANK``: no kill; right after step STEP every member calls
-  ``engine.resize(3, must_leave=(member of RANK,))``.
+* ``--oracle STEP:RANK[,RANK]``: right after step STEP every member calls
+  ``engine.resize(4 - number of RANKs, must_leave=(their members))``.
 
 Writes ``--out/losses_<member>.json`` (step -> loss, the vote's mean over ranks) and, at the end,
 rank 0 writes the gathered state (``gather_state``) to ``--out/final.pt``. With ``--rss`` every
@@ -118,7 +118,10 @@ def main():
         if who == member:
             kill_at = {"step": int(s), "point": point}
             _arm(engine, model, point, int(s))
-    oracle = tuple(int(x) for x in a.oracle.split(":")) if a.oracle else None
+    oracle = None
+    if a.oracle:
+        at, ranks = a.oracle.split(":")
+        oracle = (int(at), tuple(f"g0r{x}" for x in ranks.split(",")))
     losses = {}
     while engine.is_member and engine.global_steps < a.steps:
         for batch in loader:
@@ -137,7 +140,7 @@ def main():
                 with open(os.path.join(a.out, f"rss_{member}"), "a") as f:
                     f.write(json.dumps([engine.global_steps, _rss()]) + "\n")
             if oracle and engine.global_steps == oracle[0] and engine.dp_world_size == 4:
-                engine.resize(3, must_leave=(f"g0r{oracle[1]}",))
+                engine.resize(4 - len(oracle[1]), must_leave=oracle[1])
             if not engine.is_member or engine.global_steps >= a.steps:
                 break
     if engine.is_member:
