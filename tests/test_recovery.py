@@ -267,6 +267,23 @@ def test_a_kill_during_a_resize_transfer_recovers_in_place_from_the_old_generati
     assert _losses(out) == _losses(oracle_out)
 
 
+@pytest.mark.multiprocess
+def test_replicas_older_than_the_snapshot_fall_back_to_it(tmp_path):
+    snaps = os.path.join(tmp_path, "snaps")
+    # replicas of steps 4 and 8, a snapshot every step: the death after step 6 finds the snapshot of
+    # step 5 (or 6) newer than the replicas of step 4
+    recovery = {"peer_replicas": 1, "interval_steps": 4, "timeout_s": 30}
+    snapshot = {"interval_steps": 1, "dir": snaps}
+    job, out = _run(
+        tmp_path, "older", 2, ["--steps", "8", "--kill", "g0r2:6:between"], recovery=recovery, snapshot=snapshot
+    )
+    assert job.returncode == 0, job.output[-4000:]
+    assert "the replicas (step 4) are older than the latest snapshot (step " in job.output, job.output[-3000:]
+    assert re.search(r"restarting the job on \d ranks from snapshot global_step[56] ", job.output), job.output[-3000:]
+    events = [r["event"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    assert "recovery" not in events and "restore" in events
+
+
 def test_peer_replicas_are_refused_without_zero():
     from ds_dynatrain.config import check_elastic_config, load_ds_config
     from ds_dynatrain.errors import ConfigError

@@ -31,6 +31,7 @@ worker's agent restarts the job from its latest snapshot (:mod:`~ds_dynatrain.el
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -39,6 +40,8 @@ import torch
 import torch.distributed as tdist
 import torch.utils._pytree as pytree
 from deepspeed.accelerator import get_accelerator
+
+from io_engine import BadLatestError, read_latest
 
 from ..batch import largest_world_size
 from ..elastic.keys import DEAD_KEY, FALLBACK_KEY, LEFT_KEY, OFFER_KEY, RECOVERED_KEY, group_prefix
@@ -142,6 +145,11 @@ def recover(engine, err: BaseException, resize: Optional[InResize] = None) -> Op
         if why:
             raise RecoveryNotPossibleError(why)
         step, served = recovery_step(offers, dead + left)
+        snap = _latest_snapshot_step(dt)
+        if snap is not None and snap > step:
+            raise RecoveryNotPossibleError(
+                f"the replicas (step {step}) are older than the latest snapshot (step {snap})"
+            )
         rec = RecoveryRecord(
             dead=list(dead),
             step=step,
@@ -349,6 +357,21 @@ def abandoned_output(template: Optional[Tuple[Any, List[Any]]]) -> Any:
         else:
             out.append(leaf)
     return pytree.tree_unflatten(out, spec)
+
+
+def _latest_snapshot_step(dt) -> Optional[int]:
+    """The step of the snapshot the agents would restart from (``latest`` of the snapshot
+    directory, where ``snapshot.restore_on_failure`` is on); None without one. Every survivor
+    reads the same: no snapshot commits while a member is dead."""
+    snap = dt.config.snapshot
+    if not (snap.interval_steps and snap.restore_on_failure and snap.dir):
+        return None
+    try:
+        tag = read_latest(snap.dir)
+    except BadLatestError:
+        return None  # the restore tries the older snapshots: nothing newer than the replicas to prefer
+    match = re.fullmatch(r"global_step(\d+)", tag or "")
+    return int(match.group(1)) if match else None
 
 
 def _first_line(err: BaseException) -> str:
