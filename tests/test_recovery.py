@@ -268,6 +268,7 @@ def test_a_kill_during_a_resize_transfer_recovers_in_place_from_the_old_generati
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the restart path: the fallback of two dead neighbours covers it in make test
 def test_replicas_older_than_the_snapshot_fall_back_to_it(tmp_path):
     snaps = os.path.join(tmp_path, "snaps")
     # replicas of steps 4 and 8, a snapshot every step: the death after step 6 finds the snapshot of
