@@ -225,7 +225,7 @@ def _collect(dt, timeout_s: float) -> Tuple[List[Offer], List[str], List[str], L
                 gone[m] = "dead"
             elif store.check([OFFER_KEY.format(g, m)]):
                 offers[m] = Offer.from_dict(json.loads(store.get(OFFER_KEY.format(g, m))))
-            elif store.check([LEFT_KEY.format(m)]):
+            elif store.check([LEFT_KEY.format(g, m)]):
                 gone[m] = "left"
         missing = [m for m in dt.members if m not in offers and m not in gone]
         if not missing or time.monotonic() > deadline:

@@ -86,7 +86,9 @@ def before_vote(engine) -> None:
         RuntimeError: it failed (a peer died): the caller's recovery takes over.
     """
     dt = engine._dt
-    if dt.replicas is not None and refresh_boundary(engine):
+    # an older generation's set (kept through a resize) is closed by after_vote: its refresh is
+    # none of this generation's business
+    if dt.replicas is not None and dt.replicas.generation == dt.generation and refresh_boundary(engine):
         try:
             dt.replica_stall_s += dt.replicas.wait()
         except TransitionAbortedError as err:  # a peer died: the recovery takes it as a failed collective

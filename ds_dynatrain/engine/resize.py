@@ -198,7 +198,7 @@ def _leave(engine, r: _Resize) -> Optional[Record]:
     complete_pending(engine)  # a leaver hands everything over before it goes
     if dt.replicas is not None:  # its copies go with it: a recovery of this resize takes its replicas
         close_replicas(dt)
-        dt.membership.store.set(LEFT_KEY.format(dt.member), "1")
+        dt.membership.store.set(LEFT_KEY.format(dt.generation, dt.member), "1")
     logger.info(
         f"member {dt.member} left the job after step {engine.global_steps} "
         f"({r.record.bytes_sent / 2**20:.2f} MiB handed over)" + ("; it stands by" if standby else "")
