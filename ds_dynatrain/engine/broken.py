@@ -62,8 +62,8 @@ def release(engine, err: BaseException) -> Kept:
     zopt = zero_optimizer_of(engine)
     zero3 = is_zero3(zopt)
     kept = Kept(zopt.optimizer, engine.lr_scheduler, engine.module, () if zero3 else tuple(zopt.bit16_groups_flat))
-    # (a resize may have made them plain already)
-    shapes = {n: (getattr(p, "ds_shape", p.shape), p.dtype) for n, p in kept.model.named_parameters()} if zero3 else {}
+    params = kept.model.named_parameters()  # full shapes (plain already where a resize released them)
+    shapes = {n: (getattr(p, "ds_shape", p.shape), p.dtype) for n, p in params} if zero3 else {}
     drop_traceback(err)
     _abandon_snapshot(engine)
     try:

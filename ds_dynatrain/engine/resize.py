@@ -75,10 +75,13 @@ def resize(
     """Change the world size of ``engine`` now (collective over the current generation).
 
     Returns the resize record on members of the new generation, the join record on a process that
-    stood by and was taken back by a later resize, None in a process that left.
+    stood by and was taken back by a later resize, None in a process that left. With peer replicas,
+    a member that dies during a shrink before the switch is recovered from: the recovery record
+    (:func:`~ds_dynatrain.engine.recover.recover` with :class:`~ds_dynatrain.engine.recover.InResize`).
 
     Raises:
-        LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed.
+        LayoutMismatchError, TransitionAbortedError: the ranks disagreed or a peer failed (and no
+            in-place recovery took it over).
     """
     # the old generation's replicas are kept until the next one refreshes its own: a death during
     # this resize is recovered from them (recover.InResize)
