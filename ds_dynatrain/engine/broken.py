@@ -28,6 +28,8 @@ from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.rebuild import teardown
 from ..zero.zero3 import release_zero3_params
 
+releases = 0  # generations this process let go of (engine.lifecycle collects their cycles at exit)
+
 
 @dataclass
 class Kept:
@@ -58,6 +60,8 @@ def release(engine, err: BaseException) -> Kept:
     The engine cannot train afterwards until it is built again; the returned parts are what that
     build takes back.
     """
+    global releases
+    releases += 1
     dt = engine._dt
     zopt = zero_optimizer_of(engine)
     zero3 = is_zero3(zopt)

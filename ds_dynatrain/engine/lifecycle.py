@@ -14,7 +14,9 @@ from ..elastic.groups import close_all
 from ..errors import SnapshotWriteError
 from ..log import logger
 from ..zero.comm import release_process_groups
+from . import broken
 from .pending import wait_transition
+from .replicas import close_replicas
 from .requests import cancel_pending_joiners
 from .state import ElasticState
 
@@ -127,6 +129,8 @@ def close_at_exit(engine) -> None:
     ce = getattr(engine, "checkpoint_engine", None)
     if isinstance(ce, SnapshotCheckpointEngine):
         ce.close()
+    if dt is not None:
+        close_replicas(dt)  # the replica group's gloo threads end now too
     release_process_groups(engine)
 
 
@@ -147,4 +151,6 @@ def shutdown() -> None:
     close_all()  # the cached groups too, not only the default one
     if tdist.is_initialized():
         tdist.destroy_process_group()
+    if broken.releases:
+        gc.collect()  # a failed generation let go in a recovery: its groups in cycles go now, not at teardown
     gc.freeze()
