@@ -85,6 +85,9 @@ LEFT_KEY = "dynatrain/left/{}/{}"  # generation, member: a leaver of its resize 
 RECOVERED_KEY = "dynatrain/recovery/{}/done"  # dead member -> the recovery record (new rank 0)
 FALLBACK_KEY = "dynatrain/recovery/{}/fallback"  # dead member -> {"reason"}: restart from the snapshot
 OFFER_KEY = "dynatrain/recovery/{}/offer/{}"  # generation, member -> the copies it holds
+SNAPSHOT_SEEN_KEY = (
+    "dynatrain/recovery/{}/snapshot"  # generation -> the latest snapshot step, as the first survivor read it
+)
 RESTART_COUNT = "dynatrain/restart/count"
 RESTART_KEY = "dynatrain/restart/{}"  # {"generation", "world_size", "ranks": {node: [ranks]}} or {"stop": rc}
 

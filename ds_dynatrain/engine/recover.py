@@ -44,7 +44,15 @@ from deepspeed.accelerator import get_accelerator
 from io_engine import BadLatestError, read_latest
 
 from ..batch import largest_world_size
-from ..elastic.keys import DEAD_KEY, FALLBACK_KEY, LEFT_KEY, OFFER_KEY, RECOVERED_KEY, group_prefix
+from ..elastic.keys import (
+    DEAD_KEY,
+    FALLBACK_KEY,
+    LEFT_KEY,
+    OFFER_KEY,
+    RECOVERED_KEY,
+    SNAPSHOT_SEEN_KEY,
+    group_prefix,
+)
 from ..errors import DynatrainError, TransitionAbortedError
 from ..log import logger
 from ..planner.assignment import next_members
@@ -145,7 +153,7 @@ def recover(engine, err: BaseException, resize: Optional[InResize] = None) -> Op
         if why:
             raise RecoveryNotPossibleError(why)
         step, served = recovery_step(offers, dead + left)
-        snap = _latest_snapshot_step(dt)
+        snap = _agreed_snapshot_step(dt)
         if snap is not None and snap > step:
             raise RecoveryNotPossibleError(
                 f"the replicas (step {step}) are older than the latest snapshot (step {snap})"
@@ -359,10 +367,19 @@ def abandoned_output(template: Optional[Tuple[Any, List[Any]]]) -> Any:
     return pytree.tree_unflatten(out, spec)
 
 
+def _agreed_snapshot_step(dt) -> Optional[int]:
+    """:func:`_latest_snapshot_step` as the first survivor to ask read it (the store's
+    compare-and-set): a snapshot whose ranks had all written before the death may still commit
+    during the recovery, and every survivor must decide alike."""
+    key = SNAPSHOT_SEEN_KEY.format(dt.generation)
+    store = dt.membership.store
+    store.compare_set(key, "", json.dumps(_latest_snapshot_step(dt)))
+    return json.loads(store.get(key))
+
+
 def _latest_snapshot_step(dt) -> Optional[int]:
     """The step of the snapshot the agents would restart from (``latest`` of the snapshot
-    directory, where ``snapshot.restore_on_failure`` is on); None without one. Every survivor
-    reads the same: no snapshot commits while a member is dead."""
+    directory, where ``snapshot.restore_on_failure`` is on); None without one."""
     snap = dt.config.snapshot
     if not (snap.interval_steps and snap.restore_on_failure and snap.dir):
         return None
