@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, save_final_state  # noqa: E402
 
 
 def _record_resources(out: str, engine) -> None:
@@ -106,9 +106,7 @@ def main():
             if not engine.is_member or not _go_on(engine, a.steps, a.until):
                 break
     if engine.is_member:
-        state = gather_state(engine)
-        if engine.global_rank == 0:
-            torch.save(state, os.path.join(a.out, "final.pt"))
+        save_final_state(engine, a.out)
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, gather_state, save_final_state  # noqa: E402
 
 
 def _record_threads(out: str, member: str) -> None:
@@ -116,9 +116,7 @@ def main():
             if engine.global_steps >= a.steps:
                 break
     if engine.is_member:
-        state = gather_state(engine)
-        if engine.global_rank == 0:
-            torch.save(state, os.path.join(a.out, "final.pt"))
+        save_final_state(engine, a.out)
     return 0
 
 

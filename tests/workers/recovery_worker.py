@@ -15,7 +15,7 @@ SIGKILL at a chosen moment, or (the oracle) the job resizes 4 -> 3 removing that
   ``engine.resize(4 - number of RANKs, must_leave=(their members))``.
 
 Writes ``--out/losses_<member>.json`` (step -> loss, the vote's mean over ranks) and, at the end,
-rank 0 writes the gathered state (``gather_state``) to ``--out/final.pt``. With ``--rss`` every
+rank 0 writes the gathered state (``save_final_state``) to ``--out/final.pt``. With ``--rss`` every
 member appends ``(step, RSS bytes)`` to ``--out/rss_<member>``.
 """
 
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, save_final_state  # noqa: E402
 
 _ENGINE = []
 
@@ -146,9 +146,7 @@ def main():
     if engine.is_member:
         with open(os.path.join(a.out, f"losses_{member}.json"), "w") as f:
             json.dump(losses, f)
-        state = gather_state(engine)
-        if engine.global_rank == 0:
-            torch.save(state, os.path.join(a.out, "final.pt"))
+        save_final_state(engine, a.out)
     return 0
 
 
