@@ -57,11 +57,35 @@ def assign_members_best(
     must_leave: Sequence[str] = (),
 ) -> Tuple[str, ...]:
     """The rank assignment that keeps the most elements in place (DynaTrain: an assignment
-    problem over the overlaps of old and new regions).
+    problem over the overlaps of old and new regions): :func:`assign_by_overlap` on
+    :func:`overlap_matrix`.
 
-    Each new rank is taken by one staying process or one joiner; processes in ``must_leave``
-    (preempted) never stay. Solved with ``scipy.optimize.linear_sum_assignment`` (Hungarian
-    method, deterministic for the same input) on :func:`overlap_matrix`.
+    Raises:
+        ValueError: the staying processes plus joiners cannot fill the new world exactly.
+    """
+    leave = set(must_leave)
+    candidates = [i for i, m in enumerate(old_members) if m not in leave]
+    staying = min(len(candidates), new.world_size)
+    if staying + len(joiner_ids) != new.world_size:  # before the overlaps are computed
+        raise ValueError(
+            f"{staying} staying processes and {len(joiner_ids)} joiners do not make world size {new.world_size}"
+        )
+    return assign_by_overlap(overlap_matrix(old, new), old_members, joiner_ids, must_leave)
+
+
+def assign_by_overlap(
+    k, old_members: Sequence[str], joiner_ids: Sequence[str], must_leave: Sequence[str] = ()
+) -> Tuple[str, ...]:
+    """The assignment of processes to new ranks that maximises the elements kept in place.
+
+    Args:
+        k: ``K[i, j]``, elements old rank ``i`` holds that new rank ``j`` needs (int64,
+            ``(len(old_members), new world size)``).
+        old_members, joiner_ids: the member id of each old rank; the joiners' ids.
+        must_leave: processes that never stay (preempted).
+
+    Each new rank is taken by one staying process or one joiner. Solved with
+    ``scipy.optimize.linear_sum_assignment`` (Hungarian method, deterministic for the same input).
 
     Raises:
         ValueError: the staying processes plus joiners cannot fill the new world exactly.
@@ -71,11 +95,11 @@ def assign_members_best(
 
     leave = set(must_leave)
     candidates = [i for i, m in enumerate(old_members) if m not in leave]
-    n_new = new.world_size
+    n_new = k.shape[1]
     staying = min(len(candidates), n_new)
     if staying + len(joiner_ids) != n_new:
         raise ValueError(f"{staying} staying processes and {len(joiner_ids)} joiners do not make world size {n_new}")
-    k = overlap_matrix(old, new)[candidates]
+    k = k[candidates]
     rows, cols = linear_sum_assignment(k, maximize=True)
     if len(rows) > staying:  # more columns than rows cannot happen; keep the best ``staying``
         order = np.argsort(-k[rows, cols], kind="stable")[:staying]

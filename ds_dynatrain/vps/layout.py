@@ -371,8 +371,9 @@ class ZeroLayout:
             n = np.minimum(piece, numel[param] - start)
             return FragmentTable(param, rank, part[param], start, n, where[param])
         # stages 1/2: rank r holds [max(off, r P), min(off + numel, (r + 1) P)) of the flat group
-        first = where // size
-        counts = np.where(numel > 0, (where + numel - 1) // size - first + 1, 0)
+        cut = np.maximum(size, 1)  # a group of only empty parameters has partitions of 0
+        first = where // cut
+        counts = np.where(numel > 0, (where + numel - 1) // cut - first + 1, 0)
         param = np.repeat(param, counts)
         rank = first[param] + _ragged_arange(counts)
         off, P = where[param], size[param]

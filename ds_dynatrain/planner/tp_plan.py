@@ -1,0 +1,154 @@
+"""The routing plan of a change of TP and DP degree (pure): what every process keeps, sends and
+receives when an AutoTP + ZeRO layout becomes another one.
+
+The same method as a DP-only resize (:mod:`~ds_dynatrain.planner.plan`): the old and new
+regions of every parameter are intersected (here as boxes, :mod:`~ds_dynatrain.planner.boxes`),
+the processes are assigned to new ranks so that the most elements stay in place
+(:func:`~ds_dynatrain.planner.assignment.assign_by_overlap`), and each intersection whose two
+ends are one process is a keep. A parameter AutoTP does not cut is held by every old TP rank:
+each new rank takes it from the copy its own process held (so what it held stays in place), a
+joiner from old TP rank ``new TP rank mod old TP``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence, Tuple
+
+import numpy as np
+
+from ..vps.tensor_parallel import TensorParallelLayout
+from .assignment import assign_by_overlap
+from .boxes import TP_COLUMNS, TP_WIDTH, box_overlap_matrix, box_transfers
+
+
+@dataclass(frozen=True, eq=False)
+class TpPlan:
+    """A deterministic plan of one change of TP and DP degree.
+
+    Attributes:
+        old_layout, new_layout: the two layouts (same model).
+        old_members, new_members: member id of each old and new global rank.
+        table: every transfer as a row of an int64 array ``(n, 11)``, columns
+            :data:`~ds_dynatrain.planner.boxes.TP_COLUMNS` (a box moving between two strided
+            runs; elements), sorted by ``(src, dst, param)``; keeps included.
+
+    Raises:
+        ValueError: a member list does not name one process per rank, or names one twice.
+    """
+
+    old_layout: TensorParallelLayout
+    new_layout: TensorParallelLayout
+    old_members: Tuple[str, ...]
+    new_members: Tuple[str, ...]
+    table: np.ndarray
+
+    def __post_init__(self):
+        if len(self.old_members) != self.old_layout.world_size:
+            raise ValueError("old_members must name one process per old rank")
+        if len(self.new_members) != self.new_layout.world_size:
+            raise ValueError("new_members must name one process per new rank")
+        if len(set(self.new_members)) != len(self.new_members) or len(set(self.old_members)) != len(self.old_members):
+            raise ValueError("a process can hold only one rank per generation")
+        if self.table.ndim != 2 or self.table.shape[1] != TP_WIDTH:
+            raise ValueError(f"a TP plan's table has {TP_WIDTH} columns {TP_COLUMNS}")
+        self.table.flags.writeable = False
+
+    @cached_property
+    def keep_mask(self) -> np.ndarray:
+        """Per row: both ends are one process."""
+        old = np.asarray(self.old_members, dtype=object)[self.table[:, 0]]
+        new = np.asarray(self.new_members, dtype=object)[self.table[:, 1]]
+        return old == new
+
+    @cached_property
+    def _numels(self) -> np.ndarray:
+        return self.table[:, 9] * self.table[:, 10]
+
+    @property
+    def numel_kept(self) -> int:
+        """Elements that stay in place (a local copy at most)."""
+        return int(self._numels[self.keep_mask].sum())
+
+    @property
+    def numel_moved(self) -> int:
+        """Elements sent between processes."""
+        return int(self._numels[~self.keep_mask].sum())
+
+    def per_rank(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(kept by new rank, sent by old rank, received by new rank)``: elements (int64)."""
+        t, keep, n = self.table, self.keep_mask, self._numels
+        kept = np.bincount(t[keep, 1], n[keep], minlength=self.new_layout.world_size).astype(np.int64)
+        sent = np.bincount(t[~keep, 0], n[~keep], minlength=self.old_layout.world_size).astype(np.int64)
+        recv = np.bincount(t[~keep, 1], n[~keep], minlength=self.new_layout.world_size).astype(np.int64)
+        return kept, sent, recv
+
+    def digest(self) -> str:
+        """SHA-256 of the degrees, members and the table's bytes: equal on every rank for the
+        same plan."""
+        h = hashlib.sha256()
+        head = [self.old_layout.tp, self.old_layout.dp, self.new_layout.tp, self.new_layout.dp]
+        h.update(json.dumps([head, self.old_members, self.new_members]).encode())
+        h.update(np.ascontiguousarray(self.table.T).astype("<i8").tobytes())
+        return h.hexdigest()
+
+
+def source_bands(old: TensorParallelLayout, new: TensorParallelLayout, old_members, new_members) -> np.ndarray:
+    """The old TP rank whose copy of a replicated parameter each new rank takes (int64, one per
+    new rank): its own process's old TP rank, or, for a joiner, ``new TP rank mod old TP``."""
+    old_rank = {m: i for i, m in enumerate(old_members)}
+    out = np.empty(len(new_members), dtype=np.int64)
+    for j, m in enumerate(new_members):
+        i = old_rank.get(m)
+        out[j] = (i % old.tp) if i is not None else (j % new.tp) % old.tp
+    return out
+
+
+def plan_tp_transition(
+    old: TensorParallelLayout, new: TensorParallelLayout, old_members: Sequence[str], new_members: Sequence[str]
+) -> TpPlan:
+    """The plan that moves ``old`` to ``new`` with the given processes at each rank.
+
+    Raises:
+        LayoutMismatchError: the layouts describe different models or ZeRO settings.
+        ValueError: as :class:`TpPlan`.
+    """
+    old.check_same_model(new)
+    bands = source_bands(old, new, old_members, new_members)
+    return TpPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, bands))
+
+
+def assign_tp_members_best(
+    old: TensorParallelLayout,
+    new: TensorParallelLayout,
+    old_members: Sequence[str],
+    joiner_ids: Sequence[str],
+    must_leave: Sequence[str] = (),
+) -> Tuple[Tuple[str, ...], np.ndarray]:
+    """The processes of the new ranks that keep the most elements in place, and the overlap
+    matrix it was chosen on (``K[i, j]``, int64: elements old rank ``i`` holds that new rank
+    ``j`` needs).
+
+    Raises:
+        LayoutMismatchError: the layouts describe different models or ZeRO settings.
+        ValueError: the staying processes plus joiners cannot fill the new world exactly.
+    """
+    old.check_same_model(new)
+    k = box_overlap_matrix(old, new)
+    return assign_by_overlap(k, old_members, joiner_ids, must_leave), k
+
+
+def kept_upper_bound(k: np.ndarray, must_leave_rows: Sequence[int] = ()) -> int:
+    """An upper bound of the elements any assignment keeps in place, without trying them: each
+    new rank keeps at most its best overlap with one old rank, and each old rank at most its
+    best overlap with one new rank, so the kept elements are at most the smaller of
+    ``sum_j max_i K[i, j]`` and ``sum_i max_j K[i, j]`` (rows of processes that must leave
+    dropped)."""
+    keep_rows = np.setdiff1d(np.arange(k.shape[0]), np.asarray(must_leave_rows, dtype=np.int64))
+    k = k[keep_rows]
+    if k.size == 0:
+        return 0
+    return int(min(k.max(axis=0).sum(), k.max(axis=1).sum()))
