@@ -6,6 +6,9 @@ Two sets of rows, each printed beside its target with the ratio:
   the byte-maximising rank assignment and with ranks kept in place: the plan's time against
   1 s (DynaTrain reports whole 70 B re-layouts in under 2 s) and the share of the state that
   stays in place.
+* the same 70 B model under DeepSpeed AutoTP, TP 8 x DP 8 -> TP 4 x DP 12 (64 -> 48 ranks), ZeRO-1,
+  2 and 3: the plan's time against 1 s, and the kept bytes against the upper bound of
+  ``ds_dynatrain.planner.tp_plan.kept_upper_bound`` (no assignment can keep more).
 * Llama-3-405B-shaped (``configs/models/llama3_405b.json``), ZeRO-2 and ZeRO-3, 1,024 -> 960
   ranks (target 1 s) and 4,096 -> 3,072 ranks (target 5 s): what one process of a real resize
   computes before any byte moves, timed from the old layout: the new layout, the
@@ -151,7 +154,47 @@ def seventy_b_rows(model_config: str, from_ws: int, to_ws: int) -> list:
     return out
 
 
-def print_rows(small: list, large: list) -> None:
+def tp_rows(model_config: str, from_ws: int = 64, to_ws: int = 48, tp_from: int = 8, tp_to: int = 4) -> list:
+    from ds_dynatrain.cli.plan_tp import tp_plan_report
+
+    out = []
+    for stage in (1, 2, 3):
+        rep = tp_plan_report(model_config, stage, from_ws, to_ws, tp_from, tp_to, "bfloat16")
+        total = rep["bytes_moved"] + rep["bytes_kept"]
+        out.append(
+            {
+                "model": os.path.basename(model_config),
+                "zero_stage": stage,
+                "from": from_ws,
+                "to": to_ws,
+                "tensor_parallel_from": tp_from,
+                "tensor_parallel_to": tp_to,
+                "plan_seconds": rep["plan_seconds"],
+                "target_seconds": 1.0,
+                "ratio_to_target": rep["plan_seconds"] / 1.0,
+                "kept_fraction": rep["bytes_kept"] / total,
+                "bytes_kept": rep["bytes_kept"],
+                "bytes_kept_upper_bound": rep["bytes_kept_upper_bound"],
+                "bytes_moved": rep["bytes_moved"],
+                "transfers": rep["transfers"],
+            }
+        )
+    return out
+
+
+def print_tp_rows(rows: list) -> None:
+    for r in rows:
+        a, b = r["tensor_parallel_from"], r["tensor_parallel_to"]
+        print(
+            f"AutoTP ZeRO-{r['zero_stage']} TP {a} x DP {r['from'] // a} -> TP {b} x DP {r['to'] // b}: planned in "
+            f"{r['plan_seconds'] * 1e3:6.1f} ms (target 1000 ms, ratio {r['ratio_to_target']:.3f}); kept "
+            f"{r['bytes_kept'] / 2**30:.1f} GiB, upper bound {r['bytes_kept_upper_bound'] / 2**30:.1f} GiB "
+            f"({100 * r['kept_fraction']:.1f} % stays), {r['bytes_moved'] / 2**30:.0f} GiB move, "
+            f"{r['transfers']} transfers"
+        )
+
+
+def print_small(small: list) -> None:
     r0 = small[0]
     print(f"{r0['parameters'] / 1e9:.1f} B parameters, {r0['from']} -> {r0['to']} ranks")
     for r in small:
@@ -160,6 +203,9 @@ def print_rows(small: list, large: list) -> None:
             f"(target 1000 ms, ratio {r['ratio_to_target']:.3f}); {100 * r['kept_fraction']:.1f} % of the state "
             f"stays in place, {r['bytes_moved'] / 2**30:.0f} GiB move, {r['transfers']} transfers"
         )
+
+
+def print_large(large: list) -> None:
     if large:
         print(f"{large[0]['parameters'] / 1e9:.1f} B parameters: plan + XOR schedule of one process, best assignment")
     for r in large:
@@ -179,15 +225,19 @@ def main(argv=None) -> int:
     ap.add_argument("--to", dest="to_ws", type=int, default=48)
     ap.add_argument("--scale-model-config", default=os.path.join(MODELS, "llama3_405b.json"))
     ap.add_argument("--no-scale", action="store_true", help="only the 70 B rows")
+    ap.add_argument("--no-tp", action="store_true", help="without the AutoTP rows")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     small = seventy_b_rows(a.model_config, a.from_ws, a.to_ws)
+    tp = [] if a.no_tp else tp_rows(a.model_config)
     large = [] if a.no_scale else [scale_row(*r, a.scale_model_config) for r in SCALE_ROWS]
     if a.json:
-        for r in small + large:
+        for r in small + tp + large:
             print(json.dumps(r))
         return 0
-    print_rows(small, large)
+    print_small(small)
+    print_tp_rows(tp)
+    print_large(large)
     return 0
 
 

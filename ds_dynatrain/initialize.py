@@ -45,6 +45,32 @@ def _refuse_frontend_under_launch(frontend: Optional[str], in_place_loop: Option
         )
 
 
+def _refuse_model_parallel(model: torch.nn.Module, ds_config: dict, mpu) -> None:
+    """Refuse a job whose layout is more than data-parallel: its partitions hold TP-local or
+    stage-local parameters that the resize, snapshot and recovery paths would take for whole ones.
+
+    Raises:
+        ConfigError: a model-parallel ``mpu``, ``tensor_parallel.autotp_size`` above 1, or a
+            ``deepspeed.pipe.PipelineModule``.
+    """
+    if mpu is not None:
+        raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
+    autotp = int(((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0))
+    if autotp > 1:
+        raise ConfigError(
+            f"tensor_parallel.autotp_size {autotp}: ds_dynatrain resizes, snapshots and recovers "
+            "data-parallel jobs only; AutoTP layouts can be planned (dynatrain plan --tensor-parallel-from) "
+            "but not yet switched. Remove the dynatrain section to train with AutoTP"
+        )
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise ConfigError(
+            "a deepspeed.pipe.PipelineModule: ds_dynatrain resizes, snapshots and recovers data-parallel "
+            "jobs only. Remove the dynatrain section to train with pipeline parallelism"
+        )
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -98,8 +124,7 @@ def initialize(
         plain = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data)
         plain.update(lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, collate_fn=collate_fn)
         return deepspeed.initialize(model=model, dist_init_required=dist_init_required, config=ds_config, **plain)
-    if mpu is not None:
-        raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
+    _refuse_model_parallel(model, ds_config, mpu)
     _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(

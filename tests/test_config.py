@@ -274,3 +274,31 @@ CONTRADICTIONS = [
 def test_resolve_global_batch_refuses(keys, ws, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_global_batch(keys, ws)
+
+
+@pytest.mark.parametrize(
+    "extra, model_kind, message",
+    [
+        ({"tensor_parallel": {"autotp_size": 2}}, "linear", "tensor_parallel.autotp_size 2: ds_dynatrain resizes"),
+        ({}, "pipeline", "a deepspeed.pipe.PipelineModule: ds_dynatrain resizes"),
+    ],
+)
+def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
+    """An AutoTP or pipeline job is refused by ``ds_dynatrain.initialize`` before any engine or
+    process group exists (its partitions are not whole parameters), naming the key."""
+    import torch
+
+    import ds_dynatrain
+
+    if model_kind == "pipeline":
+        from deepspeed.pipe import PipelineModule
+
+        # a one-stage PipelineModule needs a process group; the type is what is refused, so an
+        # instance is made without running its constructor
+        model = PipelineModule.__new__(PipelineModule)
+        torch.nn.Module.__init__(model)
+    else:
+        model = torch.nn.Linear(4, 4)
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "dynatrain": {}, **extra}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ds_dynatrain.initialize(model=model, model_parameters=list(model.parameters()), config=config)

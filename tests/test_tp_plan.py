@@ -129,3 +129,52 @@ def test_bad_splits_are_refused():
     a = TensorParallelLayout(2, 1, ((p,),), (("w", TpSplit(0, (3, 3))),))
     with pytest.raises(LayoutMismatchError, match="ZeRO settings"):
         plan_tp_transition(a, TensorParallelLayout(1, 2, ((p,),), stage=3), ["a", "b"], ["a", "b"])
+
+
+def test_plan_cli_with_tensor_parallel_degrees(tmp_path, capsys):
+    """``dynatrain plan --tensor-parallel-from/--tensor-parallel-to`` on a small GQA Llama config:
+    the bytes add up to the state (each copy of a replicated parameter counted), every old rank
+    sends what the new ranks receive, the kept bytes reach the upper bound, and impossible
+    layouts are refused with the reason and exit status 2."""
+    import json
+
+    from ds_dynatrain.cli import main as cli_main
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 48,
+        "head_dim": 8,
+        "intermediate_size": 101,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "vocab_size": 96,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+
+    def plan(*args):
+        capsys.readouterr()
+        rc = cli_main(["plan", "--model-config", str(path), *args])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    rc, out, err = plan(
+        "--from", "4", "--to", "4", "--tensor-parallel-from", "2", "--tensor-parallel-to", "1", "--json"
+    )
+    assert rc == 0, err
+    rep = json.loads(out.strip().splitlines()[-1])
+    h, f, v = 48, 101, 96
+    cut = 2 * (h * h + 2 * 24 * h + h * h + 3 * h * f) + v * h  # q, k, v, o, MLP, head: held once
+    whole = v * h + 2 * 2 * h + h  # embedding and norms: once per TP rank
+    assert rep["parameters"] == cut + whole
+    assert rep["bytes_moved"] + rep["bytes_kept"] == 12 * (cut + whole)  # TP 1: one copy of everything
+    assert rep["bytes_kept"] == rep["bytes_kept_upper_bound"] > 0
+    assert sum(r["bytes_received"] for r in rep["ranks"]) == rep["bytes_moved"]
+    assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
+    rc, out, _ = plan("--from", "4", "--to", "2", "--tensor-parallel-from", "2", "--tensor-parallel-to", "2")
+    assert rc == 0 and "TP 2 x DP 2 -> TP 2 x DP 1 (4 -> 2 ranks)" in out
+    rc, _, err = plan("--from", "4", "--to", "3", "--tensor-parallel-from", "2", "--tensor-parallel-to", "2")
+    assert rc == 2 and "TP degree 2 does not divide world size 3" in err

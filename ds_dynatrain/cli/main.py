@@ -9,6 +9,7 @@
     dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
     dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
+                   [--tensor-parallel-from 8 --tensor-parallel-to 4]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
     dynatrain inspect CKPT_DIR [--tag T] [--json] [--no-checksums]
     dynatrain verify CKPT_DIR [--tag T]
@@ -115,10 +116,15 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def _cmd_plan(a) -> int:
     from .plan import plan_report, print_report
 
+    dtype = DTYPE_NAMES.get(a.dtype, a.dtype)
     try:
-        rep = plan_report(
-            a.model_config, a.zero_stage, a.from_ws, a.to_ws, DTYPE_NAMES.get(a.dtype, a.dtype), a.assignment
-        )
+        if a.tp_from is None and a.tp_to is None:
+            rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, dtype, a.assignment)
+        else:
+            from .plan_tp import tp_plan_report
+
+            tp_from, tp_to = a.tp_from or 1, a.tp_to or 1
+            rep = tp_plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, tp_from, tp_to, dtype, a.assignment)
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
         return 2
@@ -312,8 +318,8 @@ def _add_query_commands(sub) -> None:
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
     qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
     qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3; default 2)")
-    qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old data-parallel world size")
-    qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new data-parallel world size")
+    qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old world size (data-parallel without TP)")
+    qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new world size (data-parallel without TP)")
     qp.add_argument(
         "--dtype",
         default="bfloat16",
@@ -326,6 +332,13 @@ def _add_query_commands(sub) -> None:
         choices=["best", "keep"],
         help="best: ranks chosen to keep the most bytes in place; keep: old rank r stays rank r",
     )
+    qp.add_argument(
+        "--tensor-parallel-from",
+        dest="tp_from",
+        type=int,
+        help="old AutoTP degree (--from and --to are then world sizes: TP x DP; default 1)",
+    )
+    qp.add_argument("--tensor-parallel-to", dest="tp_to", type=int, help="new AutoTP degree (default 1)")
     qp.add_argument("--json", action="store_true", help="one JSON object")
     qp.set_defaults(func=_cmd_plan)
 

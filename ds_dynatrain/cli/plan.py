@@ -44,6 +44,17 @@ def model_metas(model_config: str, dtype: str) -> Tuple[ParamMeta, ...]:
     Raises:
         ConfigError: transformers missing, or the config file unreadable.
     """
+    model = meta_model(os.path.abspath(model_config))
+    return tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
+
+
+@lru_cache(maxsize=2)
+def meta_model(model_config: str):
+    """The causal LM of a Hugging Face config file on the meta device (no memory).
+
+    Raises:
+        ConfigError: transformers missing, or the config file unreadable.
+    """
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -56,8 +67,7 @@ def model_metas(model_config: str, dtype: str) -> Tuple[ParamMeta, ...]:
     except (OSError, ValueError) as err:
         raise ConfigError(f"--model-config {model_config!r}: {err}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return tuple(ParamMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters() if p.requires_grad)
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 def plan_report(
@@ -145,8 +155,12 @@ def print_report(rep: dict, as_json: bool) -> None:
         print(json.dumps(rep))
         return
     gib = 1 << 30
+    ranks = f"{rep['from']} -> {rep['to']} ranks"
+    if "tensor_parallel_from" in rep:
+        a, b = rep["tensor_parallel_from"], rep["tensor_parallel_to"]
+        ranks = f"TP {a} x DP {rep['from'] // a} -> TP {b} x DP {rep['to'] // b} ({ranks})"
     print(
-        f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {rep['from']} -> {rep['to']} ranks, "
+        f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {ranks}, "
         f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers"
     )
     print(f"{'rank':>5} {'member':>7} {'kept GiB':>9} {'sent GiB':>9} {'recv GiB':>9} {'peak extra GiB':>15}")
@@ -161,3 +175,9 @@ def print_report(rep: dict, as_json: bool) -> None:
         f"total: {rep['bytes_moved'] / gib:.1f} GiB moved, {rep['bytes_kept'] / gib:.1f} GiB kept in place "
         f"({100 * rep['bytes_kept'] / total:.1f} %)"
     )
+    if "bytes_kept_upper_bound" in rep:
+        bound = rep["bytes_kept_upper_bound"]
+        print(
+            f"kept {rep['bytes_kept'] / gib:.2f} GiB against an upper bound of {bound / gib:.2f} GiB "
+            f"(each new rank keeps at most its best overlap with one old rank, each old rank with one new rank)"
+        )

@@ -1,0 +1,116 @@
+"""``dynatrain plan --tensor-parallel-from A --tensor-parallel-to B``: the plan of a change of TP and
+DP degree of a Hugging Face model under DeepSpeed AutoTP + ZeRO, from metadata alone."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import ConfigError, LayoutMismatchError
+from ..planner.assignment import assign_members
+from ..planner.tp_plan import assign_tp_members_best, kept_upper_bound, plan_tp_transition
+from ..vps.tensor_parallel import TensorParallelLayout
+from .plan import MAX_INFLIGHT_BYTES, meta_model, model_metas
+
+# a TP change moves the fp32 master with the two Adam moments whatever the working dtype: the new
+# TP shard's working parameters are not on the new rank, so they are made from its master
+TP_STATE_BYTES_PER_ELEMENT = 12
+
+
+def tp_layout(model_config: str, world_size: int, tp: int, stage: int, dtype: str) -> TensorParallelLayout:
+    """The AutoTP + ZeRO layout of the causal LM of a Hugging Face config file at ``world_size``
+    ranks and TP degree ``tp`` (DP = ``world_size / tp``).
+
+    Raises:
+        ConfigError: ``tp`` does not divide ``world_size``, a ZeRO stage other than 1, 2 or 3, AutoTP
+            cannot cut the model at ``tp`` (its message), or the config file is unreadable.
+    """
+    from ..zero.autotp import autotp_splits
+
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"--zero-stage {stage}: ZeRO stages 1, 2 and 3 have partitions to plan")
+    if tp < 1 or world_size < 1 or world_size % tp:
+        raise ConfigError(f"TP degree {tp} does not divide world size {world_size}")
+    path = os.path.abspath(model_config)
+    try:
+        splits = autotp_splits(meta_model(path), tp)
+    except (LayoutMismatchError, AssertionError, ValueError) as err:
+        raise ConfigError(f"AutoTP cannot cut {os.path.basename(path)} at TP {tp}: {err}") from None
+    return TensorParallelLayout(
+        tp, world_size // tp, (model_metas(path, dtype),), tuple(sorted(splits.items())), stage=stage
+    )
+
+
+def tp_plan_report(
+    model_config: str,
+    stage: int,
+    old_ws: int,
+    new_ws: int,
+    tp_from: int,
+    tp_to: int,
+    dtype: str = "bfloat16",
+    assignment: str = "best",
+) -> dict:
+    """Per-rank and total bytes of the change (fp32 master and two Adam moments, 12 bytes per
+    element), the kept bytes beside :func:`~ds_dynatrain.planner.tp_plan.kept_upper_bound`, and
+    the planning time in seconds (new layout, assignment and plan; the old layout is given).
+
+    ``peak_extra_bytes`` of a rank: its new partitions of that state (allocated beside the old
+    ones) plus the staging of at most the default ``max_inflight_bytes``.
+
+    Raises:
+        ConfigError: as :func:`tp_layout`.
+    """
+    old = tp_layout(model_config, old_ws, tp_from, stage, dtype)
+    tp_layout(model_config, new_ws, tp_to, stage, dtype)  # warm the caches: the model, its splits
+    t0 = time.perf_counter()
+    new = tp_layout(model_config, new_ws, tp_to, stage, dtype)
+    members = [f"m{i}" for i in range(old_ws)]
+    joiners = [f"j{i}" for i in range(max(0, new_ws - old_ws))]
+    new_members, k = assign_tp_members_best(old, new, members, joiners)
+    if assignment != "best":
+        new_members = assign_members(members, new_ws, joiners)
+    plan = plan_tp_transition(old, new, members, new_members)
+    seconds = time.perf_counter() - t0
+    b = TP_STATE_BYTES_PER_ELEMENT
+    kept, sent, recv = plan.per_rank()
+    old_rank = {m: i for i, m in enumerate(members)}
+    ranks = []
+    for r, m in enumerate(new_members):
+        i = old_rank.get(m)
+        zl = new.zero(r % new.tp)
+        part = sum(zl.partition_numel(g) for g in range(zl.num_partitions)) * b
+        s_r = int(sent[i]) * b if i is not None else 0
+        ranks.append(
+            {
+                "rank": r,
+                "member": m,
+                "bytes_kept": int(kept[r]) * b,
+                "bytes_sent": s_r,
+                "bytes_received": int(recv[r]) * b,
+                "peak_extra_bytes": part + min(int(recv[r]) * b + s_r, MAX_INFLIGHT_BYTES),
+            }
+        )
+    for m in [m for m in members if m not in set(new_members)]:
+        s_m = int(sent[old_rank[m]]) * b
+        ranks.append(
+            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": s_m, "bytes_received": 0, "peak_extra_bytes": 0}
+        )
+    return {
+        "model_config": model_config,
+        "zero_stage": stage,
+        "from": old_ws,
+        "to": new_ws,
+        "tensor_parallel_from": tp_from,
+        "tensor_parallel_to": tp_to,
+        "assignment": assignment,
+        "dtype": dtype,
+        "bytes_per_element": b,
+        "parameters": sum(p.numel for p in old.params),
+        "bytes_moved": plan.numel_moved * b,
+        "bytes_kept": plan.numel_kept * b,
+        "bytes_kept_upper_bound": kept_upper_bound(k) * b,
+        "plan_seconds": seconds,
+        "transfers": len(plan.table),
+        "ranks": ranks,
+    }
