@@ -306,6 +306,50 @@ def resolve_global_batch(ds_config: dict, world_size: int) -> Tuple[int, int]:
     raise ConfigError("invalid DeepSpeed config: set train_batch_size and train_micro_batch_size_per_gpu")
 
 
+def tensor_parallel_degree(ds_config: dict) -> int:
+    """The AutoTP degree of a DeepSpeed config (``tensor_parallel.autotp_size``; 1 when off)."""
+    return max(int(((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0)), 1)
+
+
+def is_tensor_parallel_job(ds_config: dict) -> bool:
+    """An AutoTP job: ``tensor_parallel.autotp_size`` of 1 or more (1: not cut yet, but its TP
+    degree may be switched up)."""
+    return int(((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0)) >= 1
+
+
+def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bool) -> int:
+    """Refuse, before any engine exists, an AutoTP job asking for what a TP job cannot have yet;
+    return its TP degree (1 without AutoTP).
+
+    An AutoTP job (``tensor_parallel.autotp_size`` of 1 or more) switches its TP and DP degree online
+    with ``engine.resize(world_size, tensor_parallel=N)`` at an unchanged world size. Its
+    snapshots, peer replicas, world-size changes (``dynatrain launch``, a resize schedule) and
+    ZeRO-3 are not served yet: each is refused here, naming the key.
+
+    Raises:
+        ConfigError: naming the key and the problem.
+    """
+    tp = tensor_parallel_degree(ds_config)
+    if not is_tensor_parallel_job(ds_config):
+        return 1
+    where = f"tensor_parallel.autotp_size {tp}"
+    stage = (ds_config.get("zero_optimization", {}) or {}).get("stage", 0)
+    problems = []
+    if world_size % tp:
+        problems.append(f"it does not divide the world size {world_size}")
+    if stage not in (1, 2):
+        problems.append(f"zero_optimization.stage {stage} (a TP switch needs stage 1 or 2)")
+    if dt_cfg.snapshot.interval_steps:
+        problems.append("dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)")
+    if dt_cfg.recovery.peer_replicas:
+        problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
+    if dt_cfg.resize_schedule or launched:
+        problems.append("dynatrain launch or dynatrain.resize_schedule (a TP job changes its TP degree, not its world)")
+    if problems:
+        raise ConfigError(f"invalid DeepSpeed config: {where} with " + "; ".join(problems))
+    return tp
+
+
 def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool) -> Tuple[int, int]:
     """Refuse, before any process or engine exists, a config the elastic engine cannot serve.
 

@@ -45,23 +45,16 @@ def _refuse_frontend_under_launch(frontend: Optional[str], in_place_loop: Option
         )
 
 
-def _refuse_model_parallel(model: torch.nn.Module, ds_config: dict, mpu) -> None:
-    """Refuse a job whose layout is more than data-parallel: its partitions hold TP-local or
-    stage-local parameters that the resize, snapshot and recovery paths would take for whole ones.
+def _refuse_model_parallel(model: torch.nn.Module, mpu) -> None:
+    """Refuse a job whose layout DeepSpeed gets from the model (an mpu, a pipeline): its partitions
+    hold stage-local parameters that the resize, snapshot and recovery paths would take for whole ones.
 
     Raises:
-        ConfigError: a model-parallel ``mpu``, ``tensor_parallel.autotp_size`` above 1, or a
-            ``deepspeed.pipe.PipelineModule``.
+        ConfigError: a model-parallel ``mpu``, or a ``deepspeed.pipe.PipelineModule``. (An AutoTP
+            config is checked with the world size: ``config.check_tensor_parallel``.)
     """
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
-    autotp = int(((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0))
-    if autotp > 1:
-        raise ConfigError(
-            f"tensor_parallel.autotp_size {autotp}: ds_dynatrain resizes, snapshots and recovers "
-            "data-parallel jobs only; AutoTP layouts can be planned (dynatrain plan --tensor-parallel-from) "
-            "but not yet switched. Remove the dynatrain section to train with AutoTP"
-        )
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
@@ -124,7 +117,7 @@ def initialize(
         plain = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data)
         plain.update(lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, collate_fn=collate_fn)
         return deepspeed.initialize(model=model, dist_init_required=dist_init_required, config=ds_config, **plain)
-    _refuse_model_parallel(model, ds_config, mpu)
+    _refuse_model_parallel(model, mpu)
     _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, DynatrainConfig, check_elastic_config
+from ..config import (
+    ConfigError,
+    DynatrainConfig,
+    check_elastic_config,
+    check_tensor_parallel,
+    is_tensor_parallel_job,
+    tensor_parallel_degree,
+)
 from ..elastic.launch_env import (
     LAUNCHER_LIMITS,
     LaunchContext,
@@ -36,6 +43,7 @@ from .members import form_generation
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .tp_switch import tp_layout_for_model
 from .warmup import warm_joiner
 
 
@@ -88,8 +96,9 @@ def start_engine(
     else:
         membership = Membership(ctx, dt_cfg.collective_timeout_s, backend, on_new_default=reset_deepspeed_comm)
         world_size, member, generation = ctx.world_size, ctx.member, ctx.generation
-    # the launch world size, and every scheduled one, must keep the global batch
-    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size, elastic=ctx is not None)
+    tp = check_tensor_parallel(ds_config, dt_cfg, world_size, launched=ctx is not None)
+    # the launch world size, and every scheduled one, must keep the global batch (split over DP ranks)
+    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world_size // tp, elastic=ctx is not None)
     if ctx is not None and ctx.joiner:
         # the batch rule is the job's: its largest micro-batch is the launch config's (a front-end may
         # have given this joiner its generation's smaller one, as Trainer's per-device batch)
@@ -149,7 +158,10 @@ def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, 
     dt.history = [dt.members]
     if ctx is not None:
         form_generation(dt, dt.generation, dt.members, dt.config.collective_timeout_s)
-    config = ds_config_for(dt, dt.split(world_size), client_objects=False)
+    tp = tensor_parallel_degree(dt.ds_config)
+    if is_tensor_parallel_job(dt.ds_config):  # described on the uncut model, before AutoTP cuts it
+        dt.tp_layout = tp_layout_for_model(model, client_groups(model, optimizer, model_parameters), tp, world_size, dt)
+    config = ds_config_for(dt, dt.split(world_size // tp), client_objects=False)
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler, config)
     if ctx is not None and ctx.rank == 0:
         dt.membership.publish(GenerationRecord(dt.generation, world_size, dt.members, 0))

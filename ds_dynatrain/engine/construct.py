@@ -16,6 +16,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..batch import BatchSplit
 from ..checkpoint.footer import VPSAttributes
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
+from ..config import tensor_parallel_degree
 from ..elastic.launch_env import local_rank
 from ..elastic.threads import share_cpus
 from ..vps.layout import ZeroLayout
@@ -45,6 +46,22 @@ def ds_config_for(dt: ElasticState, split: BatchSplit, client_objects: bool) -> 
     return cfg
 
 
+def tensor_parallel_groups(ds_config: dict):
+    """For an AutoTP config: DeepSpeed's groups module with the TP mesh made (its TP and DP groups;
+    DeepSpeed's own set-up finds them made) and its AutoTP training mode set, as
+    ``deepspeed.initialize`` sets it; the ``mpu`` that makes ``DeepSpeedConfig`` count the batch over
+    the DP ranks, not every process. None without AutoTP."""
+    tp = tensor_parallel_degree(ds_config)
+    if tp == 1:
+        return None
+    from deepspeed.module_inject.layers import set_autotp_mode
+    from deepspeed.utils import groups
+
+    set_autotp_mode(training=True)
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+    return groups
+
+
 def construct(
     engine,
     dt: ElasticState,
@@ -67,8 +84,6 @@ def construct(
 
     if dt.membership is not None:  # this host's CPUs shared among the generation's workers on it
         share_cpus(dt.membership.store, dt.members, dt.member)
-    config_class = DeepSpeedConfig(ds_config)
-    deepspeed.set_optimizer_flags(config_class, model)
     engine._dt = dt  # before DeepSpeed's set-up: _broadcast_model reads it
     if not dt.param_attrs:  # what is the client's own, before ZeRO-3 attaches its attributes
         dt.param_attrs = client_attrs(model)
@@ -76,6 +91,8 @@ def construct(
     # before the set-up's first gather (ZeRO-3 partitions the parameters there)
     start_deepspeed_comm(dt.backend)
     use_current_collectives()
+    config_class = DeepSpeedConfig(ds_config, tensor_parallel_groups(ds_config))
+    deepspeed.set_optimizer_flags(config_class, model)
     # the scheduler's own "before it has started" call in its constructor is not the user's
     with light_rebuild(reuse_flat) if light else contextlib.nullcontext(), scheduler_start_quiet():
         DeepSpeedEngine.__init__(
@@ -108,7 +125,8 @@ def construct(
         on_write_error=snap.on_write_error,
         worker_nice=snap.worker_nice,
     )
-    engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
+    if dt.tp_layout is None:  # an AutoTP job writes no snapshot (config.check_tensor_parallel)
+        engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
         engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
 

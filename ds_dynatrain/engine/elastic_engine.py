@@ -26,7 +26,7 @@ from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
-from . import boundary, loading, pending, recover, requests
+from . import boundary, loading, pending, recover, requests, tp_switch
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
@@ -65,8 +65,10 @@ class ElasticEngine(DeepSpeedEngine):
         file (:mod:`ds_dynatrain.engine.records`)."""
         return [r.to_dict() for r in self._dt.resizes]
 
-    def resize(self, world_size: int, must_leave: Tuple[str, ...] = ()) -> Optional[dict]:
-        """Change the data-parallel world size now, in memory.
+    def resize(
+        self, world_size: int, must_leave: Tuple[str, ...] = (), tensor_parallel: Optional[int] = None
+    ) -> Optional[dict]:
+        """Change the data-parallel world size now, in memory; in an AutoTP job, the TP degree.
 
         Collective: every member of the current generation calls it at the same step boundary
         (the resize schedule of the config does this from :meth:`step`).
@@ -74,6 +76,10 @@ class ElasticEngine(DeepSpeedEngine):
         Args:
             world_size: the new data-parallel world size.
             must_leave: member ids that leave whatever the rank assignment prefers (preemption).
+            tensor_parallel: the new AutoTP degree of an AutoTP job (``tensor_parallel.autotp_size``
+                in its config), at an unchanged ``world_size`` (the number of processes, TP x DP):
+                the TP and DP degrees change, the processes stay
+                (:func:`~ds_dynatrain.engine.tp_switch.switch_tensor_parallel`).
 
         Returns:
             The resize record (``from``, ``to``, ``bytes_moved``, ``seconds``, ...) on members of
@@ -90,6 +96,8 @@ class ElasticEngine(DeepSpeedEngine):
         self._require_member()
         self.wait_transition()
         dt = self._dt
+        if tensor_parallel is not None or dt.tp_layout is not None:
+            return self._resize_tensor_parallel(world_size, must_leave, tensor_parallel)
         split = dt.split(world_size)
         if dt.membership is None:
             raise ResizeRefusedError(
@@ -101,6 +109,23 @@ class ElasticEngine(DeepSpeedEngine):
         zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
         rec = resize_now(self, world_size, split, tuple(must_leave))
         return None if rec is None else rec.to_dict()
+
+    def _resize_tensor_parallel(self, world_size: int, must_leave, tensor_parallel: Optional[int]) -> Optional[dict]:
+        dt = self._dt
+        world = tdist.get_world_size()
+        if dt.tp_layout is None:
+            raise ResizeRefusedError(
+                f"tensor_parallel {tensor_parallel} refused: the job was not started with AutoTP "
+                "(tensor_parallel.autotp_size in its DeepSpeed config)"
+            )
+        if world_size != world or must_leave:
+            raise ResizeRefusedError(
+                f"world size {world_size} refused: an AutoTP job changes its TP degree at an unchanged world size "
+                f"({world} processes), not its world"
+            )
+        if tensor_parallel is None or tensor_parallel == dt.tp:
+            return None
+        return tp_switch.switch_tensor_parallel(self, tensor_parallel).to_dict()
 
     def wait_transition(self) -> Optional[dict]:
         """Finish the optimizer-state transfer of the last resize, if one is still running.

@@ -199,6 +199,10 @@ class ResizeRecord(TransferTotals):
         "construction of the new world that ran behind training", None, optional=True
     )
     hidden_fraction: Optional[float] = _f("share of that construction hidden behind training", None, optional=True)
+    tensor_parallel_from: Optional[int] = _f(
+        "AutoTP degree before (an AutoTP job; `from`/`to` are then world sizes, TP x DP)", None, optional=True
+    )
+    tensor_parallel_to: Optional[int] = _f("AutoTP degree after", None, optional=True)
 
 
 @dataclass
@@ -315,8 +319,12 @@ def format_step(r: StepRecord, steps: int = 1, seconds: Optional[float] = None, 
 
 def format_resize(r: ResizeRecord) -> str:
     """The console line of a resize."""
+    sizes = f"{r.from_world_size} \u2192 {r.to_world_size}"
+    if r.tensor_parallel_from is not None:
+        a, b = r.tensor_parallel_from, r.tensor_parallel_to
+        sizes = f"TP {a} x DP {r.from_world_size // a} \u2192 TP {b} x DP {r.to_world_size // b}"
     return (
-        f"resize {r.from_world_size} \u2192 {r.to_world_size} after step {r.step}: "
+        f"resize {sizes} after step {r.step}: "
         f"{r.bytes_moved / 2**20:.2f} MiB moved, {r.bytes_kept / 2**20:.2f} MiB kept in place, "
         f"{r.seconds:.2f} s (plan {r.plan_s:.3f} s, group {r.group_s:.2f} s, transfer {r.transfer_s:.3f} s, "
         f"rebuild {r.rebuild_s:.2f} s)"

@@ -84,6 +84,12 @@ class ElasticState:
     abandoned: bool = False  # a recovery abandoned the running step: the caller's next step() is skipped
     output_template: Any = None  # the last forward's output structure (recover.output_template)
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
+    tp_layout: Any = None  # an AutoTP job's layout (vps.tensor_parallel.TensorParallelLayout); None: DP only
+
+    @property
+    def tp(self) -> int:
+        """The job's AutoTP degree (1 without AutoTP)."""
+        return 1 if self.tp_layout is None else self.tp_layout.tp
 
     @property
     def schedule(self) -> Dict[int, int]:

@@ -1,0 +1,161 @@
+"""A change of an AutoTP job's TP and DP degree at an unchanged world size, in memory, at a step
+boundary on every rank (``engine.resize(world_size, tensor_parallel=N)``).
+
+1. **plan**: the new :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout` (AutoTP's
+   split at the new degree, from the model's class and config on the meta device) and the box
+   plan between the two layouts; the processes keep their ranks (the world does not change);
+2. **transfer**: every rank's fp32 master and Adam moments move by the plan into new partitions
+   (:func:`~ds_dynatrain.transition.boxes.execute_box_plan`, point-to-point on the world group);
+3. **rebuild**: DeepSpeed's TP/DP groups are made for the new degree, the model is rebuilt on the
+   meta device, cut by AutoTP and its local shards allocated (:mod:`~ds_dynatrain.zero.tp_module`),
+   and ``DeepSpeedEngine.__init__`` runs again on the same engine object with the new model and
+   the batch split over the new DP size;
+4. **install**: the moved partitions become the optimizer's master and moments, and every rank's
+   working parameters are made from the master (an all-gather over the new DP group).
+
+The engine object stays the same; ``engine.module`` is a new model (a reference to the old one
+that the caller kept does not train any more).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import ResizeRefusedError
+from ..log import logger
+from ..planner.tp_plan import plan_tp_transition
+from ..transition.boxes import execute_box_plan
+from ..vps.tensor_parallel import TensorParallelLayout
+from ..zero.autotp import autotp_splits
+from ..zero.geometry import layout_for_model, zero_optimizer_of
+from ..zero.rebuild import teardown
+from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
+from ..zero.tp_module import reset_tp_groups, tp_module
+from .construct import construct, ds_config_for, keep_returned_optimizer
+from .pending import publish
+from .records import ResizeRecord
+
+
+def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int, dt) -> TensorParallelLayout:
+    """The AutoTP + ZeRO layout DeepSpeed will build for ``model`` (not yet cut) at degree ``tp``
+    over ``world_size`` ranks, with the job's ZeRO settings and working dtype.
+
+    Raises:
+        LayoutMismatchError: AutoTP's cut of the model is not one these layouts describe.
+    """
+    ds = dt.ds_config
+    dtype = (
+        torch.bfloat16
+        if ds.get("bf16", {}).get("enabled")
+        else torch.float16
+        if ds.get("fp16", {}).get("enabled")
+        else next(model.parameters()).dtype
+    )
+    zl = layout_for_model(list(model.named_parameters()), groups, world_size // tp, ds, dtype)
+    splits = autotp_splits(model, tp)
+    return TensorParallelLayout(
+        tp,
+        world_size // tp,
+        zl.groups,
+        tuple(sorted(splits.items())),
+        zl.stage,
+        zl.round_robin,
+        zl.parameter_alignment,
+        zl.sub_group_size,
+    )
+
+
+def _skeleton_splits(module: torch.nn.Module, tp: int):
+    """AutoTP's split at ``tp`` of a fresh, uncut instance of ``module``'s class (meta device)."""
+    with torch.device("meta"):
+        fresh = type(module)(module.config)
+    return autotp_splits(fresh, tp)
+
+
+def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
+    """Switch ``engine``'s AutoTP degree to ``tp`` (DP becomes world size / ``tp``) now.
+
+    Collective: every rank calls it at the same step boundary.
+
+    Raises:
+        ResizeRefusedError: ``tp`` does not divide the world size, the new DP size cannot keep
+            the global batch, or AutoTP cannot cut the model at ``tp``; nothing has changed.
+        TransitionAbortedError: a peer failed during the transfer.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    if tp < 1 or world % tp:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world}")
+    split = dt.split(world // tp)  # ResizeRefusedError: the global batch cannot be kept
+    old: TensorParallelLayout = dt.tp_layout
+    try:
+        new = old.with_degrees(tp, world // tp, _skeleton_splits(engine.module, tp))
+    except (ValueError, AssertionError) as err:
+        raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
+    plan = plan_tp_transition(old, new, dt.members, dt.members)
+    state = extract_partitions(engine)
+    kinds = tuple(state.tensors[0])
+    zl = new.zero(rank % tp)
+    dests: List[Dict[str, torch.Tensor]] = [
+        {k: torch.zeros(zl.partition_numel(g), dtype=state.tensors[0][k].dtype) for k in kinds}
+        for g in range(zl.num_partitions)
+    ]
+    rec = ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=world,
+        to_world_size=world,
+        generation=dt.generation,
+        plan_s=time.perf_counter() - t0,
+        tensor_parallel_from=old.tp,
+        tensor_parallel_to=tp,
+    )
+    elsize = state.tensors[0][MASTER].element_size()
+    rec.bytes_moved = plan.numel_moved * elsize * len(kinds)
+    rec.bytes_kept = plan.numel_kept * elsize * len(kinds)
+    stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds)
+    rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
+    rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
+    scalars = state.scalars
+    state = None
+    t = time.perf_counter()
+    _rebuild(engine, tp, split)
+    install_master(engine, [d[MASTER] for d in dests])
+    install_optimizer_state(engine, [{k: v for k, v in d.items() if k != MASTER} for d in dests], scalars)
+    working_from_master(engine)
+    dt.tp_layout = new
+    rec.rebuild_s = time.perf_counter() - t
+    rec.seconds = time.perf_counter() - t0
+    publish(engine, rec)
+    logger.info(f"TP {old.tp} -> {tp}: this rank is TP {rank % tp} x DP {rank // tp}")
+    return rec
+
+
+def _rebuild(engine, tp: int, split) -> None:
+    """Rebuild ``engine`` in place on a model cut at ``tp``, with the torch optimizer and scheduler
+    it had (their parameters re-pointed, by name, to the new model's)."""
+    dt = engine._dt
+    basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler_state = None if scaler is None else dict(vars(scaler))
+    zero_optimizer_of(engine)
+    names = {id(p): n for n, p in old_module.named_parameters()}
+    teardown(engine)  # the torch optimizer holds the old model's parameters again
+    dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
+    reset_tp_groups(tp)
+    model = tp_module(old_module, tp, dt.ds_config)
+    params = dict(model.named_parameters())
+    for g in basic.param_groups:
+        g["params"] = [params[names[id(p)]] for p in g["params"]]
+    construct(engine, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True)
+    keep_returned_optimizer(engine)
+    # the rebuilt engine counts from zero and has a fresh loss scaler: this process's own go on
+    engine.global_steps, engine.global_samples, engine.skipped_steps = counters
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if scaler_state is not None:
+        engine.optimizer.loss_scaler.__dict__.update(scaler_state)

@@ -1,0 +1,227 @@
+"""Test worker: a tiny Hugging Face Llama trained under AutoTP + ZeRO whose TP degree is switched
+online, and the oracle run beside it.
+
+``--mode switch``: ``ds_dynatrain.initialize`` at TP ``--tp-from``; ``--steps-before`` steps;
+the gathered logical state (every parameter's fp32 master and Adam moments whole, the optimizer
+step) saved to ``before.pt``; ``engine.resize(world, tensor_parallel=--tp-to)``; the state saved
+again to ``after.pt``; ``--steps-after`` steps, each step's loss recorded; the final state to
+``final_switch.pt`` and the losses to ``losses_switch.json``.
+
+``--mode static`` (the oracle): plain ``deepspeed.initialize`` at TP ``--tp-to``, the state of
+``before.pt`` set with DeepSpeed's own accessors (each TP shard cut by the layer's own affine map,
+``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``, the step set on the optimizer
+state), then the same ``--steps-after`` steps on the same batches: ``final_static.pt`` and
+``losses_static.json``. No code of ds_dynatrain runs in this mode.
+
+The global batch is 4 sequences every step; micro-batch 1, so a DP rank ``r`` of ``d`` takes row
+``i * d + r`` at micro-step ``i`` (every TP rank of a DP rank the same rows).
+
+Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.workers.common import exit_without_teardown  # noqa: E402
+
+GLOBAL = 4
+SEQ = 12
+VOCAB = 96
+Q = "model.layers.0.self_attn.q_proj.weight"  # 6 heads of 8 in 3 KV groups: rows 32 + 16 at TP 2
+
+
+def model_and_config(a):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=48,
+        head_dim=8,
+        intermediate_size=101,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=a.tie,
+    )
+    model = LlamaForCausalLM(cfg)
+    ds = {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": a.stage},
+        "steps_per_print": 10**9,
+    }
+    if a.bf16:
+        ds["bf16"] = {"enabled": True}
+    return model, ds
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g) for _ in range(n)]
+
+
+def train_step(engine, batch, tp: int) -> float:
+    """One optimizer step on the global ``batch``; returns the global mean loss."""
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    dp, dp_rank = world // tp, rank // tp
+    gas = GLOBAL // dp
+    total = torch.zeros(())
+    for i in range(gas):
+        x = batch[i * dp + dp_rank : i * dp + dp_rank + 1]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    tdist.all_reduce(total)  # every TP rank of a DP rank holds the same loss
+    return (total / (gas * world)).item()
+
+
+def gather_logical(engine) -> dict:
+    """Every trainable parameter's fp32 master and Adam moments whole (the TP shards joined with
+    the layer's own affine map) and the optimizer step (collective)."""
+    from deepspeed.checkpoint.affine import ParamAffineMap
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    tp = groups.get_tensor_model_parallel_world_size() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 1
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.numel() == 0:  # an empty shard (TP above the KV heads) has no ZeRO fragment
+            local = {k: torch.empty(p.shape) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        else:
+            local = {
+                "fp32": safe_get_full_fp32_param(p),
+                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
+            }
+        meta = getattr(p, DS_AUTOTP_UC_META, None)
+        amap = meta and meta["conversion"].get("affine_map")
+        if tp > 1 and amap:
+            shards = [None] * tp
+            tdist.all_gather_object(shards, local, group=groups.get_tensor_model_parallel_group())
+            m = ParamAffineMap.from_dict(amap)
+            local = {k: m.rebuild({t: shards[t][k] for t in range(tp)}) for k in local}
+        out[name] = {k: v.detach().clone() for k, v in local.items()}
+    opt = engine.optimizer
+    parts = opt.single_partition_of_fp32_groups
+    out["__step__"] = [float(opt.optimizer.state[f]["step"]) for f in parts]
+    return out
+
+
+def set_logical(engine, state: dict) -> None:
+    """DeepSpeed's own route: cut each whole tensor by the layer's affine map and set it (the fp32
+    master and moments with DeepSpeed's setters, the working parameter from the master)."""
+    from deepspeed.checkpoint.affine import ParamAffineMap
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+    from deepspeed.utils import groups, safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    opt = engine.optimizer
+    for f in opt.single_partition_of_fp32_groups:
+        opt.optimizer.state[f] = {
+            "step": torch.tensor(state["__step__"][0]),
+            "exp_avg": torch.zeros_like(f),
+            "exp_avg_sq": torch.zeros_like(f),
+        }
+    opt._lazy_init_hp_params_optimizer_state()
+    tp_rank = groups.get_tensor_model_parallel_rank() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 0
+    for name, p in engine.module.named_parameters():
+        meta = getattr(p, DS_AUTOTP_UC_META, None)
+        amap = meta and meta["conversion"].get("affine_map")
+
+        if p.numel() == 0:
+            continue
+
+        def cut(t, amap=amap):
+            return ParamAffineMap.from_dict(amap).extract(t, tp_rank) if amap else t
+
+        safe_set_full_fp32_param(p, cut(state[name]["fp32"]))
+        with torch.no_grad():  # the working parameter (ZeRO-1/2: whole on every DP rank), as a step leaves it
+            p.copy_(cut(state[name]["fp32"]).to(p.dtype))
+        safe_set_full_optimizer_state(p, cut(state[name]["exp_avg"]), "exp_avg")
+        safe_set_full_optimizer_state(p, cut(state[name]["exp_avg_sq"]), "exp_avg_sq")
+
+
+def tdist_world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["switch", "static"], required=True)
+    p.add_argument("--tp-from", type=int, required=True)
+    p.add_argument("--tp-to", type=int, required=True)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--tie", action="store_true")
+    p.add_argument("--steps-before", type=int, default=2)
+    p.add_argument("--steps-after", type=int, default=2)
+    p.add_argument("--refuse", action="store_true", help="first ask for impossible layouts (must be refused)")
+    a = p.parse_args()
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
+    model, ds = model_and_config(a)
+    data = batches(a.steps_before + a.steps_after)
+    rank = int(os.environ["RANK"])
+    if a.mode == "switch":
+        import ds_dynatrain
+        from ds_dynatrain.errors import ResizeRefusedError
+
+        ds_dynatrain.log_to_console()
+        ds["tensor_parallel"] = {"autotp_size": a.tp_from}
+        ds["dynatrain"] = {}
+        engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        for s in range(a.steps_before):
+            train_step(engine, data[s], a.tp_from)
+        world = tdist.get_world_size()
+        refusals = []
+        if a.refuse:
+            for kwargs in ({"tensor_parallel": 3}, {"tensor_parallel": world, "world_size": world - 1}):
+                try:
+                    engine.resize(kwargs.pop("world_size", world), **kwargs)
+                except ResizeRefusedError as err:
+                    refusals.append(str(err))
+        before = gather_logical(engine)
+        shapes = {"before": list(dict(engine.module.named_parameters())[Q].shape)}
+        record = engine.resize(world, tensor_parallel=a.tp_to)
+        shapes["after"] = list(dict(engine.module.named_parameters())[Q].shape)
+        after = gather_logical(engine)
+        losses = [train_step(engine, data[a.steps_before + s], a.tp_to) for s in range(a.steps_after)]
+        final = gather_logical(engine)
+        if rank == 0:
+            torch.save(before, os.path.join(a.out, "before.pt"))
+            torch.save(after, os.path.join(a.out, "after.pt"))
+            torch.save(final, os.path.join(a.out, "final_switch.pt"))
+            with open(os.path.join(a.out, "losses_switch.json"), "w") as f:
+                json.dump({"losses": losses, "record": record, "refusals": refusals, "q_proj": shapes}, f)
+    else:
+        if a.tp_to > 1:
+            ds["tensor_parallel"] = {"autotp_size": a.tp_to}
+        # plain DeepSpeed counts the batch over every process, TP ranks included: the accumulation
+        # steps of the DP size are given instead of the global batch
+        del ds["train_batch_size"]
+        ds["gradient_accumulation_steps"] = GLOBAL // (tdist_world() // a.tp_to)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        set_logical(engine, torch.load(os.path.join(a.out, "before.pt")))
+        losses = [train_step(engine, data[a.steps_before + s], a.tp_to) for s in range(a.steps_after)]
+        final = gather_logical(engine)
+        if rank == 0:
+            torch.save(final, os.path.join(a.out, "final_static.pt"))
+            with open(os.path.join(a.out, "losses_static.json"), "w") as f:
+                json.dump({"losses": losses}, f)
+    exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    main()
