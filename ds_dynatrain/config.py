@@ -337,8 +337,12 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
     problems = []
     if world_size % tp:
         problems.append(f"it does not divide the world size {world_size}")
-    if stage not in (1, 2):
-        problems.append(f"zero_optimization.stage {stage} (a TP switch needs stage 1 or 2)")
+    if stage not in (1, 2, 3):
+        problems.append(f"zero_optimization.stage {stage} (a TP switch needs stage 1, 2 or 3)")
+    zero = ds_config.get("zero_optimization", {}) or {}
+    for key in ("offload_optimizer", "offload_param"):
+        if (zero.get(key) or {}).get("device", "none") not in (None, "none"):
+            problems.append(f"zero_optimization.{key} (offloaded state is not moved by a TP switch)")
     if dt_cfg.snapshot.interval_steps:
         problems.append("dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)")
     if dt_cfg.recovery.peer_replicas:

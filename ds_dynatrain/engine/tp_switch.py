@@ -31,10 +31,11 @@ from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.autotp import autotp_splits
-from ..zero.geometry import layout_for_model, zero_optimizer_of
+from ..zero.geometry import is_zero3, layout_for_model, zero_optimizer_of
 from ..zero.rebuild import teardown
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from ..zero.tp_module import reset_tp_groups, tp_module
+from ..zero.zero3 import forget_zero3_module
 from .construct import construct, ds_config_for, keep_returned_optimizer
 from .pending import publish
 from .records import ResizeRecord
@@ -145,7 +146,10 @@ def _rebuild(engine, tp: int, split) -> None:
     scaler_state = None if scaler is None else dict(vars(scaler))
     zero_optimizer_of(engine)
     names = {id(p): n for n, p in old_module.named_parameters()}
+    zero3 = is_zero3(zero_optimizer_of(engine))
     teardown(engine)  # the torch optimizer holds the old model's parameters again
+    if zero3:  # the old model goes; DeepSpeed's process-wide ZeRO-3 state must not carry it on
+        forget_zero3_module(old_module)
     dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
     reset_tp_groups(tp)
     model = tp_module(old_module, tp, dt.ds_config)

@@ -76,8 +76,6 @@ def release_zero3_params(
     Raises:
         LayoutMismatchError: ``whole`` lacks a parameter of the module.
     """
-    from deepspeed.runtime.zero import parameter_offload
-
     for name, p in module.named_parameters():
         if name not in whole:
             raise LayoutMismatchError(f"no whole copy of parameter {name} to rebuild the ZeRO-3 engine from")
@@ -93,6 +91,14 @@ def release_zero3_params(
                 delattr(m, attr)
         if type(m._parameters) is not dict:
             m._parameters = dict(m._parameters.items())
+    forget_zero3_module(module)
+
+
+def forget_zero3_module(module: torch.nn.Module) -> None:
+    """Drop what DeepSpeed's ZeRO-3 keeps process-wide of a detached engine's module (its place on
+    the forward module stack) and start its counters from 0 again, before another engine is built."""
+    from deepspeed.runtime.zero import parameter_offload
+
     stack = parameter_offload.FWD_MODULE_STACK  # the engine pushed its module at set-up
     while stack and stack[-1] is module:
         stack.pop()

@@ -33,6 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.workers.common import exit_without_teardown  # noqa: E402
 
 GLOBAL = 4
+
+
+def fp32_partitions(engine) -> list:
+    """The ZeRO optimizer's fp32 master partitions (stages 1/2: per group; stage 3: per sub-group)."""
+    opt = engine.optimizer
+    return list(getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat)
+
 SEQ = 12
 VOCAB = 96
 Q = "model.layers.0.self_attn.q_proj.weight"  # 6 heads of 8 in 3 KV groups: rows 32 + 16 at TP 2
@@ -96,7 +103,7 @@ def gather_logical(engine) -> dict:
     tp = groups.get_tensor_model_parallel_world_size() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 1
     out = {}
     for name, p in engine.module.named_parameters():
-        if p.numel() == 0:  # an empty shard (TP above the KV heads) has no ZeRO fragment
+        if getattr(p, "ds_numel", p.numel()) == 0:  # an empty shard (TP above the KV heads): no fragment
             local = {k: torch.empty(p.shape) for k in ("fp32", "exp_avg", "exp_avg_sq")}
         else:
             local = {
@@ -112,9 +119,7 @@ def gather_logical(engine) -> dict:
             m = ParamAffineMap.from_dict(amap)
             local = {k: m.rebuild({t: shards[t][k] for t in range(tp)}) for k in local}
         out[name] = {k: v.detach().clone() for k, v in local.items()}
-    opt = engine.optimizer
-    parts = opt.single_partition_of_fp32_groups
-    out["__step__"] = [float(opt.optimizer.state[f]["step"]) for f in parts]
+    out["__step__"] = [float(engine.optimizer.optimizer.state[f]["step"]) for f in fp32_partitions(engine)]
     return out
 
 
@@ -126,29 +131,36 @@ def set_logical(engine, state: dict) -> None:
     from deepspeed.utils import groups, safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     opt = engine.optimizer
-    for f in opt.single_partition_of_fp32_groups:
+    zero3 = not hasattr(opt, "single_partition_of_fp32_groups")
+    for f in fp32_partitions(engine):
         opt.optimizer.state[f] = {
             "step": torch.tensor(state["__step__"][0]),
             "exp_avg": torch.zeros_like(f),
             "exp_avg_sq": torch.zeros_like(f),
         }
-    opt._lazy_init_hp_params_optimizer_state()
+    if not zero3:
+        opt._lazy_init_hp_params_optimizer_state()
     tp_rank = groups.get_tensor_model_parallel_rank() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 0
     for name, p in engine.module.named_parameters():
         meta = getattr(p, DS_AUTOTP_UC_META, None)
         amap = meta and meta["conversion"].get("affine_map")
 
-        if p.numel() == 0:
+        if getattr(p, "ds_numel", p.numel()) == 0:
             continue
 
         def cut(t, amap=amap):
             return ParamAffineMap.from_dict(amap).extract(t, tp_rank) if amap else t
 
         safe_set_full_fp32_param(p, cut(state[name]["fp32"]))
-        with torch.no_grad():  # the working parameter (ZeRO-1/2: whole on every DP rank), as a step leaves it
-            p.copy_(cut(state[name]["fp32"]).to(p.dtype))
+        if not zero3:
+            with torch.no_grad():  # the working parameter (ZeRO-1/2: whole on every DP rank), as a step leaves it
+                p.copy_(cut(state[name]["fp32"]).to(p.dtype))
         safe_set_full_optimizer_state(p, cut(state[name]["exp_avg"]), "exp_avg")
         safe_set_full_optimizer_state(p, cut(state[name]["exp_avg_sq"]), "exp_avg_sq")
+    if zero3:  # the working partitions from the master, as DeepSpeed's ZeRO-3 step leaves them
+        with torch.no_grad():
+            for flat, fp32 in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
+                flat.copy_(fp32)
 
 
 def tdist_world() -> int:
