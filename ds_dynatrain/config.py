@@ -36,10 +36,13 @@ class _Strict(BaseModel):
 
 
 class ResizeEvent(_Strict):
-    """Change the data-parallel world size after optimizer step ``step``."""
+    """Change the data-parallel world size after optimizer step ``step`` (an AutoTP job: its TP degree)."""
 
     step: int = Field(ge=1, description="global step (optimizer steps) after which the resize happens")
-    world_size: int = Field(ge=1, description="data-parallel world size from then on")
+    world_size: int = Field(ge=1, description="data-parallel world size from then on (AutoTP job: TP x DP)")
+    tensor_parallel: Optional[int] = Field(
+        None, ge=1, description="an AutoTP job's TP degree from then on, at an unchanged world size"
+    )
 
 
 class SnapshotConfig(_Strict):
@@ -331,12 +334,18 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
     """
     tp = tensor_parallel_degree(ds_config)
     if not is_tensor_parallel_job(ds_config):
+        for e in dt_cfg.resize_schedule:
+            if e.tensor_parallel is not None:
+                raise ConfigError(
+                    f"invalid DeepSpeed config: dynatrain.resize_schedule (step {e.step}) gives tensor_parallel, "
+                    "but the job is no AutoTP job (tensor_parallel.autotp_size)"
+                )
         return 1
     where = f"tensor_parallel.autotp_size {tp}"
     stage = (ds_config.get("zero_optimization", {}) or {}).get("stage", 0)
     problems = []
     if world_size % tp:
-        problems.append(f"it does not divide the world size {world_size}")
+        problems.append(f"a world size of {world_size}, which it does not divide")
     if stage not in (1, 2, 3):
         problems.append(f"zero_optimization.stage {stage} (a TP switch needs stage 1, 2 or 3)")
     zero = ds_config.get("zero_optimization", {}) or {}
@@ -347,8 +356,19 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         problems.append("dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)")
     if dt_cfg.recovery.peer_replicas:
         problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
-    if dt_cfg.resize_schedule or launched:
-        problems.append("dynatrain launch or dynatrain.resize_schedule (a TP job changes its TP degree, not its world)")
+    if launched:
+        problems.append("dynatrain launch (a TP job changes its TP degree, not its world: start it as DeepSpeed's are)")
+    for e in dt_cfg.resize_schedule:
+        if e.world_size != world_size or e.tensor_parallel is None:
+            problems.append(
+                f"dynatrain.resize_schedule (step {e.step}): an entry gives tensor_parallel at the unchanged "
+                f"world size {world_size}"
+            )
+        elif world_size % e.tensor_parallel:
+            problems.append(
+                f"dynatrain.resize_schedule (step {e.step}): tensor_parallel {e.tensor_parallel} does not divide "
+                f"the world size {world_size}"
+            )
     if problems:
         raise ConfigError(f"invalid DeepSpeed config: {where} with " + "; ".join(problems))
     return tp
@@ -372,7 +392,9 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
         )
     global_batch, micro = resolve_global_batch(ds_config, world_size)
     for ws, where in [(world_size, "the launch world size")] + [
-        (e.world_size, f"dynatrain.resize_schedule (step {e.step})") for e in dt_cfg.resize_schedule
+        (e.world_size // (e.tensor_parallel or 1), f"dynatrain.resize_schedule (step {e.step})")
+        for e in dt_cfg.resize_schedule
+        if not (e.tensor_parallel and e.world_size % e.tensor_parallel)
     ]:
         try:
             split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)

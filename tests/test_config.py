@@ -279,12 +279,11 @@ def test_resolve_global_batch_refuses(keys, ws, message):
 @pytest.mark.parametrize(
     "extra, model_kind, message",
     [
-        ({"tensor_parallel": {"autotp_size": 2}}, "linear", "tensor_parallel.autotp_size 2: ds_dynatrain resizes"),
         ({}, "pipeline", "a deepspeed.pipe.PipelineModule: ds_dynatrain resizes"),
     ],
 )
 def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
-    """An AutoTP or pipeline job is refused by ``ds_dynatrain.initialize`` before any engine or
+    """A pipeline job is refused by ``ds_dynatrain.initialize`` before any engine or
     process group exists (its partitions are not whole parameters), naming the key."""
     import torch
 
@@ -302,3 +301,59 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
     config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "dynatrain": {}, **extra}
     with pytest.raises(ConfigError, match=re.escape(message)):
         ds_dynatrain.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+
+
+@pytest.mark.parametrize(
+    "ds_extra, section, world, launched, message",
+    [
+        ({"autotp_size": 2}, {}, 3, False, "tensor_parallel.autotp_size 2 with a world size of 3, which it does not divide"),
+        ({"autotp_size": 2}, {}, 2, True, "with dynatrain launch (a TP job changes its TP degree, not its world"),
+        (
+            {"autotp_size": 2},
+            {"snapshot": {"interval_steps": 5, "dir": "snaps"}},
+            2,
+            False,
+            "dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)",
+        ),
+        ({"autotp_size": 2}, {"recovery": {"peer_replicas": 1}}, 2, False, "dynatrain.recovery.peer_replicas"),
+        (
+            {"autotp_size": 2},
+            {"resize_schedule": [{"step": 3, "world_size": 4, "tensor_parallel": 2}]},
+            2,
+            False,
+            "(step 3): an entry gives tensor_parallel at the unchanged world size 2",
+        ),
+        (
+            {"autotp_size": 1},
+            {"resize_schedule": [{"step": 3, "world_size": 4, "tensor_parallel": 3}]},
+            4,
+            False,
+            "(step 3): tensor_parallel 3 does not divide the world size 4",
+        ),
+        (
+            None,
+            {"resize_schedule": [{"step": 3, "world_size": 2, "tensor_parallel": 1}]},
+            2,
+            False,
+            "gives tensor_parallel, but the job is no AutoTP job",
+        ),
+    ],
+)
+def test_tensor_parallel_job_refusals(ds_extra, section, world, launched, message):
+    """What an AutoTP job cannot have yet is refused before any engine exists, naming the key."""
+    from ds_dynatrain.config import DynatrainConfig, check_tensor_parallel
+
+    ds = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+    if ds_extra is not None:
+        ds["tensor_parallel"] = ds_extra
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_tensor_parallel(ds, DynatrainConfig(**section), world, launched)
+
+
+def test_tensor_parallel_job_accepted():
+    from ds_dynatrain.config import DynatrainConfig, check_tensor_parallel
+
+    ds = {"train_batch_size": 4, "zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}}
+    cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 4, "tensor_parallel": 1}])
+    assert check_tensor_parallel(ds, cfg, 4, launched=False) == 2
+    assert check_tensor_parallel({"train_batch_size": 4}, DynatrainConfig(), 4, launched=True) == 1

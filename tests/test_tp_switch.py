@@ -12,6 +12,9 @@ Oracles:
   the layer's affine map), trains the same batches: every loss after the switch and the final
   state equal the switched job's, bitwise.
 
+One case also switches by the config's ``resize_schedule`` (inside ``engine.step()``): its losses
+and final state equal the ``engine.resize`` run's, bitwise.
+
 Refusals (``--refuse``): a TP degree that does not divide the world, and a world-size change,
 are refused with the reason before anything changes (the switch that follows still matches the
 oracles).
@@ -32,8 +35,9 @@ SCRIPT = os.path.join(WORKERS, "tp_switch_worker.py")
 
 # (processes, worker arguments)
 CASES = {
-    "tp2_to_tp1_zero2": (2, ["--tp-from", "2", "--tp-to", "1", "--stage", "2"]),
-    "tp1_to_tp2_zero2_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--refuse"]),
+    "tp2_to_tp1_zero2_and_schedule": (2, ["--tp-from", "2", "--tp-to", "1", "--stage", "2"]),
+    "tp1_to_tp2_zero3_bf16_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16", "--refuse"]),
+    "tp2_to_tp1_zero3": pytest.param((2, ["--tp-from", "2", "--tp-to", "1", "--stage", "3"]), marks=pytest.mark.slow),
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
         (4, ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--bf16", "--tie"]), marks=pytest.mark.slow
     ),
@@ -59,7 +63,7 @@ def _equal(a: dict, b: dict) -> list:
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_tp_switch_equals_the_static_run(tmp_path, case):
+def test_tp_switch_equals_the_static_run(tmp_path, case, request):
     nproc, args = case
     common = ["--out", str(tmp_path), *args]
     for mode in ("switch", "static"):
@@ -80,6 +84,14 @@ def test_tp_switch_equals_the_static_run(tmp_path, case):
     # rank 0's first q_proj rows: 6 heads of 8 in 3 KV groups (TP 2: 32 | 16; TP 4: 16 | 16 | 16 | 0)
     rows = {1: 48, 2: 32, 4: 16}
     assert switched["q_proj"] == {"before": [rows[tp_from], 48], "after": [rows[tp_to], 48]}
+    if "schedule" in request.node.name:  # the same switch from the config's resize_schedule
+        jobs = run_plain(tmp_path, SCRIPT, nproc, [*common, "--mode", "schedule"], timeout=200, name="schedule")
+        assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+        scheduled = json.loads((tmp_path / "losses_schedule.json").read_text())
+        assert scheduled["losses"] == switched["losses"]
+        assert not _equal(torch.load(tmp_path / "final_schedule.pt"), final_switch)
+        (r,) = scheduled["records"]
+        assert (r["step"], r["tensor_parallel_from"], r["tensor_parallel_to"]) == (2, tp_from, tp_to)
     if "--refuse" in args:
         assert switched["refusals"] == [
             f"TP degree 3 refused: it does not divide the world size {nproc}",

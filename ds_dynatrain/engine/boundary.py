@@ -162,7 +162,7 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
     if tally.preempted:
         leave_preempted(engine, tally.preempted)
     elif target is not None:
-        engine.resize(target)
+        engine.resize(target, tensor_parallel=dt.tp_schedule.get(engine.global_steps))
     elif prep is not None:
         if tally.ready == engine.dp_world_size:
             finish_request(engine, prep)

@@ -85,7 +85,7 @@ def start_engine(
     backend = dt_cfg.dist_backend or accelerator.communication_backend_name()
     membership = None
     if ctx is None:
-        if dt_cfg.resize_schedule:
+        if dt_cfg.resize_schedule and not is_tensor_parallel_job(ds_config):  # a TP job's keeps its world
             raise ConfigError(
                 f"dynatrain.resize_schedule: this process was started by {other_launcher()}, not by "
                 f"`dynatrain launch`; {LAUNCHER_LIMITS}"

@@ -96,6 +96,11 @@ class ElasticState:
         """``{step: world size}`` of the config's resize schedule."""
         return {e.step: e.world_size for e in self.config.resize_schedule}
 
+    @property
+    def tp_schedule(self) -> Dict[int, int]:
+        """``{step: TP degree}`` of the schedule's entries that give one (an AutoTP job)."""
+        return {e.step: e.tensor_parallel for e in self.config.resize_schedule if e.tensor_parallel is not None}
+
     def split(self, world_size: int) -> BatchSplit:
         """The global batch split over ``world_size`` ranks.
 

@@ -13,6 +13,10 @@ again to ``after.pt``; ``--steps-after`` steps, each step's loss recorded; the f
 state), then the same ``--steps-after`` steps on the same batches: ``final_static.pt`` and
 ``losses_static.json``. No code of ds_dynatrain runs in this mode.
 
+``--mode schedule``: as ``switch``, but the switch is the config's ``resize_schedule`` entry
+``{"step": --steps-before, "world_size": W, "tensor_parallel": --tp-to}``, served inside
+``engine.step()``: ``final_schedule.pt`` and ``losses_schedule.json`` (with the resize records).
+
 The global batch is 4 sequences every step; micro-batch 1, so a DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i`` (every TP rank of a DP rank the same rows).
 
@@ -39,6 +43,7 @@ def fp32_partitions(engine) -> list:
     """The ZeRO optimizer's fp32 master partitions (stages 1/2: per group; stage 3: per sub-group)."""
     opt = engine.optimizer
     return list(getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat)
+
 
 SEQ = 12
 VOCAB = 96
@@ -163,6 +168,12 @@ def set_logical(engine, state: dict) -> None:
                 flat.copy_(fp32)
 
 
+def q_shape(engine) -> list:
+    """This rank's shape of the first q_proj (ZeRO-3: the TP shard's, not the local partition's)."""
+    p = dict(engine.module.named_parameters())[Q]
+    return list(getattr(p, "ds_shape", p.shape))
+
+
 def tdist_world() -> int:
     return int(os.environ["WORLD_SIZE"])
 
@@ -170,7 +181,7 @@ def tdist_world() -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["switch", "static"], required=True)
+    p.add_argument("--mode", choices=["switch", "schedule", "static"], required=True)
     p.add_argument("--tp-from", type=int, required=True)
     p.add_argument("--tp-to", type=int, required=True)
     p.add_argument("--stage", type=int, default=2)
@@ -186,7 +197,22 @@ def main() -> None:
     model, ds = model_and_config(a)
     data = batches(a.steps_before + a.steps_after)
     rank = int(os.environ["RANK"])
-    if a.mode == "switch":
+    if a.mode == "schedule":  # the switch inside engine.step() of the last step before it
+        import ds_dynatrain
+
+        ds["tensor_parallel"] = {"autotp_size": a.tp_from}
+        entry = {"step": a.steps_before, "world_size": tdist_world(), "tensor_parallel": a.tp_to}
+        ds["dynatrain"] = {"resize_schedule": [entry]}
+        engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        for s in range(a.steps_before):
+            train_step(engine, data[s], a.tp_from)
+        losses = [train_step(engine, data[a.steps_before + s], a.tp_to) for s in range(a.steps_after)]
+        final = gather_logical(engine)
+        if rank == 0:
+            torch.save(final, os.path.join(a.out, "final_schedule.pt"))
+            with open(os.path.join(a.out, "losses_schedule.json"), "w") as f:
+                json.dump({"losses": losses, "records": engine.resize_records}, f)
+    elif a.mode == "switch":
         import ds_dynatrain
         from ds_dynatrain.errors import ResizeRefusedError
 
@@ -205,9 +231,9 @@ def main() -> None:
                 except ResizeRefusedError as err:
                     refusals.append(str(err))
         before = gather_logical(engine)
-        shapes = {"before": list(dict(engine.module.named_parameters())[Q].shape)}
+        shapes = {"before": q_shape(engine)}
         record = engine.resize(world, tensor_parallel=a.tp_to)
-        shapes["after"] = list(dict(engine.module.named_parameters())[Q].shape)
+        shapes["after"] = q_shape(engine)
         after = gather_logical(engine)
         losses = [train_step(engine, data[a.steps_before + s], a.tp_to) for s in range(a.steps_after)]
         final = gather_logical(engine)
