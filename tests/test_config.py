@@ -306,7 +306,7 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
 @pytest.mark.parametrize(
     "ds_extra, section, world, launched, message",
     [
-        ({"autotp_size": 2}, {}, 3, False, "tensor_parallel.autotp_size 2 with a world size of 3, which it does not divide"),
+        ({"autotp_size": 2}, {}, 3, False, "autotp_size 2 with a world size of 3, which it does not divide"),
         ({"autotp_size": 2}, {}, 2, True, "with dynatrain launch (a TP job changes its TP degree, not its world"),
         (
             {"autotp_size": 2},
