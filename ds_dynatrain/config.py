@@ -325,9 +325,9 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
     return its TP degree (1 without AutoTP).
 
     An AutoTP job (``tensor_parallel.autotp_size`` of 1 or more) switches its TP and DP degree online
-    with ``engine.resize(world_size, tensor_parallel=N)`` at an unchanged world size. Its
-    snapshots, peer replicas, world-size changes (``dynatrain launch``, a resize schedule) and
-    ZeRO-3 are not served yet: each is refused here, naming the key.
+    (``engine.resize(world_size, tensor_parallel=N)``, the schedule), and under ``dynatrain launch``
+    shrinks (the schedule, a request, a preemption). Its snapshots, peer replicas, grows and
+    offloaded state are not served yet: each is refused here, naming the key.
 
     Raises:
         ConfigError: naming the key and the problem.
@@ -356,19 +356,17 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         problems.append("dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)")
     if dt_cfg.recovery.peer_replicas:
         problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
-    if launched:
-        problems.append("dynatrain launch (a TP job changes its TP degree, not its world: start it as DeepSpeed's are)")
+    world, degree = world_size, tp  # the schedule's entries in order: no grow, a TP degree dividing the world
     for e in dt_cfg.resize_schedule:
-        if e.world_size != world_size or e.tensor_parallel is None:
-            problems.append(
-                f"dynatrain.resize_schedule (step {e.step}): an entry gives tensor_parallel at the unchanged "
-                f"world size {world_size}"
-            )
-        elif world_size % e.tensor_parallel:
-            problems.append(
-                f"dynatrain.resize_schedule (step {e.step}): tensor_parallel {e.tensor_parallel} does not divide "
-                f"the world size {world_size}"
-            )
+        where = f"dynatrain.resize_schedule (step {e.step})"
+        degree = e.tensor_parallel or degree
+        if e.world_size > world:
+            problems.append(f"{where}: a grow to {e.world_size} (an AutoTP job does not grow yet)")
+        elif e.world_size != world and not launched:
+            problems.append(f"{where}: a shrink to {e.world_size} needs `dynatrain launch` (it hosts the membership)")
+        elif e.world_size % degree:
+            problems.append(f"{where}: TP degree {degree} does not divide the world size {e.world_size}")
+        world = e.world_size
     if problems:
         raise ConfigError(f"invalid DeepSpeed config: {where} with " + "; ".join(problems))
     return tp

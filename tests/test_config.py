@@ -307,7 +307,13 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
     "ds_extra, section, world, launched, message",
     [
         ({"autotp_size": 2}, {}, 3, False, "autotp_size 2 with a world size of 3, which it does not divide"),
-        ({"autotp_size": 2}, {}, 2, True, "with dynatrain launch (a TP job changes its TP degree, not its world"),
+        (
+            {"autotp_size": 2},
+            {"resize_schedule": [{"step": 3, "world_size": 2}]},
+            4,
+            False,
+            "(step 3): a shrink to 2 needs `dynatrain launch` (it hosts the membership)",
+        ),
         (
             {"autotp_size": 2},
             {"snapshot": {"interval_steps": 5, "dir": "snaps"}},
@@ -321,14 +327,14 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
             {"resize_schedule": [{"step": 3, "world_size": 4, "tensor_parallel": 2}]},
             2,
             False,
-            "(step 3): an entry gives tensor_parallel at the unchanged world size 2",
+            "(step 3): a grow to 4 (an AutoTP job does not grow yet)",
         ),
         (
             {"autotp_size": 1},
             {"resize_schedule": [{"step": 3, "world_size": 4, "tensor_parallel": 3}]},
             4,
             False,
-            "(step 3): tensor_parallel 3 does not divide the world size 4",
+            "(step 3): TP degree 3 does not divide the world size 4",
         ),
         (
             None,
@@ -357,3 +363,10 @@ def test_tensor_parallel_job_accepted():
     cfg = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 4, "tensor_parallel": 1}])
     assert check_tensor_parallel(ds, cfg, 4, launched=False) == 2
     assert check_tensor_parallel({"train_batch_size": 4}, DynatrainConfig(), 4, launched=True) == 1
+    # under dynatrain launch: a shrink keeping the TP degree, then a TP switch
+    cfg = DynatrainConfig(
+        resize_schedule=[{"step": 3, "world_size": 2}, {"step": 5, "world_size": 2, "tensor_parallel": 1}]
+    )
+    assert check_tensor_parallel(ds, cfg, 4, launched=True) == 2
+    with pytest.raises(ConfigError, match=re.escape("(step 3): TP degree 2 does not divide the world size 3")):
+        check_tensor_parallel(ds, DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 3}]), 4, launched=True)

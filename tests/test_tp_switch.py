@@ -27,7 +27,7 @@ import os
 
 import pytest
 import torch
-from conftest import WORKERS, run_plain
+from conftest import WORKERS, launch, run_plain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,6 +95,51 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
     if "--refuse" in args:
         assert switched["refusals"] == [
             f"TP degree 3 refused: it does not divide the world size {nproc}",
-            f"world size {nproc - 1} refused: an AutoTP job changes its TP degree at an unchanged world size "
-            f"({nproc} processes), not its world",
+            f"world size {nproc - 1} refused: an AutoTP job started by a launcher other than `dynatrain launch` "
+            f"changes its TP degree at its world size ({nproc}); `dynatrain launch` serves its shrinks",
         ]
+
+
+CONFIG = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 2},
+    "steps_per_print": 10**9,
+    "tensor_parallel": {"autotp_size": 2},
+}
+
+
+@pytest.mark.parametrize("preempt", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["resize", "preemption"])
+def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt):
+    """``dynatrain launch`` of 4 processes at TP 2 x DP 2 shrinks after step 3 to 2 processes at
+    TP 2 x DP 1: by ``engine.resize(2, tensor_parallel=2)`` (the logical state bitwise unchanged),
+    and, in the slow case, by a preemption notice to rank 1, which breaks its TP group (3
+    processes are left; TP 2 does not divide 3 and TP 1 x DP 3 cannot split the global batch of
+    4, so the job picks TP 2 x DP 1 and says so). The two processes that leave exit with status 0;
+    the losses of steps 4-5 and the final state equal a plain DeepSpeed run at TP 2 x DP 1 set
+    from the state after step 3, bitwise."""
+    config = dict(CONFIG, dynatrain={"metrics_path": str(tmp_path / "metrics.jsonl")})
+    common = ["--mode", "launch", "--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps", "5"]
+    job = launch(tmp_path, SCRIPT, 4, config, [*common, "--resize-at", "3:2:2"], timeout=240, name="resize")
+    assert job.returncode == 0, job.output[-4000:]
+    assert "resize TP 2 x DP 2 → TP 2 x DP 1 after step 3" in job.output
+    assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
+    args = ["--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps-before", "3", "--steps-after", "2"]
+    jobs = run_plain(tmp_path, SCRIPT, 2, [*args, "--mode", "static"], timeout=200, name="static")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    static = json.loads((tmp_path / "losses_static.json").read_text())
+    final_static = torch.load(tmp_path / "final_static.pt")
+    if preempt:
+        for name in ("final_launch.pt", "losses_launch.json"):
+            (tmp_path / name).unlink()
+        job = launch(tmp_path, SCRIPT, 4, config, [*common, "--preempt", "3:1"], timeout=240, name="preempt")
+        assert job.returncode == 0, job.output[-4000:]
+        assert "preemption of ['g0r1'] after step 3: the job goes on with 2 ranks at TP 2 x DP 1" in job.output
+        assert "member g0r1 left the job after step 3" in job.output
+    ran = json.loads((tmp_path / "losses_launch.json").read_text())
+    assert ran["losses"] == static["losses"] and ran["tp"] == 2
+    assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
+        (4, 2, 2, 2)
+    ]
+    assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)

@@ -8,7 +8,13 @@ import socket
 from typing import Optional, Sequence
 
 from ..batch import largest_world_size
-from ..config import check_elastic_config, check_snapshot_storage, load_ds_config, resolve_global_batch
+from ..config import (
+    check_elastic_config,
+    check_snapshot_storage,
+    check_tensor_parallel,
+    load_ds_config,
+    resolve_global_batch,
+)
 from ..errors import ConfigError, DynatrainError
 from ..log import logger, plural
 from .agent import Agent
@@ -58,7 +64,8 @@ def launch(
         host, port, nnodes, node_rank, (global_batch, micro) = _join_place(store, ds_config)
     else:
         host, port, nnodes, node_rank = _launch_place(nnodes, node_rank, store)
-        global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes, elastic=True)
+        tp = check_tensor_parallel(ds_config, dt_cfg, nproc * nnodes, launched=True)  # an AutoTP job: DP ranks
+        global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes // tp, elastic=True)
         _check_schedule_slots(dt_cfg, nnodes, slots, allow_oversubscribe)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
 

@@ -32,6 +32,7 @@ from .members import request_joiners
 from .records import StepRecord, format_step
 from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
+from .tp_resize import largest_tp_layout
 from .vote import StepTally, StepVote, exchange
 
 
@@ -64,15 +65,14 @@ def after_optimizer_step(engine) -> None:
         failed=error is not None,
         stop=stop,
     )
-    tally = exchange(
-        vote, engine.global_rank, engine.dp_world_size, len(dt.standby), get_accelerator().current_device_name()
-    )
+    world = len(dt.members)  # processes (an AutoTP job has fewer DP ranks)
+    tally = exchange(vote, engine.global_rank, world, len(dt.standby), get_accelerator().current_device_name())
     if tally.standby_gone:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
     dt.step_losses.append((engine.global_steps, tally.loss))
     _record_step(engine, tally, step_s)
-    if tally.stop or len(tally.preempted) == engine.dp_world_size:
+    if tally.stop or len(tally.preempted) == world:
         _end_job(engine, tally)  # raises SystemExit(0) on every rank
     replicas.after_vote(engine)
     _snapshot(engine)
@@ -93,7 +93,7 @@ def _read_request(engine) -> Optional[Tuple[int, int]]:
     index, body = request
     if "join" in body:
         dt.join_node = (index, int(body["join"]))
-        return index, engine.dp_world_size + int(body["slots"])
+        return index, len(dt.members) + int(body["slots"])
     world_size = int(body["world_size"])
     if dt.membership.answered(index):
         return index, REFUSED  # refused when read at an earlier boundary that served something else
@@ -178,6 +178,17 @@ def leave_preempted(engine, ranks) -> None:
     decides; surplus processes leave too)."""
     dt = engine._dt
     leavers = tuple(dt.members[r] for r in sorted(ranks))
+    if dt.tp_layout is not None:  # an AutoTP job: the largest layout the others can serve
+        size, tp = largest_tp_layout(
+            dt.global_batch, dt.micro_batch, len(dt.members) - len(leavers), dt.tp, dt.config.max_world_size
+        )
+        if engine.global_rank == 0:
+            logger.info(
+                f"preemption of {list(leavers)} after step {engine.global_steps}: the job goes on with "
+                f"{plural(size, 'rank')} at TP {tp} x DP {size // tp}"
+            )
+        engine.resize(size, must_leave=leavers, tensor_parallel=tp)
+        return
     size = largest_world_size(
         dt.global_batch, dt.micro_batch, engine.dp_world_size - len(leavers), dt.config.max_world_size
     )

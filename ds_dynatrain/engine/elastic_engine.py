@@ -26,7 +26,7 @@ from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
-from . import boundary, loading, pending, recover, requests, tp_switch
+from . import boundary, loading, pending, recover, requests, tp_resize, tp_switch
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
@@ -112,20 +112,22 @@ class ElasticEngine(DeepSpeedEngine):
 
     def _resize_tensor_parallel(self, world_size: int, must_leave, tensor_parallel: Optional[int]) -> Optional[dict]:
         dt = self._dt
-        world = tdist.get_world_size()
         if dt.tp_layout is None:
             raise ResizeRefusedError(
                 f"tensor_parallel {tensor_parallel} refused: the job was not started with AutoTP "
                 "(tensor_parallel.autotp_size in its DeepSpeed config)"
             )
-        if world_size != world or must_leave:
+        tp = dt.tp if tensor_parallel is None else tensor_parallel
+        world = len(dt.members)
+        if world_size == world and not must_leave:
+            return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()
+        if dt.membership is None:
             raise ResizeRefusedError(
-                f"world size {world_size} refused: an AutoTP job changes its TP degree at an unchanged world size "
-                f"({world} processes), not its world"
+                f"world size {world_size} refused: an AutoTP job started by {other_launcher()} changes its TP "
+                f"degree at its world size ({world}); `dynatrain launch` serves its shrinks"
             )
-        if tensor_parallel is None or tensor_parallel == dt.tp:
-            return None
-        return tp_switch.switch_tensor_parallel(self, tensor_parallel).to_dict()
+        rec = tp_resize.shrink_tensor_parallel(self, world_size, tp, tuple(must_leave))
+        return None if rec is None else rec.to_dict()
 
     def wait_transition(self) -> Optional[dict]:
         """Finish the optimizer-state transfer of the last resize, if one is still running.

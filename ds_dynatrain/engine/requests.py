@@ -37,7 +37,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
                 "Trainer) runs on through resizes in its processes and cannot be entered by a new one at the "
                 "job's step; it can shrink (resize down, preemption) but not grow"
             )
-        if dt.config.background_groups and world_size != engine.dp_world_size:
+        if dt.config.background_groups and world_size != engine.dp_world_size and dt.tp_layout is None:
             dt.split(world_size)
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
             prepare(engine, index, world_size)

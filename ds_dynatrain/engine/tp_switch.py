@@ -70,7 +70,7 @@ def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int
     )
 
 
-def _skeleton_splits(module: torch.nn.Module, tp: int):
+def skeleton_splits(module: torch.nn.Module, tp: int):
     """AutoTP's split at ``tp`` of a fresh, uncut instance of ``module``'s class (meta device)."""
     with torch.device("meta"):
         fresh = type(module)(module.config)
@@ -95,7 +95,7 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     split = dt.split(world // tp)  # ResizeRefusedError: the global batch cannot be kept
     old: TensorParallelLayout = dt.tp_layout
     try:
-        new = old.with_degrees(tp, world // tp, _skeleton_splits(engine.module, tp))
+        new = old.with_degrees(tp, world // tp, skeleton_splits(engine.module, tp))
     except (ValueError, AssertionError) as err:
         raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
     plan = plan_tp_transition(old, new, dt.members, dt.members)
@@ -124,10 +124,8 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     scalars = state.scalars
     state = None
     t = time.perf_counter()
-    _rebuild(engine, tp, split)
-    install_master(engine, [d[MASTER] for d in dests])
-    install_optimizer_state(engine, [{k: v for k, v in d.items() if k != MASTER} for d in dests], scalars)
-    working_from_master(engine)
+    rebuild_at(engine, tp, split)
+    install_moved_state(engine, dests, scalars)
     dt.tp_layout = new
     rec.rebuild_s = time.perf_counter() - t
     rec.seconds = time.perf_counter() - t0
@@ -136,9 +134,20 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     return rec
 
 
-def _rebuild(engine, tp: int, split) -> None:
+def install_moved_state(engine, dests, scalars) -> None:
+    """The moved partitions (``dests``: per new partition ``{kind: tensor}``) become the rebuilt
+    engine's fp32 master and moments (``scalars``: Adam's step per partition), and the working
+    parameters are made from the master (collective over the DP group)."""
+    install_master(engine, [d[MASTER] for d in dests])
+    install_optimizer_state(engine, [{k: v for k, v in d.items() if k != MASTER} for d in dests], scalars)
+    working_from_master(engine)
+
+
+def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
     """Rebuild ``engine`` in place on a model cut at ``tp``, with the torch optimizer and scheduler
-    it had (their parameters re-pointed, by name, to the new model's)."""
+    it had (their parameters re-pointed, by name, to the new model's). ``before_groups``: called
+    after the old engine is torn down and before DeepSpeed's groups are made for ``tp`` (a shrink
+    forms the new world there)."""
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
     counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
@@ -151,6 +160,8 @@ def _rebuild(engine, tp: int, split) -> None:
     if zero3:  # the old model goes; DeepSpeed's process-wide ZeRO-3 state must not carry it on
         forget_zero3_module(old_module)
     dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
+    if before_groups is not None:
+        before_groups()
     reset_tp_groups(tp)
     model = tp_module(old_module, tp, dt.ds_config)
     params = dict(model.named_parameters())

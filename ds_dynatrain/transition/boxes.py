@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,46 +42,56 @@ def execute_box_plan(
     table: np.ndarray,
     rank: int,
     old: Sequence[Dict[str, torch.Tensor]],
-    new: Sequence[Dict[str, torch.Tensor]],
+    new: Optional[Sequence[Dict[str, torch.Tensor]]],
     kinds: Sequence[str],
     group=None,
+    new_rank: Optional[int] = -1,
+    peer_of_new: Optional[Sequence[int]] = None,
 ) -> BoxTransferStats:
     """Move this process's rows of a box plan.
 
     Args:
         table: the plan's rows (int64 ``(n, 11)``, columns ``TP_COLUMNS``), the same on every
-            process; the old and new global ranks are ranks of ``group``.
-        rank: this process's rank in ``group`` (old and new rank alike: the processes stay).
+            process; its old ranks are ranks of ``group``.
+        rank: this process's old rank (its rank in ``group``).
         old: per old partition, ``{kind: 1-D tensor}`` (read); new: the same for the new
-            partitions (written where the plan says; the rest is left as it is).
+            partitions (written where the plan says; the rest is left as it is), None in a
+            process that takes no new rank.
         kinds: the state kinds to move, in the same order on every process.
         group: the process group of the messages (default: the world).
+        new_rank: this process's new rank (-1: the same as ``rank``; None: it takes none).
+        peer_of_new: the rank in ``group`` of each new rank's process (default: the same number).
 
     Raises:
         TransitionAbortedError: a message failed (a peer died), naming the peer.
     """
     stats = BoxTransferStats()
+    new_rank = rank if new_rank == -1 else new_rank
+    n_new = int(table[:, 1].max()) + 1 if len(table) else 0
+    peer = np.arange(n_new) if peer_of_new is None else np.asarray(peer_of_new, dtype=np.int64)
     src, dst = table[:, 0], table[:, 1]
-    mine_out = table[(src == rank) & (dst != rank)]
-    mine_in = table[(dst == rank) & (src != rank)]
-    keeps = table[(src == rank) & (dst == rank)]
+    dst_peer = peer[dst] if len(table) else dst
+    mine_out = table[(src == rank) & (dst_peer != rank)]
+    mine_in = table[(dst == (-2 if new_rank is None else new_rank)) & (src != rank)]
+    keeps = table[(src == rank) & (dst_peer == rank)]
     t0 = time.perf_counter()
     recvs: List[tuple] = []
     works = []
-    for peer in np.unique(mine_in[:, 0]):
-        rows = mine_in[mine_in[:, 0] == peer]
+    for peer_rank in np.unique(mine_in[:, 0]):
+        rows = mine_in[mine_in[:, 0] == peer_rank]
         n = int((rows[:, 9] * rows[:, 10]).sum()) * len(kinds)
         buf = torch.empty(n, dtype=old[0][kinds[0]].dtype)
-        recvs.append((int(peer), rows, buf))
-        works.append((int(peer), tdist.irecv(buf, src=int(peer), group=group)))
+        recvs.append((int(peer_rank), rows, buf))
+        works.append((int(peer_rank), tdist.irecv(buf, src=int(peer_rank), group=group)))
         stats.bytes_received += buf.numel() * buf.element_size()
-    for peer in np.unique(mine_out[:, 1]):
-        rows = mine_out[mine_out[:, 1] == peer]
+    out_peer = peer[mine_out[:, 1]] if len(mine_out) else mine_out[:, 1]
+    for peer_rank in np.unique(out_peer):
+        rows = mine_out[out_peer == peer_rank]
         parts = [
             _view(old[g][k], so, ss, r, c).reshape(-1) for k in kinds for _, _, _, g, so, ss, _, _, _, r, c in rows
         ]
         buf = torch.cat(parts) if parts else torch.empty(0)
-        works.append((int(peer), tdist.isend(buf, dst=int(peer), group=group)))
+        works.append((int(peer_rank), tdist.isend(buf, dst=int(peer_rank), group=group)))
         stats.bytes_sent += buf.numel() * buf.element_size()
     stats.messages = len(works)
     t1 = time.perf_counter()

@@ -94,6 +94,8 @@ def train_step(engine, batch, tp: int) -> float:
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
+    if not getattr(engine, "is_member", True):  # it left the job at this step's boundary
+        return float("nan")
     tdist.all_reduce(total)  # every TP rank of a DP rank holds the same loss
     return (total / (gas * world)).item()
 
@@ -178,10 +180,64 @@ def tdist_world() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def current_tp() -> int:
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_world_size() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 1
+
+
+def launched(a) -> None:
+    """Under ``dynatrain launch``: train ``--steps``; after step K of ``--resize-at K:W:T`` every
+    process calls ``engine.resize(W, tensor_parallel=T)`` (the state gathered before and after);
+    with ``--preempt K:R`` the process of rank R sends itself SIGTERM as step K starts (a
+    preemption notice, served at that step's boundary). Rank 0 of the last world writes
+    ``final_launch.pt`` and ``losses_launch.json`` (losses of the steps after K, the records)."""
+    import signal
+
+    import ds_dynatrain
+
+    ds_dynatrain.log_to_console()
+    model, _ = model_and_config(a)
+    with open(a.deepspeed_config) as f:
+        ds = json.load(f)
+    data = batches(a.steps)
+    engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    k, world, tp = (int(x) for x in a.resize_at.split(":")) if a.resize_at else (0, 0, 0)
+    pk, pr = (int(x) for x in a.preempt.split(":")) if a.preempt else (0, -1)
+    losses = []
+    for s in range(1, a.steps + 1):
+        if s == pk and tdist.get_rank() == pr:
+            os.kill(os.getpid(), signal.SIGTERM)
+        loss = train_step(engine, data[s - 1], current_tp())
+        if not engine.is_member:
+            return
+        if s > max(k, pk):
+            losses.append(loss)
+        if s == k:
+            before = gather_logical(engine)
+            if tdist.get_rank() == 0:
+                torch.save(before, os.path.join(a.out, "before.pt"))
+            engine.resize(world, tensor_parallel=tp)
+            if not engine.is_member:
+                return
+            after = gather_logical(engine)
+            if tdist.get_rank() == 0:
+                torch.save(after, os.path.join(a.out, "after.pt"))
+    final = gather_logical(engine)
+    if tdist.get_rank() == 0:
+        torch.save(final, os.path.join(a.out, "final_launch.pt"))
+        with open(os.path.join(a.out, "losses_launch.json"), "w") as f:
+            json.dump({"losses": losses, "records": engine.resize_records, "tp": current_tp()}, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["switch", "schedule", "static"], required=True)
+    p.add_argument("--mode", choices=["switch", "schedule", "static", "launch"], required=True)
+    p.add_argument("--deepspeed_config", default=None, help="(launch) appended by dynatrain launch")
+    p.add_argument("--steps", type=int, default=5, help="(launch) steps in all")
+    p.add_argument("--resize-at", default="", help="(launch) K:W:T engine.resize(W, tensor_parallel=T) after step K")
+    p.add_argument("--preempt", default="", help="(launch) K:R rank R is sent SIGTERM as step K starts")
     p.add_argument("--tp-from", type=int, required=True)
     p.add_argument("--tp-to", type=int, required=True)
     p.add_argument("--stage", type=int, default=2)
@@ -194,6 +250,9 @@ def main() -> None:
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
+    if a.mode == "launch":
+        launched(a)
+        return
     model, ds = model_and_config(a)
     data = batches(a.steps_before + a.steps_after)
     rank = int(os.environ["RANK"])
