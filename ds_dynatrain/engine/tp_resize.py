@@ -15,9 +15,8 @@ of the processes that stay chosen anew (a scheduled shrink, or a preemption that
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as tdist
 
 from ..batch import split_global_batch
@@ -26,11 +25,11 @@ from ..log import logger
 from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..zero.rebuild import teardown
-from ..zero.state import MASTER, extract_partitions
+from ..zero.state import extract_partitions
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import ResizeRecord
-from .tp_switch import install_moved_state, rebuild_at, skeleton_splits
+from .tp_switch import count_transfer, install_moved_state, new_layout, new_partitions, rebuild_at
 
 
 def largest_tp_layout(
@@ -73,7 +72,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
     split = dt.split(world_size // tp)
     old = dt.tp_layout
-    new = old.with_degrees(tp, world_size // tp, skeleton_splits(engine.module, tp))
+    new = new_layout(engine, tp, world_size)
     new_members, _ = assign_tp_members_best(old, new, members, (), tuple(must_leave))
     g = dt.generation + 1
     dt.assigned[(g, world_size, tuple(must_leave))] = new_members
@@ -89,14 +88,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     stays = dt.member in new_members
     new_rank = new_members.index(dt.member) if stays else None
     state = extract_partitions(engine)
-    kinds = tuple(state.tensors[0])
-    dests: Optional[List[Dict[str, torch.Tensor]]] = None
-    if stays:
-        zl = new.zero(new_rank % tp)
-        dests = [
-            {k: torch.zeros(zl.partition_numel(b), dtype=state.tensors[0][k].dtype) for k in kinds}
-            for b in range(zl.num_partitions)
-        ]
+    dests = new_partitions(new, new_rank, state) if stays else None
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=len(members),
@@ -106,13 +98,10 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
         tensor_parallel_from=old.tp,
         tensor_parallel_to=tp,
     )
-    elsize = state.tensors[0][MASTER].element_size()
-    rec.bytes_moved = plan.numel_moved * elsize * len(kinds)
-    rec.bytes_kept = plan.numel_kept * elsize * len(kinds)
     peers = [members.index(m) for m in new_members]
+    kinds = tuple(state.tensors[0])
     stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds, new_rank=new_rank, peer_of_new=peers)
-    rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
-    rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
+    count_transfer(rec, plan, state, stats)
     scalars = state.scalars
     state = None
     if not stays:

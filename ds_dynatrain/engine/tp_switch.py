@@ -94,18 +94,10 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world}")
     split = dt.split(world // tp)  # ResizeRefusedError: the global batch cannot be kept
     old: TensorParallelLayout = dt.tp_layout
-    try:
-        new = old.with_degrees(tp, world // tp, skeleton_splits(engine.module, tp))
-    except (ValueError, AssertionError) as err:
-        raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
+    new = new_layout(engine, tp, world)
     plan = plan_tp_transition(old, new, dt.members, dt.members)
     state = extract_partitions(engine)
-    kinds = tuple(state.tensors[0])
-    zl = new.zero(rank % tp)
-    dests: List[Dict[str, torch.Tensor]] = [
-        {k: torch.zeros(zl.partition_numel(g), dtype=state.tensors[0][k].dtype) for k in kinds}
-        for g in range(zl.num_partitions)
-    ]
+    dests = new_partitions(new, rank, state)
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=world,
@@ -115,12 +107,8 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         tensor_parallel_from=old.tp,
         tensor_parallel_to=tp,
     )
-    elsize = state.tensors[0][MASTER].element_size()
-    rec.bytes_moved = plan.numel_moved * elsize * len(kinds)
-    rec.bytes_kept = plan.numel_kept * elsize * len(kinds)
-    stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds)
-    rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
-    rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
+    stats = execute_box_plan(plan.table, rank, state.tensors, dests, tuple(state.tensors[0]))
+    count_transfer(rec, plan, state, stats)
     scalars = state.scalars
     state = None
     t = time.perf_counter()
@@ -132,6 +120,41 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     publish(engine, rec)
     logger.info(f"TP {old.tp} -> {tp}: this rank is TP {rank % tp} x DP {rank // tp}")
     return rec
+
+
+def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
+    """The job's layout at TP degree ``tp`` over ``world_size`` processes.
+
+    Raises:
+        ResizeRefusedError: AutoTP cannot cut the model at ``tp``.
+    """
+    try:
+        splits = skeleton_splits(engine.module, tp)
+    except (ValueError, AssertionError) as err:
+        raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
+    return engine._dt.tp_layout.with_degrees(tp, world_size // tp, splits)
+
+
+def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[str, torch.Tensor]]:
+    """Zeroed new partitions of global ``rank`` under ``layout``, one ``{kind: 1-D tensor}`` per
+    partition, of the kinds and dtypes of this rank's ``state`` (``PartitionState``)."""
+    zl = layout.zero(rank % layout.tp)
+    like = state.tensors[0]
+    return [
+        {k: torch.zeros(zl.partition_numel(b), dtype=v.dtype) for k, v in like.items()}
+        for b in range(zl.num_partitions)
+    ]
+
+
+def count_transfer(rec: ResizeRecord, plan, state, stats) -> None:
+    """Put a box plan's totals (bytes of every state kind) and this process's transfer figures
+    into ``rec``."""
+    kinds = len(state.tensors[0])
+    elsize = state.tensors[0][MASTER].element_size()
+    rec.bytes_moved = plan.numel_moved * elsize * kinds
+    rec.bytes_kept = plan.numel_kept * elsize * kinds
+    rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
+    rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
 
 
 def install_moved_state(engine, dests, scalars) -> None:
