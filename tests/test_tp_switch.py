@@ -143,3 +143,82 @@ def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt):
         (4, 2, 2, 2)
     ]
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
+
+
+def test_resize_request_carries_the_tensor_parallel_degree():
+    """``dynatrain resize --tensor-parallel`` (``request_resize``) against a real TCPStore standing in
+    for a job's: the TP degree is in the queued request, the global batch is checked over the DP
+    ranks it leaves (world / TP), and a degree that does not divide the world is refused before
+    anything is queued. The job's side (every rank reads the degree from the store and switches)
+    is ``test_tp_request_under_launch``."""
+    import threading
+    from datetime import timedelta
+
+    from conftest import free_port
+    from torch.distributed import TCPStore
+
+    from ds_dynatrain.elastic.keys import ANSWER_KEY, JOB_KEY, REQUEST_COUNT, REQUEST_KEY
+    from ds_dynatrain.elastic.requests import request_resize
+    from ds_dynatrain.errors import ResizeRefusedError
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    store.set(JOB_KEY, json.dumps({"global_batch": 4, "micro_batch": 1, "max_world_size": None, "world_size": 4}))
+    with pytest.raises(ResizeRefusedError, match="TP degree 3 does not divide the world size 4"):
+        request_resize("127.0.0.1", port, 4, 10, tensor_parallel=3)
+    assert store.add(REQUEST_COUNT, 0) == 0  # nothing queued
+
+    def answer():
+        store.wait([REQUEST_KEY.format(0)], timedelta(seconds=30))
+        seen.append(json.loads(store.get(REQUEST_KEY.format(0))))
+        store.set(ANSWER_KEY.format(0), json.dumps({"ok": True, "message": "done", "record": None, "aborted": False}))
+
+    seen: list = []
+    t = threading.Thread(target=answer)
+    t.start()
+    assert request_resize("127.0.0.1", port, 4, 20, tensor_parallel=1)["message"] == "done"
+    t.join()
+    assert seen == [{"world_size": 4, "tensor_parallel": 1}]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tp_request_under_launch(tmp_path):
+    """``dynatrain resize --world-size 4 --tensor-parallel 1`` against a running 4-process TP 2 job:
+    served at a step boundary (every rank reads the degree from the store), answered with the
+    layouts, recorded; a degree that does not divide the world is refused by the requester with
+    exit status 2; the job trains on at TP 1 x DP 4 to its end."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import background_job, free_port, read_jsonl, resize_command
+
+    port = free_port()
+    metrics = tmp_path / "metrics.jsonl"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(CONFIG, dynatrain={"metrics_path": str(metrics)})))
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"]
+    cmd += ["--config", str(cfg), SCRIPT, "--mode", "launch", "--out", str(tmp_path), "--tp-from", "2"]
+    cmd += ["--tp-to", "2", "--steps", "14", "--step-sleep", "0.7"]
+    with background_job(cmd, str(tmp_path / "job.log")) as job:
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and any(r.get("event") == "step" for r in read_jsonl(metrics))):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.3)
+        bad = subprocess.run(
+            [*resize_command(f"127.0.0.1:{port}", 4, 60), "--tensor-parallel", "3"], capture_output=True, text=True
+        )
+        assert bad.returncode == 2 and "TP degree 3 does not divide the world size 4" in bad.stderr, bad.stderr
+        ok = subprocess.run(
+            [*resize_command(f"127.0.0.1:{port}", 4, 120), "--tensor-parallel", "1"], capture_output=True, text=True
+        )
+        assert ok.returncode == 0 and "resized 4 -> 4 (TP 2 -> 1) after step" in ok.stdout, ok.stdout + ok.stderr
+        assert job.wait(timeout=200) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    ran = json.loads((tmp_path / "losses_launch.json").read_text())
+    assert ran["tp"] == 1
+    assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
+        (4, 4, 2, 1)
+    ]
+    steps = [r["step"] for r in read_jsonl(metrics) if r.get("event") == "step"]
+    assert steps == list(range(1, 15))

@@ -7,7 +7,7 @@
     dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
     srun --ntasks-per-node=1 dynatrain launch --nproc 2 --config CFG script.py [ARGS...]
     dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
-    dynatrain resize --store HOST:PORT --world-size N [--timeout SECONDS]
+    dynatrain resize --store HOST:PORT --world-size N [--tensor-parallel T] [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
                    [--tensor-parallel-from 8 --tensor-parallel-to 4]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
@@ -87,7 +87,7 @@ def _cmd_resize(a) -> int:
         print(f"dynatrain resize: --store {a.store!r}: expected HOST:PORT", file=sys.stderr)
         return 2
     try:
-        answer = request_resize(host, int(port), a.world_size, a.timeout)
+        answer = request_resize(host, int(port), a.world_size, a.timeout, tensor_parallel=a.tensor_parallel)
     except ResizeRefusedError as err:
         print(f"dynatrain resize: refused: {err}", file=sys.stderr)
         return 2
@@ -313,6 +313,12 @@ def _add_query_commands(sub) -> None:
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
     rp.add_argument("--world-size", type=int, required=True, help="the new data-parallel world size")
     rp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job's answer")
+    rp.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        help="an AutoTP job's new TP degree (--world-size is then its number of processes, TP x DP)",
+    )
     rp.set_defaults(func=_cmd_resize)
 
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")

@@ -18,11 +18,13 @@ from .placement import check_slots
 CONNECT_TIMEOUT_S = 10.0  # how long a requester tries to reach a job's store
 
 
-def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> dict:
+def request_resize(host: str, port: int, world_size: int, timeout_s: float, tensor_parallel=None) -> dict:
     """Ask the job whose store listens at ``host:port`` to change its world size to ``world_size``
-    (``dynatrain resize``). Requests are queued in the store and served one per step boundary, in
-    order. The size is checked against the job's global batch, ``max_world_size`` and its hosts'
-    slots (:func:`~ds_dynatrain.elastic.placement.check_slots`) first.
+    (``dynatrain resize``); an AutoTP job also its TP degree (``tensor_parallel``; ``world_size``
+    is then its number of processes, TP x DP). Requests are queued in the store and served one per
+    step boundary, in order. The size is checked against the job's global batch (split over
+    ``world_size / tensor_parallel`` DP ranks), ``max_world_size`` and its hosts' slots
+    (:func:`~ds_dynatrain.elastic.placement.check_slots`) first.
 
     Returns:
         The job's answer: ``{"ok": True, "message": ..., "record": <resize record>}``.
@@ -41,10 +43,18 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float) -> d
         job = json.loads(store.get(JOB_KEY))
     except RuntimeError as err:
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None
-    split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), world_size, job["max_world_size"])
+    dp = world_size
+    if tensor_parallel is not None:
+        if tensor_parallel < 1 or world_size % tensor_parallel:
+            raise ResizeRefusedError(f"TP degree {tensor_parallel} does not divide the world size {world_size}")
+        dp = world_size // tensor_parallel
+    split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])
     check_slots(store, world_size)
     i = int(store.add(REQUEST_COUNT, 1)) - 1
-    store.set(REQUEST_KEY.format(i), json.dumps({"world_size": world_size}))
+    body = {"world_size": world_size}
+    if tensor_parallel is not None:
+        body["tensor_parallel"] = tensor_parallel
+    store.set(REQUEST_KEY.format(i), json.dumps(body))
     t0 = time.monotonic()
     try:
         store.wait([ANSWER_KEY.format(i)], timedelta(seconds=timeout_s))

@@ -4,8 +4,11 @@ has the new world ready, or given up."""
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Optional
 
+from ..elastic.keys import REQUEST_KEY
 from ..errors import ResizeRefusedError
 from ..log import logger, plural
 from ..transition.execute import transition_members
@@ -37,12 +40,13 @@ def serve_request(engine, index: int, world_size: int) -> None:
                 "Trainer) runs on through resizes in its processes and cannot be entered by a new one at the "
                 "job's step; it can shrink (resize down, preemption) but not grow"
             )
-        if dt.config.background_groups and world_size != engine.dp_world_size and dt.tp_layout is None:
+        tp = requested_tensor_parallel(dt, index)
+        if dt.config.background_groups and world_size != engine.dp_world_size and dt.tp_layout is None and tp is None:
             dt.split(world_size)
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
             prepare(engine, index, world_size)
             return
-        rec = engine.resize(world_size)
+        rec = engine.resize(world_size, tensor_parallel=tp)
     except ResizeRefusedError as err:
         if engine.global_rank == 0:
             dt.membership.answer(index, False, str(err))
@@ -51,12 +55,25 @@ def serve_request(engine, index: int, world_size: int) -> None:
     if rec is not None and rec.get("event") != "resize":
         return  # this process stood by and was taken back by a later resize
     if engine.is_member and engine.global_rank == 0:
+        tp = (
+            f" (TP {rec['tensor_parallel_from']} -> {rec['tensor_parallel_to']})"
+            if rec and "tensor_parallel_to" in rec
+            else ""
+        )
         msg = (
-            f"resized {rec['from']} -> {rec['to']} after step {rec['step']} in {rec['seconds']:.2f} s"
+            f"resized {rec['from']} -> {rec['to']}{tp} after step {rec['step']} in {rec['seconds']:.2f} s"
             if rec
             else f"the job already runs on {plural(world_size, 'rank')}"
         )
         dt.membership.answer(index, True, msg, rec)
+
+
+def requested_tensor_parallel(dt, index: int) -> Optional[int]:
+    """The TP degree request ``index`` asks for (``dynatrain resize --tensor-parallel``), or None;
+    every rank reads it from the store (the step's vote carries the world size only)."""
+    body = json.loads(dt.membership.store.get(REQUEST_KEY.format(index)))
+    tp = body.get("tensor_parallel")
+    return None if tp is None else int(tp)
 
 
 def prepare(engine, index: int, world_size: int) -> None:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import ResizeRefusedError
-from ..log import logger
 from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
@@ -118,7 +117,6 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     rec.rebuild_s = time.perf_counter() - t
     rec.seconds = time.perf_counter() - t0
     publish(engine, rec)
-    logger.info(f"TP {old.tp} -> {tp}: this rank is TP {rank % tp} x DP {rank // tp}")
     return rec
 
 

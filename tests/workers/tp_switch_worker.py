@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -209,6 +210,7 @@ def launched(a) -> None:
         if s == pk and tdist.get_rank() == pr:
             os.kill(os.getpid(), signal.SIGTERM)
         loss = train_step(engine, data[s - 1], current_tp())
+        time.sleep(a.step_sleep)  # time for a request from outside to arrive
         if not engine.is_member:
             return
         if s > max(k, pk):
@@ -237,6 +239,7 @@ def main() -> None:
     p.add_argument("--deepspeed_config", default=None, help="(launch) appended by dynatrain launch")
     p.add_argument("--steps", type=int, default=5, help="(launch) steps in all")
     p.add_argument("--resize-at", default="", help="(launch) K:W:T engine.resize(W, tensor_parallel=T) after step K")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="(launch) seconds slept after each step")
     p.add_argument("--preempt", default="", help="(launch) K:R rank R is sent SIGTERM as step K starts")
     p.add_argument("--tp-from", type=int, required=True)
     p.add_argument("--tp-to", type=int, required=True)
