@@ -110,22 +110,45 @@ CONFIG = {
 }
 
 
-@pytest.mark.parametrize("preempt", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["resize", "preemption"])
-def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt):
+@pytest.mark.parametrize(
+    "preempt, zero3",
+    [
+        (False, False),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        pytest.param(False, True, marks=pytest.mark.slow),
+    ],
+    ids=["resize", "preemption", "resize_to_tp1_zero3_bf16"],
+)
+def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt, zero3):
     """``dynatrain launch`` of 4 processes at TP 2 x DP 2 shrinks after step 3 to 2 processes at
     TP 2 x DP 1: by ``engine.resize(2, tensor_parallel=2)`` (the logical state bitwise unchanged),
     and, in the slow case, by a preemption notice to rank 1, which breaks its TP group (3
     processes are left; TP 2 does not divide 3 and TP 1 x DP 3 cannot split the global batch of
     4, so the job picks TP 2 x DP 1 and says so). The two processes that leave exit with status 0;
     the losses of steps 4-5 and the final state equal a plain DeepSpeed run at TP 2 x DP 1 set
-    from the state after step 3, bitwise."""
+    from the state after step 3, bitwise. The ZeRO-3 bf16 case shrinks to TP 1 x DP 2 instead."""
     config = dict(CONFIG, dynatrain={"metrics_path": str(tmp_path / "metrics.jsonl")})
-    common = ["--mode", "launch", "--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps", "5"]
-    job = launch(tmp_path, SCRIPT, 4, config, [*common, "--resize-at", "3:2:2"], timeout=240, name="resize")
+    tp_to, extra = (1, ["--stage", "3", "--bf16"]) if zero3 else (2, [])
+    if zero3:
+        config.update(zero_optimization={"stage": 3}, bf16={"enabled": True})
+    common = ["--mode", "launch", "--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps", "5", *extra]
+    job = launch(tmp_path, SCRIPT, 4, config, [*common, "--resize-at", f"3:2:{tp_to}"], timeout=240, name="resize")
     assert job.returncode == 0, job.output[-4000:]
-    assert "resize TP 2 x DP 2 → TP 2 x DP 1 after step 3" in job.output
+    assert f"resize TP 2 x DP 2 → TP {tp_to} x DP {2 // tp_to} after step 3" in job.output
     assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
-    args = ["--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps-before", "3", "--steps-after", "2"]
+    args = [
+        "--out",
+        str(tmp_path),
+        "--tp-from",
+        "2",
+        "--tp-to",
+        str(tp_to),
+        "--steps-before",
+        "3",
+        "--steps-after",
+        "2",
+    ]
+    args += extra
     jobs = run_plain(tmp_path, SCRIPT, 2, [*args, "--mode", "static"], timeout=200, name="static")
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     static = json.loads((tmp_path / "losses_static.json").read_text())
@@ -138,9 +161,9 @@ def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt):
         assert "preemption of ['g0r1'] after step 3: the job goes on with 2 ranks at TP 2 x DP 1" in job.output
         assert "member g0r1 left the job after step 3" in job.output
     ran = json.loads((tmp_path / "losses_launch.json").read_text())
-    assert ran["losses"] == static["losses"] and ran["tp"] == 2
+    assert ran["losses"] == static["losses"] and ran["tp"] == tp_to
     assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
-        (4, 2, 2, 2)
+        (4, 2, 2, tp_to)
     ]
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
 
