@@ -162,7 +162,8 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
     if tally.preempted:
         leave_preempted(engine, tally.preempted)
     elif target is not None:
-        engine.resize(target, tensor_parallel=dt.tp_schedule.get(engine.global_steps))
+        tp = dt.tp_schedule.get(engine.global_steps)  # an AutoTP job's entry may give a TP degree
+        engine.resize(target) if tp is None else engine.resize(target, tensor_parallel=tp)
     elif prep is not None:
         if tally.ready == engine.dp_world_size:
             finish_request(engine, prep)

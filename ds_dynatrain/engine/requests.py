@@ -46,7 +46,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
             prepare(engine, index, world_size)
             return
-        rec = engine.resize(world_size, tensor_parallel=tp)
+        rec = engine.resize(world_size) if tp is None else engine.resize(world_size, tensor_parallel=tp)
     except ResizeRefusedError as err:
         if engine.global_rank == 0:
             dt.membership.answer(index, False, str(err))
