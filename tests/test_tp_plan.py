@@ -11,6 +11,7 @@ written exactly once. Models, degrees and uneven shard sizes are drawn by hypoth
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -178,3 +179,33 @@ def test_plan_cli_with_tensor_parallel_degrees(tmp_path, capsys):
     assert rc == 0 and "TP 2 x DP 2 -> TP 2 x DP 1 (4 -> 2 ranks)" in out
     rc, _, err = plan("--from", "4", "--to", "3", "--tensor-parallel-from", "2", "--tensor-parallel-to", "2")
     assert rc == 2 and "TP degree 2 does not divide world size 3" in err
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(models(), st.integers(1, 40), st.randoms(use_true_random=False))
+def test_messages_cut_by_rows_move_the_same_elements(pair, limit, rnd):
+    """The transfer's messages (``transition.boxes._messages``: a pair's rows cut into messages of
+    at most ``limit`` elements, boxes cut by their rows) executed in place of the plan's rows give
+    the same new partitions, every element written once."""
+    from ds_dynatrain.transition.boxes import _messages
+
+    old, new = pair
+    rng = np.random.default_rng(rnd.randint(0, 2**31))
+    full = {p.key: rng.standard_normal(math.prod(p.shape)) for p in old.params}
+    members = [f"m{i}" for i in range(old.world_size)]
+    joiners = [f"j{i}" for i in range(max(0, new.world_size - old.world_size))]
+    new_members, _ = assign_tp_members_best(old, new, members, joiners)
+    plan = plan_tp_transition(old, new, members, new_members)
+    t = plan.table
+    pieces = []
+    for s_, d_ in sorted({(int(a), int(b)) for a, b in t[:, :2]}):
+        for msg in _messages(t[(t[:, 0] == s_) & (t[:, 1] == d_)], limit):
+            assert int((msg[:, 9] * msg[:, 10]).sum()) <= max(limit, int(msg[:, 10].max()))
+            pieces.append(msg)
+    cut = SimpleNamespace(new_layout=new, table=np.concatenate(pieces) if pieces else t)
+    got, writes = execute(cut, partitions(old, full))
+    want, _ = execute(plan, partitions(old, full))
+    for r in range(new.world_size):
+        for g, w, n in zip(got[r], want[r], writes[r]):
+            np.testing.assert_array_equal(g, w)
+            assert (n <= 1).all()

@@ -35,7 +35,11 @@ SCRIPT = os.path.join(WORKERS, "tp_switch_worker.py")
 
 # (processes, worker arguments)
 CASES = {
-    "tp2_to_tp1_zero2_and_schedule": (2, ["--tp-from", "2", "--tp-to", "1", "--stage", "2"]),
+    # max_inflight_bytes 4096: messages of 1 KiB (85 elements of each of the 3 fp32 kinds; boxes cut by rows)
+    "tp2_to_tp1_zero2_and_schedule": (
+        2,
+        ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--max-inflight-bytes", "4096"],
+    ),
     "tp1_to_tp2_zero3_bf16_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16", "--refuse"]),
     "tp2_to_tp1_zero3": pytest.param((2, ["--tp-from", "2", "--tp-to", "1", "--stage", "3"]), marks=pytest.mark.slow),
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
@@ -81,6 +85,8 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
     assert (rec["tensor_parallel_from"], rec["tensor_parallel_to"]) == (tp_from, tp_to)
     assert (rec["from"], rec["to"], rec["step"]) == (nproc, nproc, 2)
     assert rec["bytes_moved"] > 0 and rec["bytes_sent"] > 0
+    if "--max-inflight-bytes" in args:  # bounded messages: many rounds, each within a quarter of the bound
+        assert rec["messages"] > 100 and 0 < rec["peak_staging_bytes"] <= 2 * 1024, rec
     # rank 0's first q_proj rows: 6 heads of 8 in 3 KV groups (TP 2: 32 | 16; TP 4: 16 | 16 | 16 | 0)
     rows = {1: 48, 2: 32, 4: 16}
     assert switched["q_proj"] == {"before": [rows[tp_from], 48], "after": [rows[tp_to], 48]}

@@ -29,7 +29,7 @@ from ..zero.state import extract_partitions
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import ResizeRecord
-from .tp_switch import count_transfer, install_moved_state, new_layout, new_partitions, rebuild_at
+from .tp_switch import count_transfer, install_moved_state, message_bytes, new_layout, new_partitions, rebuild_at
 
 
 def largest_tp_layout(
@@ -100,7 +100,16 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     )
     peers = [members.index(m) for m in new_members]
     kinds = tuple(state.tensors[0])
-    stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds, new_rank=new_rank, peer_of_new=peers)
+    stats = execute_box_plan(
+        plan.table,
+        rank,
+        state.tensors,
+        dests,
+        kinds,
+        new_rank=new_rank,
+        peer_of_new=peers,
+        message_bytes=message_bytes(dt),
+    )
     count_transfer(rec, plan, state, stats)
     scalars = state.scalars
     state = None

@@ -106,7 +106,8 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         tensor_parallel_from=old.tp,
         tensor_parallel_to=tp,
     )
-    stats = execute_box_plan(plan.table, rank, state.tensors, dests, tuple(state.tensors[0]))
+    kinds = tuple(state.tensors[0])
+    stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds, message_bytes=message_bytes(dt))
     count_transfer(rec, plan, state, stats)
     scalars = state.scalars
     state = None
@@ -144,6 +145,12 @@ def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[
     ]
 
 
+def message_bytes(dt) -> int:
+    """The largest message of a box transfer: a quarter of ``dynatrain.max_inflight_bytes`` (one
+    message per peer and direction in flight, as a DP resize's two each way)."""
+    return max(dt.config.max_inflight_bytes // 4, 1)
+
+
 def count_transfer(rec: ResizeRecord, plan, state, stats) -> None:
     """Put a box plan's totals (bytes of every state kind) and this process's transfer figures
     into ``rec``."""
@@ -153,6 +160,7 @@ def count_transfer(rec: ResizeRecord, plan, state, stats) -> None:
     rec.bytes_kept = plan.numel_kept * elsize * kinds
     rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
     rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
+    rec.peak_staging_bytes = stats.peak_staging_bytes
 
 
 def install_moved_state(engine, dests, scalars) -> None:

@@ -3,10 +3,12 @@ of flat partitions, over point-to-point messages of a process group (no DeepSpee
 
 Every row of a :class:`~ds_dynatrain.planner.tp_plan.TpPlan` is a box: ``rows`` runs of ``cols``
 elements, run ``k`` at ``offset + k * stride`` of a flat partition on each side. A process packs
-the boxes it sends to one peer, for every state kind, into one contiguous message (``as_strided``
-views copied with one ``torch.cat``), in the plan's row order, which the receiver walks in the
-same order to scatter the message into its new partitions. Boxes it keeps are copied locally.
-All messages of a process are posted at once (``isend``/``irecv``), so no pair waits for another.
+the boxes it sends to one peer, for every state kind, into contiguous messages of a bounded size
+(``as_strided`` views copied into it once; a box larger than a message is cut by its
+rows), in the plan's row order, which the receiver walks in the same order to scatter each message
+into its new partitions. Boxes it keeps are copied locally first. Messages go in rounds: in each,
+a process posts its next message to and from every peer at once (``isend``/``irecv``), so no pair
+waits for another and the staging is one message per peer and direction.
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
 
+MESSAGE_BYTES = 64 << 20  # a quarter of the default dynatrain.max_inflight_bytes, as a DP resize's messages
+
 
 @dataclass
 class BoxTransferStats:
     """What one process moved: bytes sent and received, messages, wall seconds of the exchange
-    and of the local keeps."""
+    and of the local keeps, the largest message buffers alive at once (bytes)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     messages: int = 0
     exchange_seconds: float = 0.0
     keep_seconds: float = 0.0
+    peak_staging_bytes: int = 0
 
 
 def _view(flat: torch.Tensor, offset: int, stride: int, rows: int, cols: int) -> torch.Tensor:
@@ -47,6 +52,7 @@ def execute_box_plan(
     group=None,
     new_rank: Optional[int] = -1,
     peer_of_new: Optional[Sequence[int]] = None,
+    message_bytes: int = MESSAGE_BYTES,
 ) -> BoxTransferStats:
     """Move this process's rows of a box plan.
 
@@ -61,6 +67,9 @@ def execute_box_plan(
         group: the process group of the messages (default: the world).
         new_rank: this process's new rank (-1: the same as ``rank``; None: it takes none).
         peer_of_new: the rank in ``group`` of each new rank's process (default: the same number).
+        message_bytes: the largest message (bytes, every state kind together); a process has one
+            message per peer and direction in flight, so its staging stays within
+            ``message_bytes`` times its peers (a box row larger than it is sent alone).
 
     Raises:
         TransitionAbortedError: a message failed (a peer died), naming the peer.
@@ -71,47 +80,84 @@ def execute_box_plan(
     peer = np.arange(n_new) if peer_of_new is None else np.asarray(peer_of_new, dtype=np.int64)
     src, dst = table[:, 0], table[:, 1]
     dst_peer = peer[dst] if len(table) else dst
-    mine_out = table[(src == rank) & (dst_peer != rank)]
-    mine_in = table[(dst == (-2 if new_rank is None else new_rank)) & (src != rank)]
+    out_rows = table[(src == rank) & (dst_peer != rank)]
+    in_rows = table[(dst == (-2 if new_rank is None else new_rank)) & (src != rank)]
     keeps = table[(src == rank) & (dst_peer == rank)]
     t0 = time.perf_counter()
-    recvs: List[tuple] = []
-    works = []
-    for peer_rank in np.unique(mine_in[:, 0]):
-        rows = mine_in[mine_in[:, 0] == peer_rank]
-        n = int((rows[:, 9] * rows[:, 10]).sum()) * len(kinds)
-        buf = torch.empty(n, dtype=old[0][kinds[0]].dtype)
-        recvs.append((int(peer_rank), rows, buf))
-        works.append((int(peer_rank), tdist.irecv(buf, src=int(peer_rank), group=group)))
-        stats.bytes_received += buf.numel() * buf.element_size()
-    out_peer = peer[mine_out[:, 1]] if len(mine_out) else mine_out[:, 1]
-    for peer_rank in np.unique(out_peer):
-        rows = mine_out[out_peer == peer_rank]
-        parts = [
-            _view(old[g][k], so, ss, r, c).reshape(-1) for k in kinds for _, _, _, g, so, ss, _, _, _, r, c in rows
-        ]
-        buf = torch.cat(parts) if parts else torch.empty(0)
-        works.append((int(peer_rank), tdist.isend(buf, dst=int(peer_rank), group=group)))
-        stats.bytes_sent += buf.numel() * buf.element_size()
-    stats.messages = len(works)
-    t1 = time.perf_counter()
     with torch.no_grad():
         for _, _, _, g, so, ss, dg, do, ds, r, c in keeps:
             for k in kinds:
                 _view(new[dg][k], do, ds, r, c).copy_(_view(old[g][k], so, ss, r, c))
-    stats.keep_seconds = time.perf_counter() - t1
-    for peer, w in works:
+    stats.keep_seconds = time.perf_counter() - t0
+    dtype = old[0][kinds[0]].dtype
+    per_element = len(kinds) * torch.empty((), dtype=dtype).element_size()
+    limit = max(1, message_bytes // per_element)  # elements of one box of every kind per message
+    out_peer = peer[out_rows[:, 1]] if len(out_rows) else out_rows[:, 1]
+    sends = {int(q): _messages(out_rows[out_peer == q], limit) for q in np.unique(out_peer)}
+    recvs = {int(q): _messages(in_rows[in_rows[:, 0] == q], limit) for q in np.unique(in_rows[:, 0])}
+    rounds = max([len(m) for m in sends.values()] + [len(m) for m in recvs.values()] + [0])
+    for i in range(rounds):  # one message per peer and direction in flight: staging bounded
+        _round(i, sends, recvs, old, new, kinds, dtype, group, stats)
+    stats.exchange_seconds = time.perf_counter() - t0 - stats.keep_seconds
+    return stats
+
+
+def _round(i: int, sends, recvs, old, new, kinds, dtype, group, stats: BoxTransferStats) -> None:
+    """Message ``i`` of every peer, both directions: posted, waited for, scattered into place."""
+    works, landed, staged = [], [], 0
+    for q, msgs in recvs.items():
+        if i < len(msgs):
+            buf = torch.empty(int((msgs[i][:, 9] * msgs[i][:, 10]).sum()) * len(kinds), dtype=dtype)
+            works.append((q, tdist.irecv(buf, src=q, group=group)))
+            landed.append((msgs[i], buf))
+            staged += buf.numel() * buf.element_size()
+            stats.bytes_received += buf.numel() * buf.element_size()
+    for q, msgs in sends.items():
+        if i < len(msgs):
+            buf = torch.empty(int((msgs[i][:, 9] * msgs[i][:, 10]).sum()) * len(kinds), dtype=dtype)
+            pos = 0
+            for k in kinds:  # one copy from the strided source into the message
+                for _, _, _, g, so, ss, *_, r, c in msgs[i]:
+                    buf[pos : pos + r * c].view(r, c).copy_(_view(old[g][k], so, ss, r, c))
+                    pos += r * c
+            works.append((q, tdist.isend(buf, dst=q, group=group)))
+            staged += buf.numel() * buf.element_size()
+            stats.bytes_sent += buf.numel() * buf.element_size()
+    stats.messages += len(works)
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+    for q, w in works:
         try:
             w.wait()
         except RuntimeError as err:
-            raise TransitionAbortedError(f"box transfer with rank {peer} failed: {err}") from err
+            raise TransitionAbortedError(f"box transfer with rank {q} failed: {err}") from err
     with torch.no_grad():
-        for _, rows, buf in recvs:
+        for rows, buf in landed:
             pos = 0
             for k in kinds:
-                for _, _, _, _, _, _, dg, do, ds, r, c in rows:
-                    n = r * c
-                    _view(new[dg][k], do, ds, r, c).copy_(buf[pos : pos + n].view(r, c))
-                    pos += n
-    stats.exchange_seconds = time.perf_counter() - t0 - stats.keep_seconds
-    return stats
+                for *_, dg, do, ds, r, c in rows:
+                    _view(new[dg][k], do, ds, r, c).copy_(buf[pos : pos + r * c].view(r, c))
+                    pos += r * c
+
+
+def _messages(rows: np.ndarray, limit: int) -> List[np.ndarray]:
+    """``rows`` (in plan order) cut into messages of at most ``limit`` elements per state kind; a
+    box larger than that is cut by its rows (a single row larger than ``limit`` is one message).
+    Sender and receiver cut the same rows the same way."""
+    out, cur, size = [], [], 0
+    for row in rows:
+        r, c = int(row[9]), int(row[10])
+        step = max(1, limit // max(c, 1))
+        for k0 in range(0, r, step):
+            piece = row.copy()
+            piece[4] += k0 * row[5]
+            piece[7] += k0 * row[8]
+            piece[9] = min(step, r - k0)
+            n = int(piece[9]) * c
+            if cur and size + n > limit:
+                out.append(np.stack(cur))
+                cur, size = [], 0
+            cur.append(piece)
+            size += n
+    if cur:
+        out.append(np.stack(cur))
+    return out

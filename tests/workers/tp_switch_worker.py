@@ -248,6 +248,7 @@ def main() -> None:
     p.add_argument("--tie", action="store_true")
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
+    p.add_argument("--max-inflight-bytes", type=int, default=0, help="(switch) dynatrain.max_inflight_bytes")
     p.add_argument("--refuse", action="store_true", help="first ask for impossible layouts (must be refused)")
     a = p.parse_args()
     import deepspeed
@@ -280,7 +281,7 @@ def main() -> None:
 
         ds_dynatrain.log_to_console()
         ds["tensor_parallel"] = {"autotp_size": a.tp_from}
-        ds["dynatrain"] = {}
+        ds["dynatrain"] = {"max_inflight_bytes": a.max_inflight_bytes} if a.max_inflight_bytes else {}
         engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
         for s in range(a.steps_before):
             train_step(engine, data[s], a.tp_from)
