@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "reconfig_worker.py")
@@ -60,11 +60,13 @@ class JobFailed(RuntimeError):
 
 
 # ---------------------------------------------------------------------- model size
-def llama_params(hidden: int, layers: int, vocab: int = VOCAB) -> int:
-    """Parameters of the worker's Llama: untied embedding and head, per layer q/k/v/o, gate/up/down
-    (MLP width ``hidden * 8 // 3``) and two RMSNorms, plus the final norm."""
+def llama_params(hidden: int, layers: int, vocab: int = VOCAB, kv_heads: Optional[int] = None) -> int:
+    """Parameters of the worker's Llama: untied embedding and head, per layer q/k/v/o (k and v
+    ``kv_heads`` 64-wide heads, all ``hidden // 64`` by default), gate/up/down (MLP width
+    ``hidden * 8 // 3``) and two RMSNorms, plus the final norm."""
     inter = hidden * 8 // 3
-    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    kv = hidden if kv_heads is None else 64 * kv_heads
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
     return 2 * vocab * hidden + layers * per_layer + hidden
 
 
@@ -76,9 +78,9 @@ def parse_count(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[m.group(2).lower()])
 
 
-def layers_for(params: int, hidden: int) -> int:
+def layers_for(params: int, hidden: int, kv_heads: Optional[int] = None) -> int:
     """The number of layers (at least 1) whose model is nearest ``params``."""
-    return min(range(1, 1000), key=lambda n: abs(llama_params(hidden, n) - params))
+    return min(range(1, 1000), key=lambda n: abs(llama_params(hidden, n, kv_heads=kv_heads) - params))
 
 
 def parse_transitions(text: str) -> List[Tuple[int, int]]:

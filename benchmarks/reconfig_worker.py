@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 8192
 
 
-def build_model(hidden: int, layers: int, seq_len: int):
-    """A randomly initialised Llama (untied embeddings, 64-wide heads, MLP width 8/3 of hidden)."""
+def build_model(hidden: int, layers: int, seq_len: int, kv_heads: int = 0):
+    """A randomly initialised Llama (untied embeddings, 64-wide heads, MLP width 8/3 of hidden;
+    ``kv_heads`` key/value heads, 0 for as many as the query heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -50,7 +51,7 @@ def build_model(hidden: int, layers: int, seq_len: int):
             intermediate_size=hidden * 8 // 3,
             num_hidden_layers=layers,
             num_attention_heads=hidden // 64,
-            num_key_value_heads=hidden // 64,
+            num_key_value_heads=kv_heads or hidden // 64,
             max_position_embeddings=seq_len,
             tie_word_embeddings=False,
         )
