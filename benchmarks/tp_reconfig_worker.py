@@ -1,0 +1,260 @@
+"""Worker of ``python -m benchmarks.tp_reconfig``: one process of one of its jobs (``--mode``).
+
+Every job is ``WORLD_SIZE`` plain torch.distributed processes (env:// rendezvous, gloo). The
+global batch is ``--global-batch`` sequences a step, micro-batch 1: at TP ``t`` over ``w``
+processes, DP rank ``r = rank // t`` of ``d = w // t`` takes row ``i * d + r`` of the step's batch
+at micro-step ``i`` (every TP rank of a DP rank the same rows); the batch of step ``s`` is drawn
+from a generator seeded with ``s``, so every job trains on the same tokens at the same step.
+
+Modes (rank 0 writes ``--out``, JSON; times in seconds, sizes in bytes):
+
+* ``ours``: ``ds_dynatrain.initialize`` at TP ``--tp-from`` (``tensor_parallel.autotp_size``;
+  1: not cut, still switchable); ``--steps-before`` steps; ``engine.resize(world,
+  tensor_parallel=--tp-to)``; ``--steps-after`` steps. Writes the switch's record, every
+  iteration's time and loss, ``first_step_excess_s`` (the first iteration at the new TP minus the
+  median of the later ones, at least 0), and per rank: the resident set before and after the
+  switch and its peak during it (``VmHWM`` after resetting it with ``/proc/self/clear_refs`` right
+  before the call, as ``ds_dynatrain.engine.pending.start_peak_rss`` does), and the rank's ZeRO
+  partition of the fp32 master and both Adam moments before and after (``state_bytes``).
+* ``ds-save``: plain ``deepspeed.initialize`` at TP ``--tp-from`` (DeepSpeed counts the batch over
+  every process, TP ranks included, so the accumulation steps of the DP size are given, not the
+  global batch); ``--steps`` steps; ``save_checkpoint`` with no client state (AutoTP's own
+  ``universal_checkpoint_info`` goes into the checkpoint); ``save_s`` barrier to barrier.
+* ``ds-load``: plain ``deepspeed.initialize`` at TP ``--tp-to`` with ``checkpoint.load_universal``;
+  ``load_checkpoint`` of ``--tag``; ``--steps`` steps (the first on the batch of step
+  ``--first-step``). Wall-clock timestamps (``time.time()``) of the end of start-up, of the load
+  and of the first step, and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.reconfig_worker import VOCAB, build_model, dir_bytes, write_json  # noqa: E402
+
+
+def step_batch(step: int, rows: int, seq_len: int) -> torch.Tensor:
+    """The global batch of optimizer step ``step`` (0-based): the same in every job and rank."""
+    return torch.randint(0, VOCAB, (rows, seq_len), generator=torch.Generator().manual_seed(step))
+
+
+def train_iteration(engine, step: int, a, tp: int) -> tuple:
+    """One optimizer step on the batch of ``step``. Returns (wall seconds, mean loss over the
+    global batch)."""
+    import torch.distributed as tdist
+
+    t0 = time.perf_counter()
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    dp, dp_rank = world // tp, rank // tp
+    batch = step_batch(step, a.global_batch, a.seq_len)
+    total = torch.zeros(())
+    gas = a.global_batch // dp
+    for i in range(gas):
+        x = batch[i * dp + dp_rank : i * dp + dp_rank + 1]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    dt = time.perf_counter() - t0
+    tdist.all_reduce(total)  # every TP rank of a DP rank holds the same loss
+    return dt, (total / (gas * world)).item()
+
+
+def ds_config(a, tp: int, plain: bool) -> dict:
+    """The benchmark's DeepSpeed config at TP ``tp`` (ZeRO-2, fp32, AdamW, micro-batch 1)."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
+    if plain:
+        cfg["gradient_accumulation_steps"] = a.global_batch // (int(os.environ["WORLD_SIZE"]) // tp)
+        if tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": tp}
+    else:
+        cfg["train_batch_size"] = a.global_batch
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+        cfg["dynatrain"] = {}
+    return cfg
+
+
+def no_op_builds() -> None:
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ op build on CPU
+
+
+def state_bytes(engine) -> int:
+    """This rank's ZeRO-1/2 partition of the fp32 master and both Adam moments, bytes."""
+    parts = engine.optimizer.single_partition_of_fp32_groups
+    return 3 * sum(p.numel() * p.element_size() for p in parts)
+
+
+def status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def run_ours(a) -> None:
+    import torch.distributed as tdist
+
+    import ds_dynatrain
+
+    no_op_builds()
+    model = build_model(a.hidden, a.layers, a.seq_len, a.kv_heads)
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(a, a.tp_from, plain=False)
+    )
+    del model  # engine.module is the model; after the switch it is a new one
+    world = tdist.get_world_size()
+    before, after = [], []
+    for s in range(a.steps_before):
+        before.append(train_iteration(engine, s, a, a.tp_from))
+    state_before = state_bytes(engine)
+    tdist.barrier()
+    rss_before = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+        f.write("5")
+    record = engine.resize(world, tensor_parallel=a.tp_to)
+    hwm, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
+    state_after = state_bytes(engine)
+    for s in range(a.steps_before, a.steps_before + a.steps_after):
+        after.append(train_iteration(engine, s, a, a.tp_to))
+    mem = {
+        "rank": tdist.get_rank(),
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "hwm": hwm,
+        "state_bytes_before": state_before,
+        "state_bytes_after": state_after,
+    }
+    ranks = [None] * world
+    tdist.all_gather_object(ranks, mem)
+    if tdist.get_rank() == 0:
+        rest = statistics.median(t for t, _ in after[1:])
+        write_json(
+            a.out,
+            {
+                "mode": "ours",
+                "params": params,
+                "record": record,
+                "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
+                "new_iter_s": rest,
+                "first_step_excess_s": max(0.0, after[0][0] - rest),
+                "iterations_before": before,
+                "iterations_after": after,
+                "ranks": ranks,
+            },
+        )
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def plain_deepspeed(a, tp: int, load_universal: bool = False):
+    import deepspeed
+
+    no_op_builds()
+    cfg = ds_config(a, tp, plain=True)
+    if load_universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    model = build_model(a.hidden, a.layers, a.seq_len, a.kv_heads)
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine, params
+
+
+def run_ds_save(a) -> None:
+    import torch.distributed as tdist
+
+    engine, params = plain_deepspeed(a, a.tp_from)
+    iters = [train_iteration(engine, s, a, a.tp_from) for s in range(a.steps)]
+    tdist.barrier()
+    t0 = time.perf_counter()
+    engine.save_checkpoint(a.dir, tag=a.tag)
+    tdist.barrier()
+    save_s = time.perf_counter() - t0
+    if engine.global_rank == 0:
+        write_json(
+            a.out,
+            {
+                "mode": "ds-save",
+                "params": params,
+                "save_s": save_s,
+                "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
+                "iterations": iters,
+                "global_steps": engine.global_steps,
+            },
+        )
+    tdist.destroy_process_group()
+
+
+def run_ds_load(a) -> None:
+    import torch.distributed as tdist
+
+    engine, _params = plain_deepspeed(a, a.tp_to, load_universal=True)
+    t_init = time.time()
+    path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r} in {a.dir}")
+    t_load = time.time()
+    iters = []
+    for s in range(a.first_step, a.first_step + a.steps):
+        iters.append(train_iteration(engine, s, a, a.tp_to))
+        if len(iters) == 1:
+            t_first = time.time()
+    if engine.global_rank == 0:
+        write_json(
+            a.out,
+            {
+                "mode": "ds-load",
+                "t_init": t_init,
+                "t_load": t_load,
+                "t_first_step": t_first,
+                "iterations": iters,
+                "global_steps": engine.global_steps,
+            },
+        )
+    tdist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load"], required=True)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--tp-from", type=int, default=1)
+    p.add_argument("--tp-to", type=int, default=1)
+    p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old TP")
+    p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new TP")
+    p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
+    p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
+    p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")
+    p.add_argument("--tag", help="checkpoint tag (ds-save, ds-load)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load}[a.mode](a)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results written, groups destroyed: no interpreter teardown (a stray gloo thread can abort it)
+
+
+if __name__ == "__main__":
+    main()
