@@ -41,6 +41,8 @@ CASES = {
         ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--max-inflight-bytes", "4096"],
     ),
     "tp1_to_tp2_zero3_bf16_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16", "--refuse"]),
+    # Qwen3's q_norm/k_norm: replicated, their gradients summed over TP by hooks the rebuild must keep
+    "qwen3_tp1_to_tp2_grad_allreduce_hooks": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--qwen3"]),
     "tp2_to_tp1_zero3": pytest.param((2, ["--tp-from", "2", "--tp-to", "1", "--stage", "3"]), marks=pytest.mark.slow),
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
         (4, ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--bf16", "--tie"]), marks=pytest.mark.slow
@@ -89,7 +91,8 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
         assert rec["messages"] > 100 and 0 < rec["peak_staging_bytes"] <= 2 * 1024, rec
     # rank 0's first q_proj rows: 6 heads of 8 in 3 KV groups (TP 2: 32 | 16; TP 4: 16 | 16 | 16 | 0)
     rows = {1: 48, 2: 32, 4: 16}
-    assert switched["q_proj"] == {"before": [rows[tp_from], 48], "after": [rows[tp_to], 48]}
+    if "--qwen3" not in args:
+        assert switched["q_proj"] == {"before": [rows[tp_from], 48], "after": [rows[tp_to], 48]}
     if "schedule" in request.node.name:  # the same switch from the config's resize_schedule
         jobs = run_plain(tmp_path, SCRIPT, nproc, [*common, "--mode", "schedule"], timeout=200, name="schedule")
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]

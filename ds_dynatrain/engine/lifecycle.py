@@ -112,6 +112,9 @@ def at_thread_shutdown(fn, *args) -> None:
         register(fn, *args)
 
 
+_AT_EXIT = {"collect": False}  # set by close_at_exit, read by shutdown (which runs after it)
+
+
 def close_at_exit(engine) -> None:
     """At exit: stop joiners that will never be needed; let the last snapshot finish and publish
     (bounded by the collective timeout); then drop DeepSpeed's references to its process groups,
@@ -131,6 +134,9 @@ def close_at_exit(engine) -> None:
         ce.close()
     if dt is not None:
         close_replicas(dt)  # the replica group's gloo threads end now too
+        # an engine rebuilt in place (a resize, a TP switch) left its earlier engines' objects in
+        # reference cycles that hold their process groups: collected at exit (``shutdown``)
+        _AT_EXIT["collect"] |= engine.is_member and (dt.generation > 0 or bool(dt.resizes))
     release_process_groups(engine)
 
 
@@ -138,7 +144,9 @@ def shutdown() -> None:
     """Before the interpreter exits: destroy the process group and every cached one (left to the
     interpreter's teardown, gloo's threads can outlive it and abort the process, status -6, after
     training finished: see :func:`~ds_dynatrain.zero.comm.release_process_groups`), and move
-    every object into the garbage collector's permanent generation (``gc.freeze``). The
+    every object into the garbage collector's permanent generation (``gc.freeze``), after one
+    collection where a recovery or a rebuild in place left engines in cycles (a process that stays
+    to the end of a job; a process that leaves at a resize does not pay it). The
     collections Python runs while it tears down modules otherwise traverse the whole object graph
     of torch, DeepSpeed and transformers again and again: about 2.5 s of CPU in a process that
     leaves a job at a resize, taken from the survivors' first steps on a shared host. Nothing is
@@ -151,6 +159,9 @@ def shutdown() -> None:
     close_all()  # the cached groups too, not only the default one
     if tdist.is_initialized():
         tdist.destroy_process_group()
-    if broken.releases:
-        gc.collect()  # a failed generation let go in a recovery: its groups in cycles go now, not at teardown
+    if broken.releases or _AT_EXIT["collect"]:
+        # a failed generation let go in a recovery, or the earlier engines of one rebuilt in place:
+        # their groups held in cycles go now, not at the interpreter's teardown (where a gloo
+        # thread ending aborts the process, "terminate called without an active exception")
+        gc.collect()
     gc.freeze()

@@ -10,7 +10,8 @@ DeepCompile switches). (The
 method was first measured as an in-process TP 1 -> 2 switch of a small Llama on two CPU processes.)
 
 Hazards handled: ``Module.to_empty`` makes new ``Parameter`` objects, which drops
-DeepSpeed's per-parameter attributes (put back) and splits parameters shared by two modules (a
+DeepSpeed's per-parameter attributes and gradient hooks (put back: AutoTP marks its hooks as
+registered, so it would not make them again) and splits parameters shared by two modules (a
 tied embedding and head: tied again); non-persistent buffers come out as garbage (copied from the
 old model, by name: buffers are whole on every TP rank).
 """
@@ -73,6 +74,9 @@ def tp_module(old: torch.nn.Module, tp: int, ds_config: dict) -> torch.nn.Module
         DeepSpeedEngine._apply_autotp_partitioning(stand_in, model, tp_config)
     shared = _shared_parameters(model)
     attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    # gradient hooks AutoTP put on the meta parameters (the TP all-reduce of replicated
+    # parameters marked grad_allreduce, e.g. Qwen3's q_norm/k_norm): made again on the new ones
+    hooks = {n: list((p._backward_hooks or {}).values()) for n, p in model.named_parameters()}
     model.to_empty(device="cpu")
     for group in shared:  # to_empty gave each holder its own copy
         first_mod, first_name = group[0]
@@ -82,6 +86,8 @@ def tp_module(old: torch.nn.Module, tp: int, ds_config: dict) -> torch.nn.Module
         for n, p in model.named_parameters():
             for k, v in attrs[n].items():
                 setattr(p, k, v)
+            for hook in hooks[n]:
+                p.register_hook(hook)
             p.zero_()
         old_buffers = dict(old.named_buffers())
         for n, b in model.named_buffers():

@@ -52,10 +52,12 @@ Q = "model.layers.0.self_attn.q_proj.weight"  # 6 heads of 8 in 3 KV groups: row
 
 
 def model_and_config(a):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    # Qwen3: its q_norm/k_norm are replicated with a TP all-reduce of their gradients (a hook)
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if a.qwen3 else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_class(
         hidden_size=48,
         head_dim=8,
         intermediate_size=101,
@@ -65,7 +67,7 @@ def model_and_config(a):
         vocab_size=VOCAB,
         tie_word_embeddings=a.tie,
     )
-    model = LlamaForCausalLM(cfg)
+    model = model_class(cfg)
     ds = {
         "train_batch_size": GLOBAL,
         "train_micro_batch_size_per_gpu": 1,
@@ -246,6 +248,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--tie", action="store_true")
+    p.add_argument("--qwen3", action="store_true", help="a Qwen3 model instead of Llama")
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
     p.add_argument("--max-inflight-bytes", type=int, default=0, help="(switch) dynatrain.max_inflight_bytes")
