@@ -314,6 +314,11 @@ def tensor_parallel_degree(ds_config: dict) -> int:
     return max(int(((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 0)), 1)
 
 
+def tensor_parallel_grain(ds_config: dict) -> int:
+    """AutoTP's ``tensor_parallel.tp.tp_grain_size`` of a DeepSpeed config (1 when not given)."""
+    return int((((ds_config.get("tensor_parallel") or {}).get("tp") or {}).get("tp_grain_size")) or 1)
+
+
 def is_tensor_parallel_job(ds_config: dict) -> bool:
     """An AutoTP job: ``tensor_parallel.autotp_size`` of 1 or more (1: not cut yet, but its TP
     degree may be switched up)."""
@@ -348,6 +353,10 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         problems.append(f"a world size of {world_size}, which it does not divide")
     if stage not in (1, 2, 3):
         problems.append(f"zero_optimization.stage {stage} (a TP switch needs stage 1, 2 or 3)")
+    tp_cfg = ds_config.get("tensor_parallel") or {}
+    for key in ("partition_config", "preset_model", "vocab_parallel_lm_head"):
+        if tp_cfg.get(key) is not None:
+            problems.append(f"tensor_parallel.{key} (only AutoTP's Hugging Face tp_plan route is described)")
     zero = ds_config.get("zero_optimization", {}) or {}
     for key in ("offload_optimizer", "offload_param"):
         if (zero.get(key) or {}).get("device", "none") not in (None, "none"):
@@ -389,11 +398,12 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
             "resizes) and train_micro_batch_size_per_gpu (the largest micro-batch)"
         )
     global_batch, micro = resolve_global_batch(ds_config, world_size)
-    for ws, where in [(world_size, "the launch world size")] + [
-        (e.world_size // (e.tensor_parallel or 1), f"dynatrain.resize_schedule (step {e.step})")
-        for e in dt_cfg.resize_schedule
-        if not (e.tensor_parallel and e.world_size % e.tensor_parallel)
-    ]:
+    checks, degree = [(world_size, "the launch world size")], tensor_parallel_degree(ds_config)
+    for e in dt_cfg.resize_schedule:  # an AutoTP job's entries split the batch over world / TP degree
+        degree = e.tensor_parallel or degree
+        if e.world_size % degree == 0:  # else check_tensor_parallel names it
+            checks.append((e.world_size // degree, f"dynatrain.resize_schedule (step {e.step})"))
+    for ws, where in checks:
         try:
             split_global_batch(global_batch, micro, ws, dt_cfg.max_world_size)
         except ResizeRefusedError as err:

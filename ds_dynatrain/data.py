@@ -107,8 +107,13 @@ class ElasticDataLoader:
                     f"the training loop asked for micro-batch {self._micro + 1} of step {step}, "
                     f"which has {accum}; call engine.step() after every backward()"
                 )
+            tp = getattr(getattr(engine, "_dt", None), "tp", 1)  # an AutoTP job: every TP rank of a DP rank alike
             idx = self.indices_for(
-                step, self._micro, engine.global_rank, engine.dp_world_size, engine.train_micro_batch_size_per_gpu()
+                step,
+                self._micro,
+                engine.global_rank // tp,
+                engine.dp_world_size,
+                engine.train_micro_batch_size_per_gpu(),
             )
             self._micro += 1
             batch = self.collate_fn([self.dataset[int(i)] for i in idx])

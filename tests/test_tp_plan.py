@@ -209,3 +209,15 @@ def test_messages_cut_by_rows_move_the_same_elements(pair, limit, rnd):
         for g, w, n in zip(got[r], want[r], writes[r]):
             np.testing.assert_array_equal(g, w)
             assert (n <= 1).all()
+
+
+def test_largest_tp_layout_keeps_the_tp_degree_where_it_can():
+    """A preemption's layout: the most processes whose DP size splits the global batch, at the
+    current TP degree where it divides them, else the largest smaller one."""
+    from ds_dynatrain.engine.tp_resize import largest_tp_layout
+
+    assert largest_tp_layout(4, 1, 3, 2) == (2, 2)  # TP 2 x DP 1 (3 processes: TP 1 x DP 3 cannot split 4)
+    assert largest_tp_layout(6, 1, 3, 2) == (3, 1)  # TP 2 cannot divide 3; TP 1 x DP 3 splits 6
+    assert largest_tp_layout(8, 1, 7, 4) == (6, 3)  # 7 only at TP 1 (DP 7 cannot split 8); 6 at TP 3 x DP 2
+    assert largest_tp_layout(8, 1, 4, 4) == (4, 4)  # the current degree where it divides
+    assert largest_tp_layout(4, 1, 0, 2) == (0, 0)

@@ -163,7 +163,14 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
         leave_preempted(engine, tally.preempted)
     elif target is not None:
         tp = dt.tp_schedule.get(engine.global_steps)  # an AutoTP job's entry may give a TP degree
-        engine.resize(target) if tp is None else engine.resize(target, tensor_parallel=tp)
+        if dt.tp_layout is None:
+            engine.resize(target) if tp is None else engine.resize(target, tensor_parallel=tp)
+        else:
+            try:  # checked at launch, but a preemption may have made it a grow since
+                engine.resize(target, tensor_parallel=tp)
+            except ResizeRefusedError as err:
+                if engine.global_rank == 0:
+                    logger.warning(f"the resize scheduled after step {engine.global_steps} was refused: {err}")
     elif prep is not None:
         if tally.ready == engine.dp_world_size:
             finish_request(engine, prep)
@@ -216,8 +223,8 @@ def spawn_ahead(engine) -> None:
     """Ask the agent to start the joiners of the next scheduled grow a few steps early, so that
     their start-up (imports, model construction) overlaps training."""
     dt: ElasticState = engine._dt
-    if dt.membership is None or not engine.is_member or dt.preparing is not None:
-        return  # a request being prepared owns the next generation
+    if dt.membership is None or not engine.is_member or dt.preparing is not None or dt.tp_layout is not None:
+        return  # a request being prepared owns the next generation; an AutoTP job does not grow
     upcoming = [(s, w) for s, w in sorted(dt.schedule.items()) if s >= engine.global_steps]
     if not upcoming:
         return

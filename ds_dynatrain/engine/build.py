@@ -43,7 +43,7 @@ from .members import form_generation
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
-from .tp_switch import tp_layout_for_model
+from .tp_switch import check_layout, tp_layout_for_model
 from .warmup import warm_joiner
 
 
@@ -163,6 +163,8 @@ def _build_first(engine: ElasticEngine, ctx, world_size: int, model, optimizer, 
         dt.tp_layout = tp_layout_for_model(model, client_groups(model, optimizer, model_parameters), tp, world_size, dt)
     config = ds_config_for(dt, dt.split(world_size // tp), client_objects=False)
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler, config)
+    if dt.tp_layout is not None:
+        check_layout(engine)  # a cut these layouts do not describe stops the job now
     if ctx is not None and ctx.rank == 0:
         dt.membership.publish(GenerationRecord(dt.generation, world_size, dt.members, 0))
         dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world_size)

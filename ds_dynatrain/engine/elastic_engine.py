@@ -118,6 +118,11 @@ class ElasticEngine(DeepSpeedEngine):
                 "(tensor_parallel.autotp_size in its DeepSpeed config)"
             )
         tp = dt.tp if tensor_parallel is None else tensor_parallel
+        if tensor_parallel is None and world_size >= 1 and world_size % tp:
+            # a shrink the TP degree does not divide: the largest smaller degree that does
+            tp = max(t for t in range(1, tp + 1) if world_size % t == 0)
+            if self.global_rank == 0:
+                logger.info(f"world size {world_size}: TP {dt.tp} does not divide it; the job goes on at TP {tp}")
         world = len(dt.members)
         if world_size == world and not must_leave:
             return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()

@@ -23,13 +23,20 @@ from ..batch import split_global_batch
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..log import logger
 from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
-from ..transition.boxes import execute_box_plan
 from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import ResizeRecord
-from .tp_switch import count_transfer, install_moved_state, message_bytes, new_layout, new_partitions, rebuild_at
+from .tp_switch import (
+    count_transfer,
+    install_moved_state,
+    move_state,
+    new_layout,
+    new_partitions,
+    new_scalars,
+    rebuild_at,
+)
 
 
 def largest_tp_layout(
@@ -99,19 +106,8 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
         tensor_parallel_to=tp,
     )
     peers = [members.index(m) for m in new_members]
-    kinds = tuple(state.tensors[0])
-    stats = execute_box_plan(
-        plan.table,
-        rank,
-        state.tensors,
-        dests,
-        kinds,
-        new_rank=new_rank,
-        peer_of_new=peers,
-        message_bytes=message_bytes(dt),
-    )
-    count_transfer(rec, plan, state, stats)
-    scalars = state.scalars
+    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests, new_rank, peers))
+    scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None
     state = None
     if not stays:
         _leave(engine, rec)

@@ -20,12 +20,13 @@ that the caller kept does not train any more).
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as tdist
 
-from ..errors import ResizeRefusedError
+from ..config import tensor_parallel_grain
+from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
@@ -56,7 +57,7 @@ def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int
         else next(model.parameters()).dtype
     )
     zl = layout_for_model(list(model.named_parameters()), groups, world_size // tp, ds, dtype)
-    splits = autotp_splits(model, tp)
+    splits = autotp_splits(model, tp, tensor_parallel_grain(ds))
     return TensorParallelLayout(
         tp,
         world_size // tp,
@@ -69,11 +70,11 @@ def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int
     )
 
 
-def skeleton_splits(module: torch.nn.Module, tp: int):
+def skeleton_splits(module: torch.nn.Module, tp: int, grain: int = 1):
     """AutoTP's split at ``tp`` of a fresh, uncut instance of ``module``'s class (meta device)."""
     with torch.device("meta"):
         fresh = type(module)(module.config)
-    return autotp_splits(fresh, tp)
+    return autotp_splits(fresh, tp, grain)
 
 
 def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
@@ -106,10 +107,8 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         tensor_parallel_from=old.tp,
         tensor_parallel_to=tp,
     )
-    kinds = tuple(state.tensors[0])
-    stats = execute_box_plan(plan.table, rank, state.tensors, dests, kinds, message_bytes=message_bytes(dt))
-    count_transfer(rec, plan, state, stats)
-    scalars = state.scalars
+    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
+    scalars = new_scalars(old, rank, new, rank, state.scalars)
     state = None
     t = time.perf_counter()
     rebuild_at(engine, tp, split)
@@ -128,7 +127,7 @@ def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
         ResizeRefusedError: AutoTP cannot cut the model at ``tp``.
     """
     try:
-        splits = skeleton_splits(engine.module, tp)
+        splits = skeleton_splits(engine.module, tp, tensor_parallel_grain(engine._dt.ds_config))
     except (ValueError, AssertionError) as err:
         raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
     return engine._dt.tp_layout.with_degrees(tp, world_size // tp, splits)
@@ -143,6 +142,45 @@ def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[
         {k: torch.zeros(zl.partition_numel(b), dtype=v.dtype) for k, v in like.items()}
         for b in range(zl.num_partitions)
     ]
+
+
+def new_scalars(old: TensorParallelLayout, old_rank: int, new: TensorParallelLayout, new_rank: int, scalars) -> list:
+    """The optimizer's non-partition state (Adam's ``step``) of each new partition: that of this
+    process's first old partition of the same optimizer parameter group (at ZeRO-3 the number of
+    sub-groups changes with the layout; every partition of a group steps together)."""
+    old_zl, new_zl = old.zero(old_rank % old.tp), new.zero(new_rank % new.tp)
+    first = {}
+    for b in range(old_zl.num_partitions):
+        first.setdefault(old_zl.partition_group(b), b)
+    out = []
+    for b in range(new_zl.num_partitions):
+        src = scalars[first[new_zl.partition_group(b)]]
+        out.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items()})
+    return out
+
+
+def transfer_group():
+    """The group a box transfer's CPU messages go over: the world's default group when it is gloo,
+    else a gloo group over the same processes (NCCL carries no CPU tensor; collective: every process
+    calls it). The caller destroys a group made here once the transfer is done."""
+    if tdist.get_backend() == "gloo":
+        return None
+    return tdist.new_group(backend="gloo")
+
+
+def move_state(dt, plan, rank: int, state, dests, new_rank: Optional[int] = -1, peers=None):
+    """Move this process's rows of ``plan`` (fp32 master and moments of ``state`` into ``dests``)
+    over the world's processes (:func:`transfer_group`), in messages of :func:`message_bytes`;
+    returns the transfer's figures."""
+    group = transfer_group()
+    kinds = tuple(state.tensors[0])
+    try:
+        return execute_box_plan(
+            plan.table, rank, state.tensors, dests, kinds, group, new_rank, peers, message_bytes(dt)
+        )
+    finally:
+        if group is not None:
+            tdist.destroy_process_group(group)
 
 
 def message_bytes(dt) -> int:
@@ -161,6 +199,31 @@ def count_transfer(rec: ResizeRecord, plan, state, stats) -> None:
     rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
     rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
     rec.peak_staging_bytes = stats.peak_staging_bytes
+
+
+def check_layout(engine) -> None:
+    """Raise :class:`LayoutMismatchError` when the job's TP layout is not what DeepSpeed built on
+    this rank: a parameter's split (its ``ds_autotp_uc_meta``) or a flat partition's size differs.
+    Checked when the job starts, so a model AutoTP cuts in a way these layouts do not describe
+    stops there, not at a switch."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from ..zero.geometry import fp32_partitions
+
+    layout = engine._dt.tp_layout
+    for name, p in engine.module.named_parameters():
+        meta = getattr(p, DS_AUTOTP_UC_META, None)
+        theirs = None if not meta else (meta["partition_dim"], tuple(meta["partition_sizes"]))
+        s = layout.split(name)
+        ours = None if s.dim is None else (s.dim, s.sizes)
+        if theirs != ours:
+            raise LayoutMismatchError(f"AutoTP cut {name} as {theirs}, the job's TP layout says {ours}")
+    rank = tdist.get_rank()
+    zl = layout.zero(rank % layout.tp)
+    sizes = [int(t.numel()) for t in fp32_partitions(zero_optimizer_of(engine))]
+    expected = [zl.partition_numel(b) for b in range(zl.num_partitions)]
+    if sizes != expected:
+        raise LayoutMismatchError(f"this rank's fp32 partitions hold {sizes} elements, the TP layout says {expected}")
 
 
 def install_moved_state(engine, dests, scalars) -> None:
