@@ -31,12 +31,12 @@ from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.autotp import autotp_splits
-from ..zero.geometry import is_zero3, layout_for_model, zero_optimizer_of
+from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.rebuild import teardown
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from ..zero.tp_module import reset_tp_groups, tp_module
 from ..zero.zero3 import forget_zero3_module
-from .construct import construct, ds_config_for, keep_returned_optimizer
+from .construct import construct, ds_config_for, keep_returned_optimizer, own_layout
 from .pending import publish
 from .records import ResizeRecord
 
@@ -48,16 +48,8 @@ def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int
     Raises:
         LayoutMismatchError: AutoTP's cut of the model is not one these layouts describe.
     """
-    ds = dt.ds_config
-    dtype = (
-        torch.bfloat16
-        if ds.get("bf16", {}).get("enabled")
-        else torch.float16
-        if ds.get("fp16", {}).get("enabled")
-        else next(model.parameters()).dtype
-    )
-    zl = layout_for_model(list(model.named_parameters()), groups, world_size // tp, ds, dtype)
-    splits = autotp_splits(model, tp, tensor_parallel_grain(ds))
+    zl = own_layout(dt, model, groups, world_size // tp)  # full shapes, the job's ZeRO settings and dtype
+    splits = autotp_splits(model, tp, tensor_parallel_grain(dt.ds_config))
     return TensorParallelLayout(
         tp,
         world_size // tp,

@@ -74,6 +74,16 @@ class Transfer(_TransferFields):
         )
 
 
+def check_members(old_members, new_members, old_world_size: int, new_world_size: int) -> None:
+    """Raise ``ValueError`` unless each member list names one process per rank, none twice."""
+    if len(old_members) != old_world_size:
+        raise ValueError("old_members must name one process per old rank")
+    if len(new_members) != new_world_size:
+        raise ValueError("new_members must name one process per new rank")
+    if len(set(new_members)) != len(new_members) or len(set(old_members)) != len(old_members):
+        raise ValueError("a process can hold only one rank per generation")
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """A deterministic, serialisable plan of one transition.
@@ -104,12 +114,7 @@ class Plan:
     table: np.ndarray
 
     def __post_init__(self):
-        if len(self.old_members) != self.old_layout.world_size:
-            raise ValueError("old_members must name one process per old rank")
-        if len(self.new_members) != self.new_layout.world_size:
-            raise ValueError("new_members must name one process per new rank")
-        if len(set(self.new_members)) != len(self.new_members) or len(set(self.old_members)) != len(self.old_members):
-            raise ValueError("a process can hold only one rank per generation")
+        check_members(self.old_members, self.new_members, self.old_layout.world_size, self.new_layout.world_size)
         table = np.asarray(self.table, dtype=np.int64)
         if table.size == 0:
             table = table.reshape(0, WIDTH)

@@ -23,6 +23,7 @@ import numpy as np
 from ..vps.tensor_parallel import TensorParallelLayout
 from .assignment import assign_by_overlap
 from .boxes import TP_COLUMNS, TP_WIDTH, box_overlap_matrix, box_transfers
+from .plan import check_members
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,12 +48,7 @@ class TpPlan:
     table: np.ndarray
 
     def __post_init__(self):
-        if len(self.old_members) != self.old_layout.world_size:
-            raise ValueError("old_members must name one process per old rank")
-        if len(self.new_members) != self.new_layout.world_size:
-            raise ValueError("new_members must name one process per new rank")
-        if len(set(self.new_members)) != len(self.new_members) or len(set(self.old_members)) != len(self.old_members):
-            raise ValueError("a process can hold only one rank per generation")
+        check_members(self.old_members, self.new_members, self.old_layout.world_size, self.new_layout.world_size)
         if self.table.ndim != 2 or self.table.shape[1] != TP_WIDTH:
             raise ValueError(f"a TP plan's table has {TP_WIDTH} columns {TP_COLUMNS}")
         self.table.flags.writeable = False
