@@ -51,20 +51,25 @@ import sys
 import tempfile
 from typing import List, Tuple
 
-from benchmarks.reconfig import VOCAB, JobFailed, fmt, layers_for, parse_count, read_json, run_job, run_plain
+from benchmarks.reconfig import (
+    VOCAB,
+    JobFailed,
+    fmt,
+    layers_for,
+    parse_count,
+    parse_transitions,
+    read_json,
+    run_job,
+    run_plain,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "tp_reconfig_worker.py")
 
 
 def parse_switches(text: str) -> List[Tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        a, sep, b = part.strip().partition(":")
-        if not sep or not a.isdigit() or not b.isdigit() or int(a) < 1 or int(b) < 1 or a == b:
-            raise argparse.ArgumentTypeError(f"bad switch {part!r}: expected A:B (TP degrees) with A != B, both >= 1")
-        out.append((int(a), int(b)))
-    return out
+    """``A:B,...`` TP degrees (``benchmarks.reconfig``'s transitions: A != B, both >= 1)."""
+    return parse_transitions(text)
 
 
 def model_args(a) -> List[str]:

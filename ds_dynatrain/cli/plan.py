@@ -98,27 +98,13 @@ def plan_report(
     whole = sum(p.numel * p.element_size for g in old.groups for p in g) if stage == 3 else 0
     kept, sent, recv = _per_rank_numels(plan)
     part = sum(new.partition_numel(g) for g in range(new.num_partitions)) * b
-    old_rank = {m: i for i, m in enumerate(plan.old_members)}
-    ranks = []
-    for r, m in enumerate(new_members):
-        i = old_rank.get(m)
-        s_r = int(sent[i]) * b if i is not None else 0
-        peak = 0 if old_ws == new_ws else part + min(int(recv[r]) * b + s_r, MAX_INFLIGHT_BYTES) + whole
-        ranks.append(
-            {
-                "rank": r,
-                "member": m,
-                "bytes_kept": int(kept[r]) * b,
-                "bytes_sent": s_r,
-                "bytes_received": int(recv[r]) * b,
-                "peak_extra_bytes": peak,
-            }
-        )
-    for m in plan.leavers:
-        s_m = int(sent[old_rank[m]]) * b
-        ranks.append(
-            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": s_m, "bytes_received": 0, "peak_extra_bytes": 0}
-        )
+    ranks = rank_rows(
+        plan.old_members,
+        new_members,
+        (kept, sent, recv),
+        b,
+        lambda r, moved: 0 if old_ws == new_ws else part + min(moved, MAX_INFLIGHT_BYTES) + whole,
+    )
     return {
         "model_config": model_config,
         "zero_stage": stage,
@@ -134,6 +120,35 @@ def plan_report(
         "transfers": len(plan.table),
         "ranks": ranks,
     }
+
+
+def rank_rows(old_members, new_members, numels, b: int, peak_of) -> list:
+    """The report's per-process rows: each new rank's bytes kept, sent and received and its peak
+    extra bytes (``peak_of(rank, bytes sent and received)``), then the processes that leave.
+    ``numels``: elements kept by new rank, sent by old rank, received by new rank; ``b``: bytes
+    per element."""
+    kept, sent, recv = numels
+    old_rank = {m: i for i, m in enumerate(old_members)}
+    rows = []
+    for r, m in enumerate(new_members):
+        i = old_rank.get(m)
+        s_r = int(sent[i]) * b if i is not None else 0
+        rows.append(
+            {
+                "rank": r,
+                "member": m,
+                "bytes_kept": int(kept[r]) * b,
+                "bytes_sent": s_r,
+                "bytes_received": int(recv[r]) * b,
+                "peak_extra_bytes": peak_of(r, int(recv[r]) * b + s_r),
+            }
+        )
+    for m in [m for m in old_members if m not in set(new_members)]:
+        s_m = int(sent[old_rank[m]]) * b
+        rows.append(
+            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": s_m, "bytes_received": 0, "peak_extra_bytes": 0}
+        )
+    return rows
 
 
 def _per_rank_numels(plan: Plan) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

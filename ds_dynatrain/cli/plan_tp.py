@@ -10,7 +10,7 @@ from ..errors import ConfigError, LayoutMismatchError
 from ..planner.assignment import assign_members
 from ..planner.tp_plan import assign_tp_members_best, kept_upper_bound, plan_tp_transition
 from ..vps.tensor_parallel import TensorParallelLayout
-from .plan import MAX_INFLIGHT_BYTES, meta_model, model_metas
+from .plan import MAX_INFLIGHT_BYTES, meta_model, model_metas, rank_rows
 
 # a TP change moves the fp32 master with the two Adam moments whatever the working dtype: the new
 # TP shard's working parameters are not on the new rank, so they are made from its master
@@ -73,29 +73,12 @@ def tp_plan_report(
     plan = plan_tp_transition(old, new, members, new_members)
     seconds = time.perf_counter() - t0
     b = TP_STATE_BYTES_PER_ELEMENT
-    kept, sent, recv = plan.per_rank()
-    old_rank = {m: i for i, m in enumerate(members)}
-    ranks = []
-    for r, m in enumerate(new_members):
-        i = old_rank.get(m)
+
+    def peak_of(r: int, moved: int) -> int:
         zl = new.zero(r % new.tp)
-        part = sum(zl.partition_numel(g) for g in range(zl.num_partitions)) * b
-        s_r = int(sent[i]) * b if i is not None else 0
-        ranks.append(
-            {
-                "rank": r,
-                "member": m,
-                "bytes_kept": int(kept[r]) * b,
-                "bytes_sent": s_r,
-                "bytes_received": int(recv[r]) * b,
-                "peak_extra_bytes": part + min(int(recv[r]) * b + s_r, MAX_INFLIGHT_BYTES),
-            }
-        )
-    for m in [m for m in members if m not in set(new_members)]:
-        s_m = int(sent[old_rank[m]]) * b
-        ranks.append(
-            {"rank": None, "member": m, "bytes_kept": 0, "bytes_sent": s_m, "bytes_received": 0, "peak_extra_bytes": 0}
-        )
+        return sum(zl.partition_numel(g) for g in range(zl.num_partitions)) * b + min(moved, MAX_INFLIGHT_BYTES)
+
+    ranks = rank_rows(members, new_members, plan.per_rank(), b, peak_of)
     return {
         "model_config": model_config,
         "zero_stage": stage,
