@@ -367,14 +367,16 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
     world, degree = world_size, tp  # the schedule's entries in order: no grow, a TP degree dividing the world
     for e in dt_cfg.resize_schedule:
-        where = f"dynatrain.resize_schedule (step {e.step})"
+        entry = f"dynatrain.resize_schedule (step {e.step})"
+        if e.tensor_parallel is None and e.world_size % degree:  # as at run time: the largest smaller degree
+            degree = max(t for t in range(1, degree + 1) if e.world_size % t == 0)
         degree = e.tensor_parallel or degree
         if e.world_size > world:
-            problems.append(f"{where}: a grow to {e.world_size} (an AutoTP job does not grow yet)")
+            problems.append(f"{entry}: a grow to {e.world_size} (an AutoTP job does not grow yet)")
         elif e.world_size != world and not launched:
-            problems.append(f"{where}: a shrink to {e.world_size} needs `dynatrain launch` (it hosts the membership)")
+            problems.append(f"{entry}: a shrink to {e.world_size} needs `dynatrain launch` (it hosts the membership)")
         elif e.world_size % degree:
-            problems.append(f"{where}: TP degree {degree} does not divide the world size {e.world_size}")
+            problems.append(f"{entry}: TP degree {degree} does not divide the world size {e.world_size}")
         world = e.world_size
     if problems:
         raise ConfigError(f"invalid DeepSpeed config: {where} with " + "; ".join(problems))
@@ -400,6 +402,8 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
     global_batch, micro = resolve_global_batch(ds_config, world_size)
     checks, degree = [(world_size, "the launch world size")], tensor_parallel_degree(ds_config)
     for e in dt_cfg.resize_schedule:  # an AutoTP job's entries split the batch over world / TP degree
+        if e.tensor_parallel is None and e.world_size % degree:  # as at run time: the largest smaller degree
+            degree = max(t for t in range(1, degree + 1) if e.world_size % t == 0)
         degree = e.tensor_parallel or degree
         if e.world_size % degree == 0:  # else check_tensor_parallel names it
             checks.append((e.world_size // degree, f"dynatrain.resize_schedule (step {e.step})"))

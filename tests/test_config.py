@@ -368,5 +368,12 @@ def test_tensor_parallel_job_accepted():
         resize_schedule=[{"step": 3, "world_size": 2}, {"step": 5, "world_size": 2, "tensor_parallel": 1}]
     )
     assert check_tensor_parallel(ds, cfg, 4, launched=True) == 2
-    with pytest.raises(ConfigError, match=re.escape("(step 3): TP degree 2 does not divide the world size 3")):
-        check_tensor_parallel(ds, DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 3}]), 4, launched=True)
+    # a shrink the TP degree does not divide takes the largest smaller degree, as at run time
+    shrink = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 3}, {"step": 5, "world_size": 1}])
+    assert check_tensor_parallel(ds, shrink, 4, launched=True) == 2
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(ds, DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 5}]), 4, launched=True)
+    assert str(err.value) == (
+        "invalid DeepSpeed config: tensor_parallel.autotp_size 2 with dynatrain.resize_schedule (step 3): "
+        "a grow to 5 (an AutoTP job does not grow yet)"
+    )

@@ -179,6 +179,8 @@ def test_plan_cli_with_tensor_parallel_degrees(tmp_path, capsys):
     assert rc == 0 and "TP 2 x DP 2 -> TP 2 x DP 1 (4 -> 2 ranks)" in out
     rc, _, err = plan("--from", "4", "--to", "3", "--tensor-parallel-from", "2", "--tensor-parallel-to", "2")
     assert rc == 2 and "TP degree 2 does not divide world size 3" in err
+    rc, _, err = plan("--from", "2", "--to", "2", "--tensor-parallel-from", "0", "--tensor-parallel-to", "1")
+    assert rc == 2 and "TP degree 0 and world size 2: both must be >= 1" in err
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

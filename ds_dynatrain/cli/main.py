@@ -123,7 +123,7 @@ def _cmd_plan(a) -> int:
         else:
             from .plan_tp import tp_plan_report
 
-            tp_from, tp_to = a.tp_from or 1, a.tp_to or 1
+            tp_from, tp_to = (1 if t is None else t for t in (a.tp_from, a.tp_to))
             rep = tp_plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, tp_from, tp_to, dtype, a.assignment)
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
@@ -311,7 +311,12 @@ def _add_query_commands(sub) -> None:
     """``resize``, ``plan`` and ``plot``: ask a running job, plan a transition, plot a run."""
     rp = sub.add_parser("resize", help="ask a running job to change its world size (served at a step boundary)")
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
-    rp.add_argument("--world-size", type=int, required=True, help="the new data-parallel world size")
+    rp.add_argument(
+        "--world-size",
+        type=int,
+        required=True,
+        help="the new world size (data-parallel; an AutoTP job's number of processes, TP x DP)",
+    )
     rp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job's answer")
     rp.add_argument(
         "--tensor-parallel",

@@ -29,7 +29,9 @@ def tp_layout(model_config: str, world_size: int, tp: int, stage: int, dtype: st
 
     if stage not in (1, 2, 3):
         raise ConfigError(f"--zero-stage {stage}: ZeRO stages 1, 2 and 3 have partitions to plan")
-    if tp < 1 or world_size < 1 or world_size % tp:
+    if tp < 1 or world_size < 1:
+        raise ConfigError(f"TP degree {tp} and world size {world_size}: both must be >= 1")
+    if world_size % tp:
         raise ConfigError(f"TP degree {tp} does not divide world size {world_size}")
     path = os.path.abspath(model_config)
     try:

@@ -45,7 +45,9 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float, tens
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None
     dp = world_size
     if tensor_parallel is not None:
-        if tensor_parallel < 1 or world_size % tensor_parallel:
+        if tensor_parallel < 1:
+            raise ResizeRefusedError(f"TP degree {tensor_parallel}: it must be >= 1")
+        if world_size % tensor_parallel:
             raise ResizeRefusedError(f"TP degree {tensor_parallel} does not divide the world size {world_size}")
         dp = world_size // tensor_parallel
     split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])

@@ -75,7 +75,9 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     members = tuple(dt.members)
     if world_size > len(members):
         raise ResizeRefusedError(f"world size {world_size} refused: an AutoTP job does not grow yet")
-    if tp < 1 or world_size % tp:
+    if tp < 1:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
+    if world_size % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
     split = dt.split(world_size // tp)
     old = dt.tp_layout

@@ -82,7 +82,9 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     dt = engine._dt
     t0 = time.perf_counter()
     world, rank = tdist.get_world_size(), tdist.get_rank()
-    if tp < 1 or world % tp:
+    if tp < 1:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
+    if world % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world}")
     split = dt.split(world // tp)  # ResizeRefusedError: the global batch cannot be kept
     old: TensorParallelLayout = dt.tp_layout
