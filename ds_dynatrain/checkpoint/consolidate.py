@@ -52,7 +52,7 @@ import torch
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import ZeroLayout
 from .model_config import write_config_json
-from .saved import MODEL_FILE_ZERO3, OPTIM_FILE, SavedCheckpoint, SavedFile, partitions_of
+from .saved import MODEL_FILE_ZERO3, SavedCheckpoint, SavedFile, partitions_of
 from .saved_layout import coverage_problems, saved_layout
 from .verify import refuse_damaged
 
@@ -281,7 +281,7 @@ def _write_trainable(
 ) -> None:
     """Every rank's fp32 master fragments, one optimizer file at a time."""
     for r in range(saved.world_size):
-        path = os.path.join(saved.dir, OPTIM_FILE.format(r))
+        path = os.path.join(saved.dir, saved.optim_name(r))
         f = SavedFile(path)
         try:
             parts = partitions_of(f.tree, saved.stage)

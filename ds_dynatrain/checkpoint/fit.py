@@ -51,10 +51,17 @@ def check_model(engine, saved: SavedCheckpoint, live: ZeroLayout, frozen_from_mo
     saved_shapes = {n: s for n, s in saved.param_shapes().items() if math.prod(s) > 0}
     check_parameters(saved_shapes, live, saved.dir)
     live_keys = {p.key for g in live.groups for p in g}
-    _check_frozen(engine, saved, live_keys, frozen_from_module)
+    check_frozen(engine, saved, live_keys, frozen_from_module)
 
 
-def _check_frozen(engine, saved: SavedCheckpoint, live_keys, from_module: bool) -> None:
+def check_frozen(engine, saved: SavedCheckpoint, live_keys, from_module: bool) -> None:
+    """The model's frozen parameters (those not in ``live_keys``) are the checkpoint's: by
+    ``frozen_param_shapes`` where it has them, else (``from_module``, ZeRO-1/2) in the saved
+    module state.
+
+    Raises:
+        LayoutMismatchError: naming the first frozen parameter that differs.
+    """
     frozen: Dict[str, Tuple[int, ...]] = {
         n: _shape(p) for n, p in engine.module.named_parameters() if n not in live_keys and not p.requires_grad
     }

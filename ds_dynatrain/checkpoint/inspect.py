@@ -33,7 +33,6 @@ from .consolidate import plan_entries
 from .saved import (
     MODEL_FILE,
     MODEL_FILE_ZERO3,
-    OPTIM_FILE,
     SavedCheckpoint,
     is_snapshot_file,
 )
@@ -45,7 +44,7 @@ FORMAT_DEEPSPEED = "deepspeed"  # DeepSpeed's torch.save format
 
 
 def _files_of_rank(saved: SavedCheckpoint, rank: int) -> List[str]:
-    names = [OPTIM_FILE.format(rank)]
+    names = [saved.optim_name(rank)]
     if saved.stage == 3:
         names.append(MODEL_FILE_ZERO3.format(rank))
     elif rank == 0:

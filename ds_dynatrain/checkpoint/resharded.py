@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -28,17 +28,20 @@ from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..planner.plan import Transfer, plan_transition, scalars_for
 from ..transition.buffers import allocate_partitions
+from ..vps.tensor_parallel import TensorParallelLayout, TpSplit
 from ..zero.geometry import fp32_partitions, layout_of, zero_optimizer_of
 from ..zero.state import install_master, install_optimizer_state, working_from_master
-from .fit import check_model, check_param_groups, check_partition_order
-from .saved import MOMENTS, OPTIM_FILE, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
+from . import resharded_tp
+from .fit import check_frozen, check_model, check_param_groups, check_partition_order
+from .saved import MOMENTS, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
 
 
 @dataclass
 class LoadStats:
     """What one rank's load did: ``bytes_read`` (partition bytes), ``seconds``, ``plan_s``,
     ``read_s``, ``install_s`` (wall seconds; install includes ``gather_s``, rebuilding the working
-    parameters from the master), the saved and new world sizes and ZeRO stages."""
+    parameters from the master), the saved and new (data-parallel) world sizes, ZeRO stages and
+    TP degrees."""
 
     bytes_read: int
     seconds: float
@@ -50,6 +53,8 @@ class LoadStats:
     saved_stage: int
     world_size: int
     stage: int
+    saved_tp: int = 1
+    tp: int = 1
 
 
 def load_resharded(
@@ -59,8 +64,13 @@ def load_resharded(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     saved: Optional["SavedCheckpoint"] = None,
+    tp: Optional[Tuple[TensorParallelLayout, Mapping[str, TpSplit]]] = None,
 ) -> Tuple[str, dict, LoadStats]:
     """Load a ZeRO checkpoint saved at any world size and ZeRO stage into ``engine``.
+
+    ``tp``: a load across TP degrees (the checkpoint or the engine AutoTP's): the engine's TP
+    layout and AutoTP's cut of the model at the saved TP degree; the reads then come from
+    :mod:`~ds_dynatrain.checkpoint.resharded_tp`.
 
     Collective (the agreement on the reads, the final parameter all-gather at ZeRO-1/2): every
     rank of the engine calls it, right after the engine is built. Each rank reads only its new
@@ -88,11 +98,16 @@ def load_resharded(
         kinds = ("fp32",) + (MOMENTS if load_optimizer_states else ())
         problem, nbytes, plan_s, read_s = None, 0, 0.0, 0.0
         try:
-            live = layout_of(engine)
-            plan, dests = _plan(engine, saved, live, kinds, load_optimizer_states)
-            plan_s = time.perf_counter() - t0
-            t = time.perf_counter()
-            nbytes, scalars0 = _read_fragments(saved, plan, rank, kinds, dests)
+            if tp is None:
+                live = layout_of(engine)
+                plan, dests = _plan(engine, saved, live, kinds, load_optimizer_states)
+                plan_s = time.perf_counter() - t0
+                t = time.perf_counter()
+                nbytes, scalars0 = _read_fragments(saved, plan, rank, kinds, dests)
+                dests, scalars = [dests[b] for b in sorted(dests)], scalars_for(plan, scalars0)
+            else:
+                dests, scalars, nbytes, plan_s = _read_across_tp(engine, saved, tp, rank, kinds, load_optimizer_states)
+                t = t0 + plan_s
             frozen = _read_frozen(engine, saved)
             state = _read_model_state(saved)
             read_s = time.perf_counter() - t
@@ -102,12 +117,9 @@ def load_resharded(
         # does not fit fails all, each distinct problem named once
         raise_on_every_rank(problem, CheckpointIncompleteError, f"{saved.dir}: nothing was loaded")
         t = time.perf_counter()
-        order = sorted(dests)
-        install_master(engine, [dests[b]["fp32"] for b in order])
+        install_master(engine, [d["fp32"] for d in dests])
         if load_optimizer_states:
-            install_optimizer_state(
-                engine, [{k: dests[b][k] for k in MOMENTS} for b in order], scalars_for(plan, scalars0)
-            )
+            install_optimizer_state(engine, [{k: d[k] for k in MOMENTS} for d in dests], scalars)
         t_gather = time.perf_counter()
         working_from_master(engine)
         gather_s = time.perf_counter() - t_gather
@@ -128,7 +140,9 @@ def load_resharded(
         saved_world_size=saved.world_size,
         saved_stage=saved.stage,
         world_size=ws,
-        stage=live.stage,
+        stage=engine.zero_optimization_stage(),
+        saved_tp=saved.tp,
+        tp=1 if tp is None else tp[0].tp,
     )
     # as DeepSpeed's load_checkpoint: the path of the model-state file it loaded
     return saved.model_file.path, client, stats
@@ -154,6 +168,27 @@ def _plan(engine, saved: SavedCheckpoint, live, kinds, optimizer: bool):
     return plan, allocate_partitions(plan, dst_ids[rank], kinds, torch.float32, device)
 
 
+def _read_across_tp(engine, saved: SavedCheckpoint, tp, rank: int, kinds, optimizer: bool):
+    """Check the checkpoint against the model at the saved TP degree, plan and read this rank's
+    boxes. Returns ``(new partitions in order, their scalars, bytes read, seconds planning)``.
+
+    Raises:
+        LayoutMismatchError: the checkpoint does not fit the model.
+        CheckpointIncompleteError: a damaged file or a partition without a state kind.
+    """
+    t0 = time.perf_counter()
+    live, splits = tp
+    check_frozen(engine, saved, {p.key for p in live.params}, from_module=True)
+    check_param_groups(engine, saved, optimizer)
+    old = resharded_tp.saved_tp_layout(saved, live, splits)
+    plan = resharded_tp.plan_reads(old, live)
+    device = fp32_partitions(zero_optimizer_of(engine))[0].device
+    dests = resharded_tp.new_partitions(live, rank, kinds, device)
+    plan_s = time.perf_counter() - t0
+    nbytes = resharded_tp.read_boxes(saved, plan, rank, kinds, dests)
+    return dests, resharded_tp.new_scalars(saved, old, live, rank), nbytes, plan_s
+
+
 def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tuple[int, list]:
     """Read this rank's fragments of every saved partition into ``dests``, one batch per saved
     file. Returns ``(bytes read, rank 0's scalars per saved partition)``.
@@ -171,7 +206,7 @@ def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tu
         for tr in by_src[src]:
             for k in kinds:
                 if k not in parts.tensors[tr.group]:
-                    raise CheckpointIncompleteError(f"{OPTIM_FILE.format(src)}: partition {tr.group} has no {k}")
+                    raise CheckpointIncompleteError(f"{saved.optim_name(src)}: partition {tr.group} has no {k}")
                 dest = dests[tr.dst_group][k].narrow(0, tr.dst_offset, tr.numel)
                 requests.append((parts.tensors[tr.group][k], tr.src_offset, dest))
         nbytes += saved.optim(src).read_into(requests)

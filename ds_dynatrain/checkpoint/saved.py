@@ -30,9 +30,12 @@ from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
 from .saved_file import SavedFile, TensorRef, is_snapshot_file
 
-OPTIM_FILE = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one, written by rank 0
 MODEL_FILE_ZERO3 = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
+# an AutoTP checkpoint: the same files once per TP rank (``mp_rank_<t>``, two digits)
+OPTIM_FILE_TP = "zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt"
+MODEL_FILE_TP = "mp_rank_{:02d}_model_states.pt"
+MODEL_FILE_ZERO3_TP = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -153,8 +156,9 @@ class SavedCheckpoint:
     """A checkpoint directory at one tag, checked complete, with its saved layout.
 
     Attributes:
-        dir: ``load_dir/tag``.  world_size: the saving data-parallel world size.  stage: ZeRO
-        stage.  step: ``global_steps`` at the save.  model_state: rank 0's model-state dict
+        dir: ``load_dir/tag``.  world_size: the saving data-parallel world size.  tp: the saving
+        AutoTP degree (``mp_world_size``; 1 without TP): the files of every TP rank are checked.
+        stage: ZeRO stage.  step: ``global_steps`` at the save.  model_state: rank 0's model-state dict
         (large tensors of this project's files left unread, see :class:`SavedFile`).
 
     Raises:
@@ -173,7 +177,8 @@ class SavedCheckpoint:
             raise CheckpointIncompleteError(
                 f"{self.dir}: missing model-state file ({MODEL_FILE} or {MODEL_FILE_ZERO3.format(0)})"
             )
-        self._optim: Dict[int, SavedFile] = {}
+        self._optim: Dict[Tuple[int, int], SavedFile] = {}
+        self._models: Dict[int, SavedFile] = {}
         self.model_file = SavedFile(first)
         try:
             self._read_metadata(first)
@@ -185,6 +190,7 @@ class SavedCheckpoint:
         self.model_state = self.model_file.tree
         try:
             self.world_size = int(self.model_state["dp_world_size"])
+            self.tp = max(int(self.model_state.get("mp_world_size") or 1), 1)
             self.ds_config = dict(self.model_state.get("ds_config") or {})
             self.stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
             self.step = int(self.model_state.get("global_steps", 0))
@@ -200,8 +206,13 @@ class SavedCheckpoint:
 
     def expected_files(self) -> List[str]:
         """Every file the saving world wrote (paths)."""
-        names = [OPTIM_FILE.format(r) for r in range(self.world_size)]
-        names += [MODEL_FILE_ZERO3.format(r) for r in range(self.world_size)] if self.stage == 3 else [MODEL_FILE]
+        names = []
+        for t in range(self.tp):
+            names += [self.optim_name(r, t) for r in range(self.world_size)]
+            if self.stage == 3:
+                names += [MODEL_FILE_ZERO3_TP.format(r, t) for r in range(self.world_size)]
+            else:
+                names.append(MODEL_FILE_TP.format(t))
         return [os.path.join(self.dir, n) for n in names]
 
     def check_complete(self) -> None:
@@ -241,7 +252,7 @@ class SavedCheckpoint:
                 problems.append(f"{name}: damaged ({err})")
         if problems:
             raise CheckpointIncompleteError(
-                f"checkpoint {self.dir} (saved by {self.world_size} ranks at ZeRO stage {self.stage}) is incomplete: "
+                f"checkpoint {self.dir} (saved by {self._saving_world()} at ZeRO stage {self.stage}) is incomplete: "
                 + "; ".join(problems)
             )
 
@@ -251,18 +262,50 @@ class SavedCheckpoint:
         place is refused. Files that record neither are not checked."""
         out = []
         ws, rank = attrs.get("world_size"), attrs.get("rank")
-        if ws is not None and ws != self.world_size:
-            out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size}")
-        want = int(name[len("zero_pp_rank_") :].split("_", 1)[0]) if name.startswith("zero_pp_rank_") else 0
+        if ws is not None and ws != self.world_size * self.tp:
+            out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size * self.tp}")
+        bare = name.removeprefix("bf16_")
+        dp_rank = int(bare[len("zero_pp_rank_") :].split("_", 1)[0]) if bare.startswith("zero_pp_rank_") else 0
+        tp_rank = int(name.rsplit("mp_rank_", 1)[1].split("_", 1)[0]) if "mp_rank_" in name else 0
+        want = dp_rank * self.tp + tp_rank  # AutoTP's global rank: TP groups are consecutive ranks
         if rank is not None and rank != want:
             out.append(f"written by rank {rank}, its name is rank {want}'s")
         return out
 
-    def optim(self, rank: int) -> SavedFile:
-        """The optimizer-state file of saving rank ``rank`` (opened once)."""
-        if rank not in self._optim:
-            self._optim[rank] = SavedFile(os.path.join(self.dir, OPTIM_FILE.format(rank)))
-        return self._optim[rank]
+    def optim_name(self, rank: int, tp_rank: int = 0) -> str:
+        """The name of the optimizer-state file of data-parallel rank ``rank`` of TP rank
+        ``tp_rank``: DeepSpeed prefixes it with ``bf16_`` when the saving job trained in bf16
+        (``DeepSpeedEngine._get_zero_ckpt_prefix``); a checkpoint with the other naming (as
+        DeepSpeed's own load, which tries both) is read as it is."""
+        bf16 = self.working_dtype() == "bfloat16"
+        name = ("bf16_" if bf16 else "") + OPTIM_FILE_TP.format(rank, tp_rank)
+        other = name[len("bf16_") :] if bf16 else "bf16_" + name
+        if not os.path.exists(os.path.join(self.dir, name)) and os.path.exists(os.path.join(self.dir, other)):
+            return other
+        return name
+
+    def _saving_world(self) -> str:
+        if self.tp == 1:
+            return f"{self.world_size} ranks"
+        return f"{self.world_size * self.tp} ranks, TP {self.tp} x DP {self.world_size}"
+
+    def optim(self, rank: int, tp_rank: int = 0) -> SavedFile:
+        """The optimizer-state file of saving data-parallel rank ``rank`` of TP rank ``tp_rank``
+        (opened once)."""
+        if (rank, tp_rank) not in self._optim:
+            path = os.path.join(self.dir, self.optim_name(rank, tp_rank))
+            self._optim[(rank, tp_rank)] = SavedFile(path)
+        return self._optim[(rank, tp_rank)]
+
+    def model_state_of(self, tp_rank: int) -> dict:
+        """The model-state dict of TP rank ``tp_rank`` (its ``param_shapes`` are that rank's TP
+        shards' shapes); TP rank 0's is :attr:`model_state`."""
+        if tp_rank == 0:
+            return self.model_state
+        if tp_rank not in self._models:
+            name = MODEL_FILE_ZERO3_TP.format(0, tp_rank) if self.stage == 3 else MODEL_FILE_TP.format(tp_rank)
+            self._models[tp_rank] = SavedFile(os.path.join(self.dir, name))
+        return self._models[tp_rank].tree
 
     def param_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """``name -> shape`` of every parameter the optimizer holds, from the model-state file."""
@@ -299,7 +342,7 @@ class SavedCheckpoint:
             layout = ZeroLayout(self.world_size, groups, stage=3, sub_group_size=2**62)
         else:
             layout = ZeroLayout(self.world_size, groups, False, bool(z.get("parameter_alignment", False)), self.stage)
-        self._check_sizes(layout)
+        self.check_sizes(layout)
         return layout
 
     def layout_for(self, live: ZeroLayout) -> ZeroLayout:
@@ -317,28 +360,34 @@ class SavedCheckpoint:
         check_parameters(self.param_shapes(), live, self.dir)
         dtype = self.working_dtype()
         groups = tuple(tuple(ParamMeta(p.key, p.shape, dtype) for p in g) for g in live.groups)
-        z = self.ds_config.get("zero_optimization") or {}
-        if self.stage == 3:
-            layout = ZeroLayout(
-                self.world_size, groups, stage=3, sub_group_size=int(z.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-            )
-        else:
-            layout = ZeroLayout(
-                self.world_size,
-                groups,
-                bool(z.get("round_robin_gradients", False)),
-                bool(z.get("parameter_alignment", False)),
-                self.stage,
-            )
-        self._check_sizes(layout)
+        layout = ZeroLayout(self.world_size, groups, *self.zero_settings())
+        self.check_sizes(layout)
         return layout
 
-    def _check_sizes(self, layout: ZeroLayout) -> None:
+    def zero_settings(self) -> Tuple[bool, bool, int, int]:
+        """``(round_robin, parameter_alignment, stage, sub_group_size)`` of the saving config, in
+        :class:`ZeroLayout`'s order (ZeRO-3: neither round robin nor alignment)."""
+        z = self.ds_config.get("zero_optimization") or {}
+        if self.stage == 3:
+            return False, False, 3, int(z.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+        rr, align = bool(z.get("round_robin_gradients", False)), bool(z.get("parameter_alignment", False))
+        return rr, align, self.stage, DEFAULT_SUB_GROUP_SIZE
+
+    def check_sizes(self, layout: ZeroLayout, tp_rank: int = 0) -> None:
+        """Every saved partition of TP rank ``tp_rank``'s data-parallel ranks holds at least its
+        fragments under ``layout`` and at most the partition's size (DeepSpeed saves ZeRO-1/2
+        partitions without the last rank's padding); this project's files also record each
+        partition's fragments, which must be the layout's.
+
+        Raises:
+            LayoutMismatchError: naming the file and partition that does not fit.
+        """
         for r in range(self.world_size):
-            parts = partitions_of(self.optim(r).tree, self.stage)
+            name = self.optim_name(r, tp_rank)
+            parts = partitions_of(self.optim(r, tp_rank).tree, self.stage)
             if len(parts.tensors) != layout.num_partitions:
                 raise LayoutMismatchError(
-                    f"{OPTIM_FILE.format(r)} holds {len(parts.tensors)} partitions, the model's "
+                    f"{name} holds {len(parts.tensors)} partitions, the model's "
                     f"layout at {self.world_size} ranks has {layout.num_partitions}"
                 )
             ends = defaultdict(int)
@@ -349,22 +398,23 @@ class SavedCheckpoint:
                 for kind, t in kinds.items():
                     if not ends[b] <= numel_of(t) <= n:
                         raise LayoutMismatchError(
-                            f"{OPTIM_FILE.format(r)}: partition {b} ({kind}) has {numel_of(t)} "
+                            f"{name}: partition {b} ({kind}) has {numel_of(t)} "
                             f"elements; the model's layout needs {ends[b]} to {n}"
                         )
-            if self.optim(r).ours:
+            if self.optim(r, tp_rank).ours and tp_rank == 0 and self.tp == 1:
                 self._check_footer_fragments(r, layout)
 
     def _check_footer_fragments(self, rank: int, layout: ZeroLayout) -> None:
         """This project's snapshots record each partition's fragments; they must be the layout's."""
         for bad in fragment_mismatches(self.optim(rank)._reader.layout.items, layout, rank):
             raise LayoutMismatchError(
-                f"{OPTIM_FILE.format(rank)}: partition {bad.partition} holds fragments "
+                f"{self.optim_name(rank)}: partition {bad.partition} holds fragments "
                 f"other than the rebuilt layout's (first {bad.got} vs {bad.want})"
             )
 
     def close(self) -> None:
-        for f in self._optim.values():
+        for f in [*self._optim.values(), *self._models.values()]:
             f.close()
         self._optim.clear()
+        self._models.clear()
         self.model_file.close()

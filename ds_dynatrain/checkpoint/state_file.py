@@ -18,7 +18,7 @@ import torch
 from io_engine.format import MAGIC
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError
-from .saved import MODEL_FILE, MODEL_FILE_ZERO3, OPTIM_FILE
+from .saved import MODEL_FILE, MODEL_FILE_ZERO3
 from .saved_file import safe_globals
 
 
@@ -76,7 +76,7 @@ def files_loaded_by(saved, rank: int) -> List[str]:
     (``saved``: a :class:`~ds_dynatrain.checkpoint.saved.SavedCheckpoint`): the model-state file
     (ZeRO-1/2: the one of rank 0; ZeRO-3: the rank's own) and the rank's optimizer-state file."""
     model = MODEL_FILE_ZERO3.format(rank) if saved.stage == 3 else MODEL_FILE
-    return [os.path.join(saved.dir, model), os.path.join(saved.dir, OPTIM_FILE.format(rank))]
+    return [os.path.join(saved.dir, model), os.path.join(saved.dir, saved.optim_name(rank))]
 
 
 class ReadAhead:

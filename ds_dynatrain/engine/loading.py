@@ -14,12 +14,15 @@ from ..checkpoint.resharded import load_resharded
 from ..checkpoint.saved import SavedCheckpoint
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..checkpoint.state_file import files_loaded_by
+from ..config import tensor_parallel_grain
 from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..log import logger, plural
+from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.geometry import layout_of
 from ..zero.state import relink_optimizer_state
 from .records import LoadRecord
+from .tp_switch import skeleton_splits
 
 
 def load_checkpoint(
@@ -46,11 +49,11 @@ def load_checkpoint(
         Either on every rank, each distinct problem named once.
     """
     # DeepSpeed's load_module_only reads the module state by name and no partition: its own load
-    saved = None if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
+    saved, tp = (None, None) if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
     if saved is not None:
         _warn_global_batch(engine, saved)
-    if saved is not None and not _same_partitions(engine, saved):
-        return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states)
+    if saved is not None and (tp is not None or not _same_partitions(engine, saved)):
+        return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, tp)
     if saved is not None:
         _read_ahead(engine, saved)  # the same layout: DeepSpeed's own load reads the files
     problem, out = None, (None, None)
@@ -88,28 +91,59 @@ def _warn_global_batch(engine, saved: SavedCheckpoint) -> None:
         )
 
 
-def _open_checked(engine, load_dir: str, tag) -> Optional[SavedCheckpoint]:
-    """The checkpoint opened and checked against the model on every rank (one agreement), or
-    None when there is nothing of ours to check (no tag and no ``latest``: DeepSpeed's own load
-    reports that; an engine without ZeRO partitions).
+def _open_checked(engine, load_dir: str, tag):
+    """``(checkpoint, TP route)``: the checkpoint opened and checked against the model on every
+    rank (one agreement), or ``(None, None)`` when there is nothing of ours to check (no tag and no
+    ``latest``: DeepSpeed's own load reports that; an engine without ZeRO partitions). The TP
+    route is None unless the checkpoint or the engine is AutoTP's (:func:`_across_tp`); such a
+    checkpoint is checked against the model by the load itself, before anything is installed.
 
     Raises:
         CheckpointIncompleteError, LayoutMismatchError: on every rank, before anything is read.
     """
     if engine.zero_optimization_stage() not in (1, 2, 3):
-        return None
+        return None, None
     if tag is None and not os.path.lexists(os.path.join(load_dir, "latest")):
-        return None
-    saved, problem = None, None
+        return None, None
+    saved, tp, problem = None, None, None
     try:
         saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
-        check_model(engine, saved, layout_of(engine))
+        tp = _across_tp(engine, saved)
+        if tp is None:
+            check_model(engine, saved, layout_of(engine))
     except (DynatrainError, IOEngineError, OSError) as err:
         problem = err
     if problem is not None and saved is not None:
         saved.close()
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
-    return saved
+    return saved, tp
+
+
+def _across_tp(engine, saved: SavedCheckpoint):
+    """``(the engine's TP layout, AutoTP's cut of the model at the saved TP degree)`` when the
+    checkpoint or the engine is AutoTP's (the load goes through the box planner, even at the
+    saving layout), else None. An engine without AutoTP is a TP 1 layout of its own ZeRO layout.
+
+    Raises:
+        LayoutMismatchError: AutoTP cannot cut the model at the saved degree.
+    """
+    dt = engine._dt
+    if saved.tp == 1 and dt.tp_layout is None:
+        return None
+    live = dt.tp_layout
+    if live is None:
+        zl = layout_of(engine)
+        live = TensorParallelLayout(
+            1, zl.world_size, zl.groups, (), zl.stage, zl.round_robin, zl.parameter_alignment, zl.sub_group_size
+        )
+    if saved.tp == 1:
+        return live, {}
+    try:
+        return live, skeleton_splits(engine.module, saved.tp, tensor_parallel_grain(saved.ds_config))
+    except (ValueError, AssertionError, AttributeError, TypeError, LayoutMismatchError) as err:
+        raise LayoutMismatchError(
+            f"{saved.dir} was saved by AutoTP at TP {saved.tp}; this model cannot be cut at it ({err})"
+        ) from None
 
 
 def _read_ahead(engine, saved: SavedCheckpoint) -> None:
@@ -155,9 +189,9 @@ def _as_ours(err: Exception) -> Exception:
     return err
 
 
-def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states):
+def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, tp=None):
     path, client, stats = load_resharded(
-        engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved
+        engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved, tp=tp
     )
     if engine.global_rank == 0:
         engine._dt.metrics.write(
@@ -172,11 +206,17 @@ def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_sche
                 plan_s=stats.plan_s,
                 read_s=stats.read_s,
                 dir=path,
+                tensor_parallel_from=None if tp is None else stats.saved_tp,
+                tensor_parallel_to=None if tp is None else stats.tp,
             )
         )
+        if tp is None:
+            was, now = plural(stats.saved_world_size, "rank"), plural(stats.world_size, "rank")
+        else:
+            was = f"TP {stats.saved_tp} x DP {stats.saved_world_size}"
+            now = f"TP {stats.tp} x DP {stats.world_size}"
         logger.info(
-            f"loaded {path} (ZeRO-{stats.saved_stage}, {plural(stats.saved_world_size, 'rank')}) onto "
-            f"{plural(stats.world_size, 'rank')} (ZeRO-{stats.stage}): {stats.bytes_read / 2**20:.2f} MiB read "
-            f"on rank 0 in {stats.seconds:.2f} s"
+            f"loaded {path} (ZeRO-{stats.saved_stage}, {was}) onto {now} (ZeRO-{stats.stage}): "
+            f"{stats.bytes_read / 2**20:.2f} MiB read on rank 0 in {stats.seconds:.2f} s"
         )
     return path, client

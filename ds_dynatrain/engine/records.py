@@ -223,7 +223,7 @@ class JoinRecord(TransferTotals):
 
 @dataclass
 class LoadRecord(Record):
-    """A checkpoint loaded at another world size or ZeRO stage (rank 0)."""
+    """A checkpoint loaded at another world size, ZeRO stage or TP degree (rank 0)."""
 
     EVENT: ClassVar[str] = "load"
     step: int = _f("step of the checkpoint")
@@ -236,6 +236,10 @@ class LoadRecord(Record):
     plan_s: float = _f("planning the reads", 0.0)
     read_s: float = _f("reading the fragments", 0.0)
     dir: str = _f("the model-state file loaded", "")
+    tensor_parallel_from: Optional[int] = _f(
+        "AutoTP degree it was saved at (a load across TP; `from`/`to` are then DP sizes)", None, optional=True
+    )
+    tensor_parallel_to: Optional[int] = _f("AutoTP degree it was loaded at", None, optional=True)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch.distributed as tdist
 
 from ..config import tensor_parallel_grain
 from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..planner.plan import scalars_between
 from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
@@ -139,18 +140,12 @@ def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[
 
 
 def new_scalars(old: TensorParallelLayout, old_rank: int, new: TensorParallelLayout, new_rank: int, scalars) -> list:
-    """The optimizer's non-partition state (Adam's ``step``) of each new partition: that of this
-    process's first old partition of the same optimizer parameter group (at ZeRO-3 the number of
-    sub-groups changes with the layout; every partition of a group steps together)."""
-    old_zl, new_zl = old.zero(old_rank % old.tp), new.zero(new_rank % new.tp)
-    first = {}
-    for b in range(old_zl.num_partitions):
-        first.setdefault(old_zl.partition_group(b), b)
-    out = []
-    for b in range(new_zl.num_partitions):
-        src = scalars[first[new_zl.partition_group(b)]]
-        out.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items()})
-    return out
+    """The optimizer's non-partition state (Adam's ``step``) of each new partition of global
+    ``new_rank``, copied from ``scalars`` (those of old global ``old_rank``'s partitions) by
+    :func:`~ds_dynatrain.planner.plan.scalars_between` (at ZeRO-3 the number of sub-groups
+    changes with the layout; every partition of a group steps together)."""
+    src = scalars_between(old.zero(old_rank % old.tp), new.zero(new_rank % new.tp), scalars)
+    return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in src]
 
 
 def transfer_group():

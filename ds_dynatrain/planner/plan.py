@@ -271,18 +271,24 @@ def plan_transition(
 
 
 def scalars_for(plan: Plan, scalars: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The non-partition optimizer states (Adam's ``step``) of each new partition, from those of
-    the old partitions (``scalars[b]`` for old partition ``b``): a new partition takes those of
-    the first old partition of its parameter group. At stages 1/2 partitions are the parameter
-    groups; at stage 3 the sub-groups change with the world size.
+    """The non-partition optimizer states (Adam's ``step``) of each new partition of ``plan``
+    (:func:`scalars_between` its two layouts)."""
+    return scalars_between(plan.old_layout, plan.new_layout, scalars)
+
+
+def scalars_between(old: ZeroLayout, new: ZeroLayout, scalars: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The non-partition optimizer states (Adam's ``step``) of each partition of ``new``, from
+    those of ``old``'s partitions (``scalars[b]`` for old partition ``b``): a new partition takes
+    those of the first old partition of its parameter group. At stages 1/2 partitions are the
+    parameter groups; at stage 3 the sub-groups change with the world size (and with the TP
+    shards' shapes).
 
     Returns:
-        One dict per partition of ``plan.new_layout`` (the same objects, not copies).
+        One dict per partition of ``new`` (the same objects, not copies).
 
     Raises:
         ValueError: ``scalars`` does not hold one entry per old partition.
     """
-    old, new = plan.old_layout, plan.new_layout
     if len(scalars) != old.num_partitions:
         raise ValueError(f"{len(scalars)} scalar sets for the {old.num_partitions} partitions of the old layout")
     first: Dict[int, Dict[str, Any]] = {}

@@ -104,15 +104,21 @@ def source_bands(old: TensorParallelLayout, new: TensorParallelLayout, old_membe
 
 
 def plan_tp_transition(
-    old: TensorParallelLayout, new: TensorParallelLayout, old_members: Sequence[str], new_members: Sequence[str]
+    old: TensorParallelLayout,
+    new: TensorParallelLayout,
+    old_members: Sequence[str],
+    new_members: Sequence[str],
+    same_settings: bool = True,
 ) -> TpPlan:
     """The plan that moves ``old`` to ``new`` with the given processes at each rank.
+    ``same_settings=False``: the two may differ in ZeRO stage and settings and in working dtype
+    (a checkpoint loaded into another configuration); the parameters must still be the same.
 
     Raises:
-        LayoutMismatchError: the layouts describe different models or ZeRO settings.
+        LayoutMismatchError: the layouts describe different models (or ZeRO settings).
         ValueError: as :class:`TpPlan`.
     """
-    old.check_same_model(new)
+    old.check_same_model(new, settings=same_settings)
     bands = source_bands(old, new, old_members, new_members)
     return TpPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, bands))
 

@@ -201,12 +201,16 @@ class TensorParallelLayout:
             parts.append(_fragment_boxes(frag, pidx, t, bands, self.tp))
         return BoxTable(*(np.concatenate([p[i] for p in parts]) for i in range(len(BOX_FIELDS))))
 
-    def check_same_model(self, other: "TensorParallelLayout") -> None:
-        """Raise :class:`LayoutMismatchError` when ``other`` is not the same model (parameters,
-        full shapes, dtypes) under the same ZeRO settings."""
+    def check_same_model(self, other: "TensorParallelLayout", settings: bool = True) -> None:
+        """Raise :class:`LayoutMismatchError` when ``other`` is not the same model (parameters in
+        one order, full shapes; with ``settings`` also dtypes and the ZeRO settings)."""
         a, b = self.params, other.params
-        if [(p.key, p.shape, p.dtype) for p in a] != [(p.key, p.shape, p.dtype) for p in b]:
+        if [(p.key, p.shape) for p in a] != [(p.key, p.shape) for p in b]:
             raise LayoutMismatchError("the two TP layouts describe different parameters")
+        if not settings:
+            return
+        if [p.dtype for p in a] != [p.dtype for p in b]:
+            raise LayoutMismatchError("the two TP layouts describe different parameter dtypes")
         mine = (self.stage, self.round_robin, self.parameter_alignment, self.sub_group_size)
         theirs = (other.stage, other.round_robin, other.parameter_alignment, other.sub_group_size)
         if mine != theirs:

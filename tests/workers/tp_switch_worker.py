@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -234,10 +235,73 @@ def launched(a) -> None:
             json.dump({"losses": losses, "records": engine.resize_records, "tp": current_tp()}, f)
 
 
+def saved_and_loaded(a, model, ds, data, rank: int) -> None:
+    """``--mode save``: ``--steps-before`` steps at TP ``--tp-from``, the gathered state to
+    ``before.pt`` and a checkpoint to ``ckpt/`` (``--save-with deepspeed``: plain DeepSpeed's own
+    ``save_checkpoint``, no code of ds_dynatrain; ``ours``: the snapshot engine's files). ``--mode
+    load``: ``ds_dynatrain.initialize`` at TP ``--tp-to``, ``load_checkpoint(ckpt/)``, the state to
+    ``after.pt``, then ``--steps-after`` steps: ``losses_switch.json`` and ``final_switch.pt``."""
+    import deepspeed
+
+    import ds_dynatrain
+
+    ckpt = os.path.join(a.out, "ckpt")
+    if a.mode == "save":
+        ds["tensor_parallel"] = {"autotp_size": a.tp_from}
+        if a.save_with == "deepspeed":
+            del ds["train_batch_size"]  # as the static run: plain DeepSpeed counts TP ranks in the batch
+            ds["gradient_accumulation_steps"] = GLOBAL // (tdist_world() // a.tp_from)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        else:
+            engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        for s in range(a.steps_before):
+            train_step(engine, data[s], a.tp_from)
+        before = gather_logical(engine)
+        engine.save_checkpoint(ckpt)  # no client state: see benchmarks.tp_reconfig
+        if a.save_with == "ours":
+            engine.checkpoint_engine.wait()  # committed before the process exits
+        if rank == 0:
+            torch.save(before, os.path.join(a.out, "before.pt"))
+        return
+    ds_dynatrain.log_to_console()
+    ds["tensor_parallel"] = {"autotp_size": a.tp_to}
+    engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    refusal = ""
+    if a.refuse:  # a copy of the checkpoint without one TP rank's optimizer file: refused, nothing changed
+        from ds_dynatrain.errors import CheckpointIncompleteError
+
+        broken = os.path.join(a.out, "broken")
+        if rank == 0:
+            shutil.copytree(ckpt, broken)
+            tag = open(os.path.join(broken, "latest")).read().strip()
+            victim = sorted(f for f in os.listdir(os.path.join(broken, tag)) if "mp_rank_01_optim" in f)[-1]
+            os.remove(os.path.join(broken, tag, victim))
+        tdist.barrier()
+        def local_state():  # before any step there are no moments: the master and the working parameters
+            return [f.clone() for f in fp32_partitions(engine)] + [p.detach().clone() for p in engine.parameters()]
+
+        untouched = local_state()
+        try:
+            engine.load_checkpoint(broken)
+        except CheckpointIncompleteError as err:
+            refusal = str(err)
+        torch.save({"before": untouched, "after": local_state()}, os.path.join(a.out, f"refused{rank}.pt"))
+    path, _client = engine.load_checkpoint(ckpt)
+    after = gather_logical(engine)
+    losses = [train_step(engine, data[a.steps_before + s], a.tp_to) for s in range(a.steps_after)]
+    final = gather_logical(engine)
+    if rank == 0:
+        torch.save(after, os.path.join(a.out, "after.pt"))
+        torch.save(final, os.path.join(a.out, "final_switch.pt"))
+        with open(os.path.join(a.out, "losses_switch.json"), "w") as f:
+            json.dump({"losses": losses, "path": path, "steps": engine.global_steps, "refusal": refusal}, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["switch", "schedule", "static", "launch"], required=True)
+    p.add_argument("--mode", choices=["switch", "schedule", "static", "launch", "save", "load"], required=True)
+    p.add_argument("--save-with", choices=["deepspeed", "ours"], default="ours", help="(save) whose checkpoint")
     p.add_argument("--deepspeed_config", default=None, help="(launch) appended by dynatrain launch")
     p.add_argument("--steps", type=int, default=5, help="(launch) steps in all")
     p.add_argument("--resize-at", default="", help="(launch) K:W:T engine.resize(W, tensor_parallel=T) after step K")
@@ -252,7 +316,9 @@ def main() -> None:
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
     p.add_argument("--max-inflight-bytes", type=int, default=0, help="(switch) dynatrain.max_inflight_bytes")
-    p.add_argument("--refuse", action="store_true", help="first ask for impossible layouts (must be refused)")
+    p.add_argument(
+        "--refuse", action="store_true", help="first ask for impossible layouts, or (load) a damaged checkpoint"
+    )
     a = p.parse_args()
     import deepspeed
 
@@ -309,6 +375,8 @@ def main() -> None:
             torch.save(final, os.path.join(a.out, "final_switch.pt"))
             with open(os.path.join(a.out, "losses_switch.json"), "w") as f:
                 json.dump({"losses": losses, "record": record, "refusals": refusals, "q_proj": shapes}, f)
+    elif a.mode in ("save", "load"):
+        saved_and_loaded(a, model, ds, data, rank)
     else:
         if a.tp_to > 1:
             ds["tensor_parallel"] = {"autotp_size": a.tp_to}
