@@ -277,6 +277,7 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
             victim = sorted(f for f in os.listdir(os.path.join(broken, tag)) if "mp_rank_01_optim" in f)[-1]
             os.remove(os.path.join(broken, tag, victim))
         tdist.barrier()
+
         def local_state():  # before any step there are no moments: the master and the working parameters
             return [f.clone() for f in fp32_partitions(engine)] + [p.detach().clone() for p in engine.parameters()]
 
