@@ -331,8 +331,9 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
 
     An AutoTP job (``tensor_parallel.autotp_size`` of 1 or more) switches its TP and DP degree online
     (``engine.resize(world_size, tensor_parallel=N)``, the schedule), and under ``dynatrain launch``
-    shrinks (the schedule, a request, a preemption). Its snapshots, peer replicas, grows and
-    offloaded state are not served yet: each is refused here, naming the key.
+    shrinks (the schedule, a request, a preemption); its snapshots load at any TP and DP degree.
+    Its restart from a snapshot after a dead worker, peer replicas, grows and offloaded state are
+    not served yet: each is refused here, naming the key.
 
     Raises:
         ConfigError: naming the key and the problem.
@@ -361,8 +362,11 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
     for key in ("offload_optimizer", "offload_param"):
         if (zero.get(key) or {}).get("device", "none") not in (None, "none"):
             problems.append(f"zero_optimization.{key} (offloaded state is not moved by a TP switch)")
-    if dt_cfg.snapshot.interval_steps:
-        problems.append("dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)")
+    if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure and launched:
+        problems.append(
+            "dynatrain.snapshot.restore_on_failure (restarting an AutoTP job from its snapshot after a worker "
+            "died is not served yet; set it to false: the snapshots are still written, and load at any TP degree)"
+        )
     if dt_cfg.recovery.peer_replicas:
         problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
     world, degree = world_size, tp  # the schedule's entries in order: no grow, a TP degree dividing the world

@@ -318,8 +318,8 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
             {"autotp_size": 2},
             {"snapshot": {"interval_steps": 5, "dir": "snaps"}},
             2,
-            False,
-            "dynatrain.snapshot.interval_steps (snapshots of TP jobs are not written yet)",
+            True,
+            "dynatrain.snapshot.restore_on_failure (restarting an AutoTP job from its snapshot",
         ),
         ({"autotp_size": 2}, {"recovery": {"peer_replicas": 1}}, 2, False, "dynatrain.recovery.peer_replicas"),
         (
@@ -371,6 +371,11 @@ def test_tensor_parallel_job_accepted():
     # a shrink the TP degree does not divide takes the largest smaller degree, as at run time
     shrink = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 3}, {"step": 5, "world_size": 1}])
     assert check_tensor_parallel(ds, shrink, 4, launched=True) == 2
+    # snapshots: written by any AutoTP job; under launch without the restart after a dead worker
+    snaps = {"interval_steps": 2, "dir": "snaps"}
+    assert check_tensor_parallel(ds, DynatrainConfig(snapshot=snaps), 4, launched=False) == 2
+    no_restart = DynatrainConfig(snapshot={**snaps, "restore_on_failure": False})
+    assert check_tensor_parallel(ds, no_restart, 4, launched=True) == 2
     with pytest.raises(ConfigError) as err:
         check_tensor_parallel(ds, DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 5}]), 4, launched=True)
     assert str(err.value) == (

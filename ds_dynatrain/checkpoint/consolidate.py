@@ -50,10 +50,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
-from ..vps.layout import ZeroLayout
+from ..vps.tensor_parallel import TensorParallelLayout
 from .model_config import write_config_json
 from .saved import MODEL_FILE_ZERO3, SavedCheckpoint, SavedFile, partitions_of
 from .saved_layout import coverage_problems, saved_layout
+from .saved_tp import full_runs, tp_layout_from_metadata
 from .verify import refuse_damaged
 
 CHUNK_ELEMENTS = 1 << 24  # elements read and written at a time (64 MiB of fp32)
@@ -111,9 +112,11 @@ def _out_dtype(src: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if src.is_floating_point else src
 
 
-def plan_entries(saved: SavedCheckpoint, layout: ZeroLayout, dtype: torch.dtype) -> List[ExportEntry]:
+def plan_entries(saved: SavedCheckpoint, layout, dtype: torch.dtype) -> List[ExportEntry]:
     """The tensors of the export of ``saved`` in ``dtype`` (floating-point ones), in the order of
-    the model's state dict (the saved ``module``'s keys), names not in it last.
+    the model's state dict (the saved ``module``'s keys), names not in it last. ``layout``: the
+    saved layout (a :class:`ZeroLayout` or a :class:`TensorParallelLayout`, whose ``groups`` give
+    the trainable parameters' whole shapes).
 
     Raises:
         CheckpointIncompleteError: a frozen parameter at ZeRO-3 without saved fragments.
@@ -277,29 +280,37 @@ def _copy_whole(f: SavedFile, src, writer: SafetensorsWriter, names: List[str]) 
 
 
 def _write_trainable(
-    saved: SavedCheckpoint, layout: ZeroLayout, writer: SafetensorsWriter, targets: Dict[str, List[str]]
+    saved: SavedCheckpoint, layout: TensorParallelLayout, writer: SafetensorsWriter, targets: Dict[str, List[str]]
 ) -> None:
-    """Every rank's fp32 master fragments, one optimizer file at a time."""
-    for r in range(saved.world_size):
-        path = os.path.join(saved.dir, saved.optim_name(r))
-        f = SavedFile(path)
-        try:
-            parts = partitions_of(f.tree, saved.stage)
-            if len(parts.tensors) != layout.num_partitions:
-                raise LayoutMismatchError(
-                    f"{path}: {len(parts.tensors)} partitions, the saved layout has {layout.num_partitions}"
-                )
-            for fr in layout.fragments(r):
-                src = parts.tensors[fr.group].get("fp32")
-                if src is None:
-                    raise CheckpointIncompleteError(f"{path}: partition {fr.group} has no fp32 master")
-                for c, n in _chunks(fr.numel):
-                    buf = torch.empty(n, dtype=torch.float32)
-                    f.read_into([(src, fr.local + c, buf)])  # raises when the partition is too short
-                    for name in targets[fr.key]:
-                        writer.write(name, fr.start + c, buf)
-        finally:
-            f.close()
+    """Every rank's fp32 master fragments, one optimizer file at a time; a TP shard's elements go
+    to their place in the whole parameter (:func:`~ds_dynatrain.checkpoint.saved_tp.full_runs`), a
+    parameter every TP rank holds whole is written from TP rank 0's copy."""
+    metas = {p.key: p for p in layout.params}
+    for t in range(layout.tp):
+        zl = layout.zero(t)
+        for r in range(saved.world_size):
+            path = os.path.join(saved.dir, saved.optim_name(r, t))
+            f = SavedFile(path)
+            try:
+                parts = partitions_of(f.tree, saved.stage)
+                if len(parts.tensors) != zl.num_partitions:
+                    raise LayoutMismatchError(
+                        f"{path}: {len(parts.tensors)} partitions, the saved layout has {zl.num_partitions}"
+                    )
+                for fr in zl.fragments(r):
+                    if t and layout.split(fr.key).dim is None:
+                        continue
+                    src = parts.tensors[fr.group].get("fp32")
+                    if src is None:
+                        raise CheckpointIncompleteError(f"{path}: partition {fr.group} has no fp32 master")
+                    for c, n in _chunks(fr.numel):
+                        buf = torch.empty(n, dtype=torch.float32)
+                        f.read_into([(src, fr.local + c, buf)])  # raises when the partition is too short
+                        for off, start, m in full_runs(layout, metas[fr.key], t, fr.start + c, n):
+                            for name in targets[fr.key]:
+                                writer.write(name, start, buf[off : off + m])
+            finally:
+                f.close()
 
 
 def _write_zero3_frozen(
@@ -336,7 +347,8 @@ def _write_zero3_frozen(
 @dataclass
 class ExportStats:
     """What an export wrote: ``path``, ``tensors``, ``elements``, ``bytes`` (the file's size),
-    ``dtype`` (name), ``seconds`` (wall), the saved ``world_size``, ``stage`` and ``step``;
+    ``dtype`` (name), ``seconds`` (wall), the saved (data-parallel) ``world_size``, ``stage``,
+    ``step`` and AutoTP degree ``tp``;
     ``config``: the ``config.json`` written beside it (None: the checkpoint holds no model config)."""
 
     path: str
@@ -349,6 +361,7 @@ class ExportStats:
     stage: int
     step: int
     config: Optional[str] = None
+    tp: int = 1
 
 
 def export_safetensors(
@@ -373,8 +386,8 @@ def export_safetensors(
     writer = None
     try:
         refuse_damaged(saved)  # every byte checked first, the ones export does not use included
-        layout = saved_layout(saved)
-        problems = coverage_problems(layout)
+        layout = tp_layout_from_metadata(saved)  # TP 1: the ZeRO layout of param_shapes
+        problems = [q for t in range(layout.tp) for q in coverage_problems(layout.zero(t))]
         if problems:
             raise LayoutMismatchError(f"{saved.dir}: the saved layout does not cover the parameters: {problems[0]}")
         entries = plan_entries(saved, layout, dtype)
@@ -386,6 +399,7 @@ def export_safetensors(
             "producer": "ds_dynatrain",
             "step": str(saved.step),
             "saved_world_size": str(saved.world_size),
+            "saved_tensor_parallel": str(saved.tp),
             "zero_stage": str(saved.stage),
         }
         writer = SafetensorsWriter(out_path, entries, meta)
@@ -415,6 +429,7 @@ def export_safetensors(
         saved.stage,
         saved.step,
         config,
+        saved.tp,
     )
 
 

@@ -30,25 +30,20 @@ import os
 from typing import List, Optional
 
 from .consolidate import plan_entries
-from .saved import (
-    MODEL_FILE,
-    MODEL_FILE_ZERO3,
-    SavedCheckpoint,
-    is_snapshot_file,
-)
-from .saved_layout import saved_layout
+from .saved import MODEL_FILE_TP, MODEL_FILE_ZERO3_TP, SavedCheckpoint, is_snapshot_file
+from .saved_tp import tp_layout_from_metadata
 from .verify import VerifyReport, refuse_damaged, verify_checkpoint  # noqa: F401 - verify's names, here too
 
 FORMAT_OURS = "dynatrain"  # this project's snapshot format
 FORMAT_DEEPSPEED = "deepspeed"  # DeepSpeed's torch.save format
 
 
-def _files_of_rank(saved: SavedCheckpoint, rank: int) -> List[str]:
-    names = [saved.optim_name(rank)]
+def _files_of_rank(saved: SavedCheckpoint, rank: int, tp_rank: int = 0) -> List[str]:
+    names = [saved.optim_name(rank, tp_rank)]
     if saved.stage == 3:
-        names.append(MODEL_FILE_ZERO3.format(rank))
+        names.append(MODEL_FILE_ZERO3_TP.format(rank, tp_rank))
     elif rank == 0:
-        names.append(MODEL_FILE)
+        names.append(MODEL_FILE_TP.format(tp_rank))
     return [os.path.join(saved.dir, n) for n in names]
 
 
@@ -56,12 +51,14 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
     """What the checkpoint ``load_dir/tag`` (``tag`` None: ``latest``) holds, as a JSON-ready dict:
 
     ``dir``, ``tag``, ``format`` (``"dynatrain"``, ``"deepspeed"`` or ``"mixed"``),
-    ``world_size``, ``zero_stage``, ``step``, ``global_samples``, ``working_dtype``,
-    ``ds_version``; ``parameters``: ``[{"name", "shape", "numel", "trainable"}]`` (trainable
-    ones in the optimizer's order, then frozen ones), ``num_parameters`` (elements, all of them),
-    ``num_trainable``; ``tied``: ``{alias: name}``; ``buffers``: names; ``ranks``:
-    ``[{"rank", "bytes", "files"}]`` (file sizes in bytes; ZeRO-1/2's model-state file counts
-    for rank 0); ``total_bytes``.
+    ``world_size`` (every process: TP x DP), ``tensor_parallel`` (AutoTP degree; 1 without),
+    ``zero_stage``, ``step``, ``global_samples``, ``working_dtype``, ``ds_version``;
+    ``parameters``: ``[{"name", "shape", "numel", "trainable"}]`` (trainable ones in the
+    optimizer's order with their whole shapes, TP shards joined, then frozen ones),
+    ``num_parameters`` (elements, all of them), ``num_trainable``; ``tied``: ``{alias: name}``;
+    ``buffers``: names; ``ranks``:
+    ``[{"rank", "bytes", "files"}]`` (global ranks, DP rank x TP + TP rank; file sizes in bytes;
+    ZeRO-1/2's model-state file of each TP rank counts for its DP rank 0); ``total_bytes``.
 
     With ``checksums`` every item of this project's files is read and its checksum checked
     first (as ``verify`` does); without, only what the report is made of is read.
@@ -77,7 +74,7 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
         if checksums:
             refuse_damaged(saved)
         ms = saved.model_state
-        layout = saved_layout(saved)
+        layout = tp_layout_from_metadata(saved)  # whole shapes (TP 1: the ZeRO layout of param_shapes)
         params = [
             {"name": p.key, "shape": list(p.shape), "numel": p.numel, "trainable": True}
             for g in layout.groups
@@ -90,8 +87,8 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
                 params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel, "trainable": False})
         formats = {is_snapshot_file(p) for p in saved.files}
         ranks = []
-        for r in range(saved.world_size):
-            files = _files_of_rank(saved, r)
+        for r in range(saved.world_size * saved.tp):
+            files = _files_of_rank(saved, *divmod(r, saved.tp))  # global rank = DP rank x TP + TP rank
             ranks.append(
                 {
                     "rank": r,
@@ -103,7 +100,8 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
             "dir": saved.dir,
             "tag": saved.tag,
             "format": "mixed" if len(formats) > 1 else (FORMAT_OURS if formats.pop() else FORMAT_DEEPSPEED),
-            "world_size": saved.world_size,
+            "world_size": saved.world_size * saved.tp,
+            "tensor_parallel": saved.tp,
             "zero_stage": saved.stage,
             "step": saved.step,
             "global_samples": int(ms.get("global_samples", 0) or 0),

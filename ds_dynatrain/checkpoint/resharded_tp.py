@@ -15,7 +15,6 @@ is ``ds_to_universal.py`` and ``load_universal``, which rewrites every byte).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Dict, List, Mapping, Sequence, Tuple
 
@@ -28,6 +27,7 @@ from ..planner.tp_plan import TpPlan, plan_tp_transition
 from ..vps.layout import ParamMeta
 from ..vps.tensor_parallel import TensorParallelLayout, TpSplit
 from .saved import SavedCheckpoint, partitions_of
+from .saved_tp import check_shards
 
 
 def saved_tp_layout(
@@ -61,36 +61,6 @@ def _settings(saved: SavedCheckpoint) -> Tuple[int, bool, bool, int]:
     :class:`TensorParallelLayout`'s order."""
     rr, align, stage, sub_group_size = saved.zero_settings()
     return stage, rr, align, sub_group_size
-
-
-def check_shards(saved: SavedCheckpoint, layout: TensorParallelLayout, tp_rank: int) -> None:
-    """TP rank ``tp_rank``'s model-state file lists the layout's parameters of that rank, in the
-    order they lie in its partitions, with its shards' shapes (``param_shapes``; parameters without
-    elements left out, as DeepSpeed keeps them out of its partitions).
-
-    Raises:
-        LayoutMismatchError: naming the TP rank and the first parameter that differs.
-    """
-    zl = layout.zero(tp_rank)
-    shapes = {p.key: tuple(p.shape) for g in zl.groups for p in g}
-    want = [(k, shapes[k]) for b in range(zl.num_partitions) for k in zl.partition_keys(b) if math.prod(shapes[k]) > 0]
-    got = [
-        (str(n), tuple(int(d) for d in s))
-        for g in (saved.model_state_of(tp_rank).get("param_shapes") or [])
-        for n, s in g.items()
-        if math.prod(int(d) for d in s) > 0
-    ]
-    for i in range(max(len(got), len(want))):
-        here, there = (got[i] if i < len(got) else None), (want[i] if i < len(want) else None)
-        if here != there:
-
-            def name(x):
-                return "missing" if x is None else f"{x[0]} {list(x[1])}"
-
-            raise LayoutMismatchError(
-                f"{saved.dir}: TP rank {tp_rank} of {saved.tp}: parameter {i} of the saved partitions is "
-                f"{name(here)} in the checkpoint and {name(there)} in the model cut by AutoTP at TP {saved.tp}"
-            )
 
 
 def plan_reads(old: TensorParallelLayout, live: TensorParallelLayout) -> TpPlan:

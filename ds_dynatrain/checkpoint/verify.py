@@ -18,15 +18,17 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, LayoutMismatchError
 from ..log import plural
 from ..vps.layout import ZeroLayout
+from ..vps.tensor_parallel import TensorParallelLayout
 from .footer import fragment_mismatches
 from .saved import SavedCheckpoint, partitions_of, resolve_tag
 from .saved_file import SavedFile, is_snapshot_file
-from .saved_layout import coverage_problems, saved_layout
+from .saved_layout import coverage_problems
+from .saved_tp import check_shards, tp_layout_from_metadata
 
 VERIFY_BATCH_BYTES = 256 << 20  # bytes of items read (and checksummed) at a time
 
@@ -123,8 +125,8 @@ def verify_checkpoint(load_dir: str, tag: Optional[str] = None) -> VerifyReport:
 
 def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
     try:
-        layout: Optional[ZeroLayout] = saved_layout(saved)
-    except (CheckpointIncompleteError, ValueError) as err:  # no param_shapes, or impossible ones
+        layout: Optional[TensorParallelLayout] = tp_layout_from_metadata(saved)  # TP 1: param_shapes' ZeRO layout
+    except (CheckpointIncompleteError, LayoutMismatchError, ValueError) as err:  # no or impossible metadata
         rep.problems.append(
             f"{os.path.basename(saved.model_file.path)}: no usable parameter metadata ({err}); "
             "only the checksums were checked"
@@ -138,8 +140,9 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         if not ours
         else "mixed dynatrain snapshot and DeepSpeed torch.save"
     )
+    world = plural(saved.world_size, "rank") if saved.tp == 1 else f"TP {saved.tp} x DP {saved.world_size}"
     rep.notes.append(
-        f"checkpoint {saved.dir}: {plural(saved.world_size, 'rank')}, ZeRO-{saved.stage}, step {saved.step}, "
+        f"checkpoint {saved.dir}: {world}, ZeRO-{saved.stage}, step {saved.step}, "
         f"{fmt} format, {len(saved.files)} files"
     )
     items = 0
@@ -152,7 +155,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
             items += len(footer)
             if len(rep.problems) == before:
                 rep.notes.append(f"{name}: {len(footer)} items, every checksum matches")
-        rank = _rank_of(name)
+        rank, tp_rank = _rank_of(name)
         if len(rep.problems) > before:
             continue  # damaged: its structure cannot be trusted
         try:
@@ -170,22 +173,30 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
                 rep.problems.append(f"{name}: holds a {type(f.tree).__name__}, not a DeepSpeed state dict")
             elif name.endswith("optim_states.pt"):
                 if layout is not None:
-                    _check_partitions(saved, layout, rank, f, footer, rep)
-            elif saved.stage == 3 and rank:
+                    _check_partitions(saved, layout.zero(tp_rank), rank, f, footer, rep)
+            elif rank or tp_rank:
                 for key, want in (("dp_world_size", saved.world_size), ("global_steps", saved.step)):
                     got = f.tree.get(key)
                     if got is None or int(got) != want:
                         rep.problems.append(f"{name}: {key} is {got}, rank 0's model-state file says {want}")
+                if tp_rank and not rank and layout is not None:
+                    try:
+                        check_shards(saved, layout, tp_rank)
+                    except LayoutMismatchError as err:
+                        rep.problems.append(f"{name}: {err}")
         finally:
             if f is not saved.model_file:
                 f.close()
-    cover = coverage_problems(layout) if layout is not None else []
+    cover = []
+    for t in range(layout.tp if layout is not None else 0):  # each TP rank's shards, tiled by its DP ranks
+        cover += [(f"TP rank {t}: " if layout.tp > 1 else "") + q for q in coverage_problems(layout.zero(t))]
     rep.problems.extend(cover)
     if layout is not None and not cover:
         nparams = sum(len(g) for g in layout.groups)
         numel = sum(p.numel for g in layout.groups for p in g)
+        held = "" if layout.tp == 1 else f" of each of the {layout.tp} TP ranks' shards"
         rep.notes.append(
-            f"coverage: {nparams} parameters, {numel:,} elements, every element held exactly once by "
+            f"coverage: {nparams} parameters, {numel:,} elements, every element{held} held exactly once by "
             f"the fragments of {plural(saved.world_size, 'rank')}"
         )
     if ours:
@@ -194,11 +205,13 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         rep.notes.append("checksums not available: DeepSpeed's torch.save format has none")
 
 
-def _rank_of(name: str) -> int:
-    """The rank in ``zero_pp_rank_<r>_...``; 0 for ``mp_rank_00_model_states.pt``."""
-    if name.startswith("zero_pp_rank_"):
-        return int(name[len("zero_pp_rank_") :].split("_", 1)[0])
-    return 0
+def _rank_of(name: str) -> Tuple[int, int]:
+    """``(data-parallel rank, TP rank)`` of ``[bf16_]zero_pp_rank_<r>_mp_rank_<t>_...`` or
+    ``mp_rank_<t>_model_states.pt`` (data-parallel rank 0)."""
+    bare = name.removeprefix("bf16_")
+    dp = int(bare[len("zero_pp_rank_") :].split("_", 1)[0]) if bare.startswith("zero_pp_rank_") else 0
+    tp = int(bare.rsplit("mp_rank_", 1)[1].split("_", 1)[0]) if "mp_rank_" in bare else 0
+    return dp, tp
 
 
 def check_items(path: str, problems: List[str]) -> list:

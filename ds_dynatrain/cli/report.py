@@ -21,7 +21,8 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     }[rep["format"]]
     print(f"checkpoint   {rep['dir']}")
     print(f"format       {fmt}")
-    print(f"world size   {rep['world_size']}")
+    tp = rep.get("tensor_parallel", 1)
+    print(f"world size   {rep['world_size']}" + (f" (TP {tp} x DP {rep['world_size'] // tp})" if tp > 1 else ""))
     print(f"ZeRO stage   {rep['zero_stage']}")
     print(f"step         {rep['step']} ({rep['global_samples']:,} samples)")
     print(f"dtype        {rep['working_dtype']} (working), fp32 master")

@@ -125,10 +125,16 @@ def construct(
         on_write_error=snap.on_write_error,
         worker_nice=snap.worker_nice,
     )
-    if dt.tp_layout is None:  # an AutoTP job writes no snapshot (config.check_tensor_parallel)
+    if dt.tp_layout is None:  # an AutoTP job's files record no VPS attributes: a load checks param_shapes
         engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
         engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
+
+
+def close_snapshots(engine) -> None:
+    """Finish the pending snapshot of the engine being torn down."""
+    if isinstance(engine.checkpoint_engine, SnapshotCheckpointEngine):
+        engine.checkpoint_engine.close()
 
 
 def keep_returned_optimizer(engine) -> None:

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as tdist
 
 from ..batch import BatchSplit
-from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.keys import LEFT_KEY
 from ..log import logger
 from ..planner.plan import Plan, plan_transition, scalars_for
@@ -33,7 +32,7 @@ from ..zero.geometry import is_zero3, layout_of, zero_optimizer_of
 from ..zero.rebuild import teardown
 from ..zero.state import PartitionState, extract_partitions, moment_kinds
 from ..zero.zero3 import gather_whole_params, release_zero3_params
-from .construct import construct, ds_config_for, keep_returned_optimizer
+from .construct import close_snapshots, construct, ds_config_for, keep_returned_optimizer
 from .header import TransitionHeader, agree_on_header, install_header_state, make_header
 from .join import stand_by
 from .members import evict_groups, form_generation, request_joiners
@@ -193,7 +192,7 @@ def _leave(engine, r: _Resize) -> Optional[Record]:
     (``standby``, not preempted) stands by."""
     dt = engine._dt
     basic, scheduler, model = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
-    _close_snapshots(engine)
+    close_snapshots(engine)
     teardown(engine)
     standby = dt.config.standby and dt.member not in r.must_leave and not dt.preempted
     dt.retired = True
@@ -222,7 +221,7 @@ def _rebuild(engine, r: _Resize) -> None:
     zopt = zero_optimizer_of(engine)
     old_flat = () if is_zero3(zopt) else tuple(zopt.bit16_groups_flat)
     t = clock()
-    _close_snapshots(engine)
+    close_snapshots(engine)
     teardown(engine)
     if r.whole is not None:
         release_zero3_params(model, r.whole, dt.param_attrs)
@@ -273,8 +272,3 @@ def _finish(engine, r: _Resize) -> ResizeRecord:
         publish(engine, rec)  # else wait_transition publishes it
     return rec
 
-
-def _close_snapshots(engine) -> None:
-    """Finish the pending snapshot of the engine being torn down."""
-    if isinstance(engine.checkpoint_engine, SnapshotCheckpointEngine):
-        engine.checkpoint_engine.close()

@@ -37,7 +37,7 @@ from ..zero.rebuild import teardown
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from ..zero.tp_module import reset_tp_groups, tp_module
 from ..zero.zero3 import forget_zero3_module
-from .construct import construct, ds_config_for, keep_returned_optimizer, own_layout
+from .construct import close_snapshots, construct, ds_config_for, keep_returned_optimizer, own_layout
 from .pending import publish
 from .records import ResizeRecord
 
@@ -237,6 +237,7 @@ def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
     zero_optimizer_of(engine)
     names = {id(p): n for n, p in old_module.named_parameters()}
     zero3 = is_zero3(zero_optimizer_of(engine))
+    close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
     teardown(engine)  # the torch optimizer holds the old model's parameters again
     if zero3:  # the old model goes; DeepSpeed's process-wide ZeRO-3 state must not carry it on
         forget_zero3_module(old_module)

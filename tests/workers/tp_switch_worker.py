@@ -238,7 +238,9 @@ def launched(a) -> None:
 def saved_and_loaded(a, model, ds, data, rank: int) -> None:
     """``--mode save``: ``--steps-before`` steps at TP ``--tp-from``, the gathered state to
     ``before.pt`` and a checkpoint to ``ckpt/`` (``--save-with deepspeed``: plain DeepSpeed's own
-    ``save_checkpoint``, no code of ds_dynatrain; ``ours``: the snapshot engine's files). ``--mode
+    ``save_checkpoint``, no code of ds_dynatrain; ``ours``: the snapshot engine's files;
+    ``snapshots``: ``dynatrain.snapshot`` every step, the first step at TP ``--tp-to``, then a TP
+    switch to ``--tp-from``; the snapshot of the last step is loaded). ``--mode
     load``: ``ds_dynatrain.initialize`` at TP ``--tp-to``, ``load_checkpoint(ckpt/)``, the state to
     ``after.pt``, then ``--steps-after`` steps: ``losses_switch.json`` and ``final_switch.pt``."""
     import deepspeed
@@ -248,6 +250,19 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
     ckpt = os.path.join(a.out, "ckpt")
     if a.mode == "save":
         ds["tensor_parallel"] = {"autotp_size": a.tp_from}
+        if a.save_with == "snapshots":  # written every step, with a TP switch between the two
+            ds["tensor_parallel"] = {"autotp_size": a.tp_to}
+            ds["dynatrain"] = {"snapshot": {"interval_steps": 1, "dir": ckpt, "keep_last": 3}}
+            engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
+            train_step(engine, data[0], a.tp_to)
+            engine.resize(tdist_world(), tensor_parallel=a.tp_from)
+            for s in range(1, a.steps_before):
+                train_step(engine, data[s], a.tp_from)
+            before = gather_logical(engine)
+            engine.checkpoint_engine.wait()
+            if rank == 0:
+                torch.save(before, os.path.join(a.out, "before.pt"))
+            return
         if a.save_with == "deepspeed":
             del ds["train_batch_size"]  # as the static run: plain DeepSpeed counts TP ranks in the batch
             ds["gradient_accumulation_steps"] = GLOBAL // (tdist_world() // a.tp_from)
@@ -302,7 +317,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=["switch", "schedule", "static", "launch", "save", "load"], required=True)
-    p.add_argument("--save-with", choices=["deepspeed", "ours"], default="ours", help="(save) whose checkpoint")
+    p.add_argument(
+        "--save-with",
+        choices=["deepspeed", "ours", "snapshots"],
+        default="ours",
+        help="(save) DeepSpeed's save_checkpoint, ours, or the snapshots of dynatrain.snapshot (a TP switch between)",
+    )
     p.add_argument("--deepspeed_config", default=None, help="(launch) appended by dynatrain launch")
     p.add_argument("--steps", type=int, default=5, help="(launch) steps in all")
     p.add_argument("--resize-at", default="", help="(launch) K:W:T engine.resize(W, tensor_parallel=T) after step K")
