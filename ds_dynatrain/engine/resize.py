@@ -271,4 +271,3 @@ def _finish(engine, r: _Resize) -> ResizeRecord:
     if dt.pending is None:
         publish(engine, rec)  # else wait_transition publishes it
     return rec
-
