@@ -55,6 +55,15 @@ CASES = {
         (2, ["--save-with", "deepspeed", "--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16"]),
         marks=pytest.mark.slow,
     ),
+    "deepspeed_tp2_to_tp1_zero2_fp16": pytest.param(
+        (2, ["--save-with", "deepspeed", "--tp-from", "2", "--tp-to", "1", "--stage", "2", "--fp16"]),
+        marks=pytest.mark.slow,
+    ),
+    # the loading job has no tensor_parallel section at all: a plain ZeRO job
+    "ours_tp2_into_a_job_without_autotp": pytest.param(
+        (2, ["--save-with", "ours", "--tp-from", "2", "--tp-to", "1", "--stage", "2", "--no-autotp"]),
+        marks=pytest.mark.slow,
+    ),
     "ours_tp2_same_layout_zero1_tied": pytest.param(
         (2, ["--save-with", "ours", "--tp-from", "2", "--tp-to", "2", "--stage", "1", "--tie"]),
         marks=pytest.mark.slow,

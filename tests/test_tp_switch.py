@@ -47,6 +47,9 @@ CASES = {
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
         (4, ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--bf16", "--tie"]), marks=pytest.mark.slow
     ),
+    "tp1_to_tp2_zero1_fp16": pytest.param(
+        (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "1", "--fp16"]), marks=pytest.mark.slow
+    ),
     "tp2dp2_to_tp4_above_kv_heads_zero1": pytest.param(
         (4, ["--tp-from", "2", "--tp-to", "4", "--stage", "1"]), marks=pytest.mark.slow
     ),

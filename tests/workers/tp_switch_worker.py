@@ -36,7 +36,7 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.workers.common import exit_without_teardown  # noqa: E402
+from tests.workers.common import allow_cpu_fp16, exit_without_teardown  # noqa: E402
 
 GLOBAL = 4
 
@@ -76,6 +76,9 @@ def model_and_config(a):
         "zero_optimization": {"stage": a.stage},
         "steps_per_print": 10**9,
     }
+    if a.fp16:  # a fixed loss scale: the static run's fresh scaler and the switched job's agree
+        allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
+        ds["fp16"] = {"enabled": True, "loss_scale": 256}
     if a.bf16:
         ds["bf16"] = {"enabled": True}
     return model, ds
@@ -279,7 +282,8 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
             torch.save(before, os.path.join(a.out, "before.pt"))
         return
     ds_dynatrain.log_to_console()
-    ds["tensor_parallel"] = {"autotp_size": a.tp_to}
+    if not a.no_autotp:
+        ds["tensor_parallel"] = {"autotp_size": a.tp_to}
     engine, _, _, _ = ds_dynatrain.initialize(model=model, model_parameters=model.parameters(), config=ds)
     refusal = ""
     if a.refuse:  # a copy of the checkpoint without one TP rank's optimizer file: refused, nothing changed
@@ -332,6 +336,8 @@ def main() -> None:
     p.add_argument("--tp-to", type=int, required=True)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--no-autotp", action="store_true", help="(load) the loading job has no tensor_parallel section")
     p.add_argument("--tie", action="store_true")
     p.add_argument("--qwen3", action="store_true", help="a Qwen3 model instead of Llama")
     p.add_argument("--steps-before", type=int, default=2)
