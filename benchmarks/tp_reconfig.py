@@ -26,6 +26,10 @@ step in every job. Per switch A->B of the TP degree (DP goes from world/A to wor
   measured in our run: the same end point as ours). ``deepspeed_route_s`` = the sum; ``ratio`` =
   ``deepspeed_route_s / ours_s``. ``same_loss``: the first step after the switch has bitwise the
   same loss on both routes.
+* a load across TP degrees: fresh ranks at TP B with ``ds_dynatrain.initialize`` load the route's
+  saved (unconverted) TP-A checkpoint with ``engine.load_checkpoint`` (``ours_load_s``) and train
+  one step; against ``load_route_s`` = ``convert_s`` + ``relaunch_load_s`` (``load_ratio``), and
+  ``same_loss_after_load``: their first losses are bitwise equal.
 * memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize``
   (``VmHWM`` of ``/proc/self/status``, reset to the resident set by writing 5 to
   ``/proc/self/clear_refs`` right before the call) minus the resident set right before it: what
@@ -117,8 +121,14 @@ def run_deepspeed(tp_from: int, tp_to: int, a, work: str) -> dict:
     args = ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--first-step", str(k), "--out", load_out]
     t_start = run_plain(a.world, args, work, f"{name}_load", a.timeout, worker=WORKER)
     load = read_json(load_out, os.path.join(work, f"{name}_load_rank0.log"))
+    ours_out = os.path.join(work, f"{name}_ours_load.json")
+    args = ["--mode", "ours-load", *common, "--tag", tag, "--steps", "1", "--first-step", str(k), "--out", ours_out]
+    run_plain(a.world, args, work, f"{name}_ours_load", a.timeout, worker=WORKER)
+    ours_load = read_json(ours_out, os.path.join(work, f"{name}_ours_load_rank0.log"))
     shutil.rmtree(ckpt, ignore_errors=True)
     return {
+        "ours_load_s": ours_load["t_load"] - ours_load["t_init"],
+        "ours_load_first_loss": ours_load["iterations"][0][1],
         "save_s": save["save_s"],
         "convert_s": convert_s,
         "relaunch_startup_s": load["t_init"] - t_start,
@@ -177,6 +187,9 @@ def switch(tp_from: int, tp_to: int, a, work: str) -> dict:
         "first_loss_ours": first_loss_ours,
         "first_loss_deepspeed": ds["first_loss"],
         "same_loss": first_loss_ours == ds["first_loss"],
+        "load_route_s": ds["convert_s"] + ds["relaunch_load_s"],
+        "load_ratio": (ds["convert_s"] + ds["relaunch_load_s"]) / ds["ours_load_s"] if ds["ours_load_s"] > 0 else None,
+        "same_loss_after_load": ds["ours_load_first_loss"] == ds["first_loss"],
         "record": rec,
     }
 
@@ -208,6 +221,18 @@ def print_table(results: List[dict], a) -> None:
         "load, first step's excess over ours at the new TP); ratio = route / ours; peak+ = largest rise of a "
         "rank's peak resident set during the switch over its resident set before; shard = largest fp32 master + "
         "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
+    )
+    print(f"\n{'load':<9} {'ours':>7} | {'route':>7} {'convert':>7} {'load':>6} | {'ratio':>6} | {'same loss':>9}")
+    for r in results:
+        print(
+            f"{r['switch']:<9} {r['ours_load_s']:>7.3f} | {r['load_route_s']:>7.2f} {r['convert_s']:>7.2f} "
+            f"{r['relaunch_load_s']:>6.2f} | {fmt(r['load_ratio'], '.1f', 6)} | "
+            f"{'yes' if r['same_loss_after_load'] else 'no':>9}"
+        )
+    print(
+        "\nloading the route's saved checkpoint at the new TP in fresh processes, seconds: ours = "
+        "engine.load_checkpoint of the unconverted DeepSpeed checkpoint (a load across TP degrees); route = "
+        "ds_to_universal + load_checkpoint with load_universal; same loss = the first step after both loads"
     )
 
 

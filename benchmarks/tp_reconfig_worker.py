@@ -24,6 +24,8 @@ Modes (rank 0 writes ``--out``, JSON; times in seconds, sizes in bytes):
   ``load_checkpoint`` of ``--tag``; ``--steps`` steps (the first on the batch of step
   ``--first-step``). Wall-clock timestamps (``time.time()``) of the end of start-up, of the load
   and of the first step, and the losses.
+* ``ours-load``: the same with ``ds_dynatrain.initialize`` at TP ``--tp-to`` loading the
+  unconverted checkpoint of ``ds-save`` (a load across TP degrees, no ``ds_to_universal``).
 """
 
 from __future__ import annotations
@@ -205,7 +207,17 @@ def run_ds_save(a) -> None:
 def run_ds_load(a) -> None:
     import torch.distributed as tdist
 
-    engine, _params = plain_deepspeed(a, a.tp_to, load_universal=True)
+    if a.mode == "ours-load":  # the unconverted checkpoint, through ds_dynatrain's load across TP
+        import ds_dynatrain
+
+        no_op_builds()
+        model = build_model(a.hidden, a.layers, a.seq_len, a.kv_heads)
+        engine, *_ = ds_dynatrain.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config(a, a.tp_to, plain=False)
+        )
+        del model
+    else:
+        engine, _params = plain_deepspeed(a, a.tp_to, load_universal=True)
     t_init = time.time()
     path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
     if path is None:
@@ -220,7 +232,7 @@ def run_ds_load(a) -> None:
         write_json(
             a.out,
             {
-                "mode": "ds-load",
+                "mode": a.mode,
                 "t_init": t_init,
                 "t_load": t_load,
                 "t_first_step": t_first,
@@ -233,7 +245,7 @@ def run_ds_load(a) -> None:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load"], required=True)
+    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load", "ours-load"], required=True)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -250,7 +262,7 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load}[a.mode](a)
+    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load, "ours-load": run_ds_load}[a.mode](a)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # results written, groups destroyed: no interpreter teardown (a stray gloo thread can abort it)
