@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.distributed as tdist
 
 from ..errors import DynatrainError, LayoutMismatchError
 from .geometry import fp32_partitions, is_zero3, working_partitions, zero_optimizer_of
@@ -111,9 +112,12 @@ def working_from_master(engine) -> None:
 
     ZeRO-1/2: every rank casts its partition into the flat working buffer and all-gathers it
     (``update_lp_params``, deepspeed/runtime/zero/stage_1_and_2.py); collective over the data-parallel
-    group. ZeRO-3: every rank copies its master into its own working partition, as the optimizer
-    step does (``_reassign_or_swap_out_partitioned_parameters``, deepspeed/runtime/zero/stage3.py);
-    no collective: the parameters are gathered at their first use, persistent ones too, since a
+    group. Over gloo the gather is point-to-point instead (:func:`exchange_partitions`): gloo's
+    all-gather of a 200 MB partition takes 0.45-1.9 s on a 2-core machine where a pair of
+    ``isend``/``irecv`` takes 0.1-0.23 s (measured in one run, fresh and reused buffers). ZeRO-3:
+    every rank copies its master into its own working partition, as the optimizer step does
+    (``_reassign_or_swap_out_partitioned_parameters``, deepspeed/runtime/zero/stage3.py); no
+    collective: the parameters are gathered at their first use, persistent ones too, since a
     freshly built engine has fetched none yet.
     """
     opt = zero_optimizer_of(engine)
@@ -121,8 +125,34 @@ def working_from_master(engine) -> None:
         if is_zero3(opt):
             for flat, fp32 in zip(opt.fp16_partitioned_groups_flat, fp32_partitions(opt)):
                 flat.copy_(fp32)
+        elif all(tdist.get_backend(g) == "gloo" for g in opt.real_dp_process_group):
+            for parts, fp32, group in zip(
+                opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups, opt.real_dp_process_group
+            ):
+                me = tdist.get_rank(group=group)
+                parts[me].copy_(fp32)
+                exchange_partitions(parts, me, group)
         else:
             opt.update_lp_params()
+
+
+def exchange_partitions(parts: List[torch.Tensor], me: int, group) -> None:
+    """Every rank of ``group`` gets every other rank's partition: ``parts[q]`` (contiguous, one per
+    rank of the group, in group order) is filled from rank ``q``, this rank's ``parts[me]`` sent to
+    every other. The all-gather as point-to-point messages, straight into place (no staging).
+    Collective over ``group``.
+
+    Raises:
+        RuntimeError: a peer failed (torch.distributed's error).
+    """
+    works = []
+    for q in range(len(parts)):
+        if q != me:
+            peer = tdist.get_global_rank(group, q)
+            works.append(tdist.isend(parts[me], dst=peer, group=group))
+            works.append(tdist.irecv(parts[q], src=peer, group=group))
+    for w in works:
+        w.wait()
 
 
 def relink_optimizer_state(engine) -> None:

@@ -263,6 +263,7 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
                 train_step(engine, data[s], a.tp_from)
             before = gather_logical(engine)
             engine.checkpoint_engine.wait()
+            tdist.barrier()  # as for "ours"
             if rank == 0:
                 torch.save(before, os.path.join(a.out, "before.pt"))
             return
@@ -278,6 +279,7 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
         engine.save_checkpoint(ckpt)  # no client state: see benchmarks.tp_reconfig
         if a.save_with == "ours":
             engine.checkpoint_engine.wait()  # committed before the process exits
+            tdist.barrier()  # rank 0 hosts the store every rank reads the outcome from: it exits last
         if rank == 0:
             torch.save(before, os.path.join(a.out, "before.pt"))
         return
