@@ -72,13 +72,16 @@ def construct(
     ds_config: dict,
     light: bool = False,
     reuse_flat=(),
+    values_follow: bool = False,
 ) -> None:
     """Run ``DeepSpeedEngine.__init__`` on ``engine`` (a new object or one being rebuilt), then
     give it the snapshot engine of this generation.
 
     ``light``: the optimizer state is installed right after (a resize), so DeepSpeed's
     throw-away state initialisation is skipped (:func:`~ds_dynatrain.zero.rebuild.light_rebuild`);
-    ``reuse_flat``: the old engine's flat parameter buffers, which the new one may keep.
+    ``reuse_flat``: the old engine's flat parameter buffers, which the new one may keep;
+    ``values_follow``: the working parameters are written from the installed master right after,
+    so the flat buffers are not filled from the model's (a TP switch).
     """
     import deepspeed
 
@@ -94,7 +97,7 @@ def construct(
     config_class = DeepSpeedConfig(ds_config, tensor_parallel_groups(ds_config))
     deepspeed.set_optimizer_flags(config_class, model)
     # the scheduler's own "before it has started" call in its constructor is not the user's
-    with light_rebuild(reuse_flat) if light else contextlib.nullcontext(), scheduler_start_quiet():
+    with light_rebuild(reuse_flat, values_follow) if light else contextlib.nullcontext(), scheduler_start_quiet():
         DeepSpeedEngine.__init__(
             engine,
             args=engine_args(bind_device(get_accelerator(), local_rank())),

@@ -129,14 +129,27 @@ def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
 
 
 def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[str, torch.Tensor]]:
-    """Zeroed new partitions of global ``rank`` under ``layout``, one ``{kind: 1-D tensor}`` per
-    partition, of the kinds and dtypes of this rank's ``state`` (``PartitionState``)."""
+    """New partitions of global ``rank`` under ``layout``, one ``{kind: 1-D tensor}`` per
+    partition, of the kinds and dtypes of this rank's ``state`` (``PartitionState``): the padding
+    zeroed, every element a fragment covers left for the transfer to write (every one of them is
+    in the plan)."""
     zl = layout.zero(rank % layout.tp)
     like = state.tensors[0]
-    return [
-        {k: torch.zeros(zl.partition_numel(b), dtype=v.dtype) for k, v in like.items()}
+    out = [
+        {k: torch.empty(zl.partition_numel(b), dtype=v.dtype) for k, v in like.items()}
         for b in range(zl.num_partitions)
     ]
+    covered = [[] for _ in out]
+    for f in zl.fragments(rank // layout.tp):
+        covered[f.group].append((f.local, f.local + f.numel))
+    for part, spans in zip(out, covered):
+        pos = 0
+        for lo, hi in sorted(spans) + [(len(next(iter(part.values()))),) * 2]:
+            if lo > pos:
+                for t in part.values():
+                    t[pos:lo].zero_()
+            pos = max(pos, hi)
+    return out
 
 
 def new_scalars(old: TensorParallelLayout, old_rank: int, new: TensorParallelLayout, new_rank: int, scalars) -> list:
@@ -226,7 +239,8 @@ def install_moved_state(engine, dests, scalars) -> None:
 
 def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
     """Rebuild ``engine`` in place on a model cut at ``tp``, with the torch optimizer and scheduler
-    it had (their parameters re-pointed, by name, to the new model's). ``before_groups``: called
+    it had (their parameters re-pointed, by name, to the new model's); its working parameters are
+    neither filled nor broadcast: :func:`install_moved_state` writes them. ``before_groups``: called
     after the old engine is torn down and before DeepSpeed's groups are made for ``tp`` (a shrink
     forms the new world there)."""
     dt = engine._dt
@@ -244,12 +258,14 @@ def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
     dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
     if before_groups is not None:
         before_groups()
-    reset_tp_groups(tp)
+    reset_tp_groups(tp, same_world=before_groups is None)
     model = tp_module(old_module, tp, dt.ds_config)
     params = dict(model.named_parameters())
     for g in basic.param_groups:
         g["params"] = [params[names[id(p)]] for p in g["params"]]
-    construct(engine, dt, model, basic, None, scheduler, ds_config_for(dt, split, client_objects=True), light=True)
+    dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
+    cfg = ds_config_for(dt, split, client_objects=True)
+    construct(engine, dt, model, basic, None, scheduler, cfg, light=True, values_follow=True)
     keep_returned_optimizer(engine)
     # the rebuilt engine counts from zero and has a fresh loss scaler: this process's own go on
     engine.global_steps, engine.global_samples, engine.skipped_steps = counters

@@ -18,7 +18,7 @@ from .geometry import is_zero3, zero_optimizer_of
 
 
 @contextmanager
-def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
+def light_rebuild(reuse_flat: Sequence[torch.Tensor] = (), values_follow: bool = False):
     """While building a ZeRO-1/2 optimizer whose state is installed right after (a resize):
 
     * skip ``DeepSpeedZeroOptimizer.initialize_optimizer_states``: without offload and for
@@ -28,7 +28,12 @@ def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
     * flatten the parameter groups in place when they already lie in one of ``reuse_flat`` (the
       old engine's flat buffers), long enough and in the order and padding DeepSpeed asks for
       (:func:`flat_in_place`; after a shrink). Parameters anywhere else are copied as DeepSpeed
-      does: a client's own memory is never taken over.
+      does: a client's own memory is never taken over;
+    * ``values_follow``: the working parameters are all written from the installed master right
+      after (a TP switch's freshly cut model, whose values mean nothing yet), so each flat buffer
+      is allocated with its padding zeroed (:func:`flat_unfilled`) instead of copied from them: a
+      copy of every parameter (0.35-0.47 s at 100 M fp32 parameters on one rank, measured) off
+      the switch's critical path.
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -41,6 +46,8 @@ def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
             return init_states(self)
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+        if values_follow and not use_cpu_data and tensor_list:
+            return flat_unfilled(tensor_list, alignment, param_padding)
         reused = None
         if not use_cpu_data and tensor_list and tensor_list[0].untyped_storage().data_ptr() in owned:
             reused = flat_in_place(tensor_list, alignment, param_padding)
@@ -53,6 +60,32 @@ def light_rebuild(reuse_flat: Sequence[torch.Tensor] = ()):
     finally:
         DeepSpeedZeroOptimizer.initialize_optimizer_states = init_states
         DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = flatten
+
+
+def flat_unfilled(tensors: List[torch.Tensor], alignment: int, padding=None) -> torch.Tensor:
+    """A buffer of the size, dtype and device of the one DeepSpeed's ``flatten_dense_tensors_aligned``
+    builds from ``tensors`` (each followed by ``padding[i]`` elements, the total padded to a
+    multiple of ``alignment``), its padding zeroed and the parameters' places left unwritten."""
+    first = tensors[0]
+    sizes = [t.numel() + (padding[i] if padding else 0) for i, t in enumerate(tensors)]
+    total = -(-sum(sizes) // alignment) * alignment
+    flat = torch.empty(total, dtype=first.dtype, device=first.device)
+    _zero_padding(flat, tensors, padding)
+    return flat
+
+
+def _zero_padding(flat: torch.Tensor, tensors: List[torch.Tensor], padding) -> None:
+    """Zero the per-parameter padding and the tail of ``flat`` (laid out as
+    :func:`flat_unfilled` says)."""
+    with torch.no_grad():
+        pos = 0
+        for i, t in enumerate(tensors):
+            pos += t.numel()
+            pad = padding[i] if padding else 0
+            if pad:
+                flat[pos : pos + pad].zero_()
+            pos += pad
+        flat[pos:].zero_()
 
 
 def flat_in_place(tensors: List[torch.Tensor], alignment: int, padding=None):
@@ -85,16 +118,7 @@ def flat_in_place(tensors: List[torch.Tensor], alignment: int, padding=None):
     if (base + total) * el > storage.nbytes():
         return None
     flat = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, base, (total,))
-    with torch.no_grad():
-        # per-parameter padding and the tail: zeros, as DeepSpeed's copy would have them
-        pos = 0
-        for i, t in enumerate(tensors):
-            pos += t.numel()
-            pad = padding[i] if padding else 0
-            if pad:
-                flat[pos : pos + pad].zero_()
-            pos += pad
-        flat[pos:].zero_()
+    _zero_padding(flat, tensors, padding)  # zeros, as DeepSpeed's copy would have them
     return flat.detach()
 
 

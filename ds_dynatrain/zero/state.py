@@ -130,27 +130,26 @@ def working_from_master(engine) -> None:
                 opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups, opt.real_dp_process_group
             ):
                 me = tdist.get_rank(group=group)
-                parts[me].copy_(fp32)
-                exchange_partitions(parts, me, group)
+                exchange_partitions(parts, me, group, fill=lambda own=parts[me], src=fp32: own.copy_(src))
         else:
             opt.update_lp_params()
 
 
-def exchange_partitions(parts: List[torch.Tensor], me: int, group) -> None:
+def exchange_partitions(parts: List[torch.Tensor], me: int, group, fill=None) -> None:
     """Every rank of ``group`` gets every other rank's partition: ``parts[q]`` (contiguous, one per
     rank of the group, in group order) is filled from rank ``q``, this rank's ``parts[me]`` sent to
     every other. The all-gather as point-to-point messages, straight into place (no staging).
-    Collective over ``group``.
+    ``fill``: called once the receives are posted and before the sends (writes ``parts[me]``,
+    while the peers' partitions arrive). Collective over ``group``.
 
     Raises:
         RuntimeError: a peer failed (torch.distributed's error).
     """
-    works = []
-    for q in range(len(parts)):
-        if q != me:
-            peer = tdist.get_global_rank(group, q)
-            works.append(tdist.isend(parts[me], dst=peer, group=group))
-            works.append(tdist.irecv(parts[q], src=peer, group=group))
+    peers = [(q, tdist.get_global_rank(group, q)) for q in range(len(parts)) if q != me]
+    works = [tdist.irecv(parts[q], src=peer, group=group) for q, peer in peers]
+    if fill is not None:
+        fill()
+    works += [tdist.isend(parts[me], dst=peer, group=group) for _, peer in peers]
     for w in works:
         w.wait()
 
