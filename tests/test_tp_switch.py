@@ -23,6 +23,7 @@ oracles).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -43,6 +44,11 @@ CASES = {
     "tp1_to_tp2_zero3_bf16_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16", "--refuse"]),
     # Qwen3's q_norm/k_norm: replicated, their gradients summed over TP by hooks the rebuild must keep
     "qwen3_tp1_to_tp2_grad_allreduce_hooks": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--qwen3"]),
+    # a frozen parameter AutoTP does not cut (the final norm): copied into the rebuilt model
+    "tp2_to_tp1_zero2_frozen_norm": (
+        2,
+        ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--freeze", "model.norm.weight"],
+    ),
     "tp2_to_tp1_zero3": pytest.param((2, ["--tp-from", "2", "--tp-to", "1", "--stage", "3"]), marks=pytest.mark.slow),
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
         (4, ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--bf16", "--tie"]), marks=pytest.mark.slow
@@ -110,6 +116,25 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
             f"world size {nproc - 1} refused: an AutoTP job started by a launcher other than `dynatrain launch` "
             f"changes its TP degree at its world size ({nproc}); `dynatrain launch` serves its shrinks",
         ]
+
+
+def test_a_frozen_parameter_autotp_cuts_refuses_the_switch(tmp_path):
+    """A frozen parameter is in no optimizer partition, so no plan moves it; one AutoTP cuts (a
+    q_proj) would come out of a switch wrong: the switch is refused, naming it, with the state
+    unchanged and training going on at the old TP. (A job that starts with such a parameter cut
+    stops at its start: its TP layout describes trainable parameters only.)"""
+    args = ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--expect-refusal"]
+    args += ["--freeze", "model.layers.0.self_attn.q_proj.weight", "--out", str(tmp_path), "--mode", "switch"]
+    jobs = run_plain(tmp_path, SCRIPT, 2, args, timeout=200, name="switch")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    out = json.loads((tmp_path / "refused.json").read_text())
+    assert out["refusals"] == [
+        "layout TP 2 x DP 1 refused: frozen parameters cut by AutoTP cannot move to other processes "
+        "(only the optimizer's state does): model.layers.0.self_attn.q_proj.weight"
+    ]
+    states = torch.load(tmp_path / "refused.pt")
+    assert not _equal(states["before"], states["after"])
+    assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
 
 
 CONFIG = {

@@ -119,13 +119,26 @@ def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
     """The job's layout at TP degree ``tp`` over ``world_size`` processes.
 
     Raises:
-        ResizeRefusedError: AutoTP cannot cut the model at ``tp``.
+        ResizeRefusedError: AutoTP cannot cut the model at ``tp``, or a frozen parameter (one
+            the optimizer does not hold, so no plan moves it) is cut by AutoTP at the current
+            or the new degree.
     """
     try:
         splits = skeleton_splits(engine.module, tp, tensor_parallel_grain(engine._dt.ds_config))
     except (ValueError, AssertionError) as err:
         raise ResizeRefusedError(f"TP degree {tp} refused: AutoTP cannot cut the model at it: {err}") from None
-    return engine._dt.tp_layout.with_degrees(tp, world_size // tp, splits)
+    old = engine._dt.tp_layout
+    cut = [
+        n
+        for n, p in engine.module.named_parameters()
+        if not p.requires_grad and (old.split(n).dim is not None or n in splits)
+    ]
+    if cut:
+        raise ResizeRefusedError(
+            f"layout TP {tp} x DP {world_size // tp} refused: frozen parameters cut by AutoTP "
+            f"cannot move to other processes (only the optimizer's state does): {', '.join(cut[:4])}"
+        )
+    return old.with_degrees(tp, world_size // tp, splits)
 
 
 def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[str, torch.Tensor]]:

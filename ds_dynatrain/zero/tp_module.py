@@ -56,15 +56,17 @@ def _shared_parameters(model: torch.nn.Module) -> List[List[Tuple[torch.nn.Modul
 
 def tp_module(old: torch.nn.Module, tp: int, ds_config: dict) -> torch.nn.Module:
     """A new instance of ``old``'s class and config, cut by AutoTP at degree ``tp`` (whole at 1),
-    its local shards allocated on the CPU (left unwritten; frozen ones zeroed), its buffers copied
-    from ``old``.
+    its local shards allocated on the CPU (left unwritten), its frozen parameters (which AutoTP
+    does not cut: :func:`~ds_dynatrain.engine.tp_switch.new_layout` refuses the others) and
+    buffers copied from ``old``.
 
     Call after :func:`reset_tp_groups` for ``tp``. The parameters' values are to be installed
     (the optimizer's master partitions, then the working parameters made from them).
 
     Raises:
-        LayoutMismatchError: ``old`` is no Hugging Face model (no ``config``), or a buffer of the
-            new model is missing from ``old`` or has another shape.
+        LayoutMismatchError: ``old`` is no Hugging Face model (no ``config``), a buffer of the new
+            model is missing from ``old`` or has another shape there, or
+            a frozen parameter has another shape there.
     """
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
@@ -96,8 +98,14 @@ def tp_module(old: torch.nn.Module, tp: int, ds_config: dict) -> torch.nn.Module
                 setattr(p, k, v)
             for hook in hooks[n]:
                 p.register_hook(hook)
-            if not p.requires_grad:  # no master to come from: zeros, as before
-                p.zero_()
+        old_params = dict(old.named_parameters())
+        for n, p in model.named_parameters():
+            src = old_params.get(n)
+            if src is not None and not src.requires_grad:  # frozen: no master to come from, and whole
+                if src.shape != p.shape:
+                    raise LayoutMismatchError(f"frozen parameter {n}: {tuple(src.shape)} before, {tuple(p.shape)} now")
+                p.requires_grad_(False)
+                p.copy_(src)
         old_buffers = dict(old.named_buffers())
         for n, b in model.named_buffers():
             src = old_buffers.get(n)

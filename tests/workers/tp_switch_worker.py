@@ -69,6 +69,8 @@ def model_and_config(a):
         tie_word_embeddings=a.tie,
     )
     model = model_class(cfg)
+    for name in filter(None, a.freeze.split(",")):  # frozen: not in the optimizer
+        model.get_parameter(name).requires_grad_(False)
     ds = {
         "train_batch_size": GLOBAL,
         "train_micro_batch_size_per_gpu": 1,
@@ -109,7 +111,8 @@ def train_step(engine, batch, tp: int) -> float:
 
 def gather_logical(engine) -> dict:
     """Every trainable parameter's fp32 master and Adam moments whole (the TP shards joined with
-    the layer's own affine map) and the optimizer step (collective)."""
+    the layer's own affine map), every frozen parameter's value, and the optimizer step
+    (collective)."""
     from deepspeed.checkpoint.affine import ParamAffineMap
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -117,6 +120,9 @@ def gather_logical(engine) -> dict:
     tp = groups.get_tensor_model_parallel_world_size() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 1
     out = {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:  # frozen: no optimizer state; its value (never cut) is compared
+            out[name] = {"param": p.detach().clone()}
+            continue
         if getattr(p, "ds_numel", p.numel()) == 0:  # an empty shard (TP above the KV heads): no fragment
             local = {k: torch.empty(p.shape) for k in ("fp32", "exp_avg", "exp_avg_sq")}
         else:
@@ -159,7 +165,7 @@ def set_logical(engine, state: dict) -> None:
         meta = getattr(p, DS_AUTOTP_UC_META, None)
         amap = meta and meta["conversion"].get("affine_map")
 
-        if getattr(p, "ds_numel", p.numel()) == 0:
+        if getattr(p, "ds_numel", p.numel()) == 0 or not p.requires_grad:  # frozen: as the model was built
             continue
 
         def cut(t, amap=amap):
@@ -342,6 +348,8 @@ def main() -> None:
     p.add_argument("--no-autotp", action="store_true", help="(load) the loading job has no tensor_parallel section")
     p.add_argument("--tie", action="store_true")
     p.add_argument("--qwen3", action="store_true", help="a Qwen3 model instead of Llama")
+    p.add_argument("--freeze", default="", help="parameter names, comma-separated, frozen before initialize")
+    p.add_argument("--expect-refusal", action="store_true", help="(switch) the switch is refused; train on")
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
     p.add_argument("--max-inflight-bytes", type=int, default=0, help="(switch) dynatrain.max_inflight_bytes")
@@ -385,6 +393,19 @@ def main() -> None:
             train_step(engine, data[s], a.tp_from)
         world = tdist.get_world_size()
         refusals = []
+        if a.expect_refusal:  # the switch refused; training goes on at the old TP, nothing changed
+            before = gather_logical(engine)
+            try:
+                engine.resize(world, tensor_parallel=a.tp_to)
+            except ResizeRefusedError as err:
+                refusals.append(str(err))
+            after = gather_logical(engine)
+            losses = [train_step(engine, data[a.steps_before + s], a.tp_from) for s in range(a.steps_after)]
+            if rank == 0:
+                torch.save({"before": before, "after": after}, os.path.join(a.out, "refused.pt"))
+                with open(os.path.join(a.out, "refused.json"), "w") as f:
+                    json.dump({"losses": losses, "refusals": refusals}, f)
+            return
         if a.refuse:
             for kwargs in ({"tensor_parallel": 3}, {"tensor_parallel": world, "world_size": world - 1}):
                 try:
