@@ -104,8 +104,11 @@ def job_env() -> dict:
     """Environment of every job: CPU accelerator unless set, the repository importable, and
     OMP_NUM_THREADS unset: our workers take their share of the host's CPUs at every world size
     (ds_dynatrain/elastic/threads.py); the plain DeepSpeed ranks get the same share from
-    :func:`run_plain`."""
-    env = dict(os.environ)
+    :func:`run_plain`. torch's huge-page CPU allocation on for both routes, as ``dynatrain
+    launch`` sets it (unless the caller's environment names it)."""
+    from ds_dynatrain.elastic.launch_env import with_huge_pages
+
+    env = with_huge_pages(dict(os.environ))
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("OMP_NUM_THREADS", None)

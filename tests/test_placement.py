@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as tdist
 
 from ds_dynatrain.elastic.keys import MEMBER_NODE_KEY, NODE_ALIVE_KEY, NODE_COUNT, NODE_DONE_KEY, NODE_KEY
-from ds_dynatrain.elastic.launch_env import LaunchContext, enter_generation
+from ds_dynatrain.elastic.launch_env import HUGE_PAGES, LaunchContext, enter_generation
 from ds_dynatrain.elastic.placement import (
     HEARTBEAT_LOST_S,
     Host,
@@ -22,6 +22,7 @@ from ds_dynatrain.elastic.placement import (
     place_joiners,
 )
 from ds_dynatrain.errors import ResizeRefusedError
+from tests.conftest import launch
 
 
 def _hosts(*slots, over=()):
@@ -94,3 +95,19 @@ def test_entering_a_generation_keeps_the_local_rank():
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     enter_generation(0, 2, 1, environ=env)
     assert env == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_launch_starts_workers_with_huge_page_allocation_unless_the_environment_names_it(tmp_path, monkeypatch):
+    """A real ``dynatrain launch`` of a one-process script that prints the variable torch reads:
+    set to 1 by the launcher where absent, the caller's own value kept."""
+    script = tmp_path / "show_env.py"
+    script.write_text(f"import os\nprint('huge pages:', os.environ.get({HUGE_PAGES!r}), flush=True)\n")
+    cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1}
+    monkeypatch.delenv(HUGE_PAGES, raising=False)
+    job = launch(tmp_path, str(script), 1, cfg, timeout=60)
+    assert job.returncode == 0, job.output
+    assert "huge pages: 1" in job.output
+    monkeypatch.setenv(HUGE_PAGES, "0")
+    job = launch(tmp_path, str(script), 1, cfg, timeout=60, name="kept")
+    assert job.returncode == 0, job.output
+    assert "huge pages: 0" in job.output

@@ -76,7 +76,7 @@ from .keys import (
     SWITCH_KEY,
     WAVE_KEY,
 )
-from .launch_env import LaunchContext, member_id
+from .launch_env import LaunchContext, member_id, with_huge_pages
 from .membership import connect_store, next_generation
 from .placement import alive_workers, others_running
 from .priority import joiner_start_env
@@ -205,7 +205,7 @@ class Agent:
         ctx = dataclasses.replace(ctx, local_rank=local)
         if self._restore_env:
             ctx = dataclasses.replace(ctx, restore_dir=self.restore_dir)
-        env = dict(os.environ)
+        env = with_huge_pages(dict(os.environ))
         env.update(ctx.worker_environ(0 if wave is None else self._wave_port(wave)))
         cmd = [self.python, self.script, *self.script_args, *self.config_args]
         self.store.set(MEMBER_NODE_KEY.format(ctx.member), str(self.node))
