@@ -331,8 +331,8 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
 
     An AutoTP job (``tensor_parallel.autotp_size`` of 1 or more) switches its TP and DP degree online
     (``engine.resize(world_size, tensor_parallel=N)``, the schedule), and under ``dynatrain launch``
-    shrinks (the schedule, a request, a preemption); its snapshots load at any TP and DP degree.
-    Its restart from a snapshot after a dead worker, peer replicas, grows and offloaded state are
+    shrinks and grows (the schedule, a request, a preemption); its snapshots load at any TP and DP
+    degree. Its restart from a snapshot after a dead worker, peer replicas and offloaded state are
     not served yet: each is refused here, naming the key.
 
     Raises:
@@ -369,16 +369,15 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         )
     if dt_cfg.recovery.peer_replicas:
         problems.append("dynatrain.recovery.peer_replicas (recovery of TP jobs is not served yet)")
-    world, degree = world_size, tp  # the schedule's entries in order: no grow, a TP degree dividing the world
+    world, degree = world_size, tp  # the schedule's entries in order: a TP degree dividing the world
     for e in dt_cfg.resize_schedule:
         entry = f"dynatrain.resize_schedule (step {e.step})"
         if e.tensor_parallel is None and e.world_size % degree:  # as at run time: the largest smaller degree
             degree = max(t for t in range(1, degree + 1) if e.world_size % t == 0)
         degree = e.tensor_parallel or degree
-        if e.world_size > world:
-            problems.append(f"{entry}: a grow to {e.world_size} (an AutoTP job does not grow yet)")
-        elif e.world_size != world and not launched:
-            problems.append(f"{entry}: a shrink to {e.world_size} needs `dynatrain launch` (it hosts the membership)")
+        if e.world_size != world and not launched:
+            what = "grow" if e.world_size > world else "shrink"
+            problems.append(f"{entry}: a {what} to {e.world_size} needs `dynatrain launch` (it hosts the membership)")
         elif e.world_size % degree:
             problems.append(f"{entry}: TP degree {degree} does not divide the world size {e.world_size}")
         world = e.world_size

@@ -327,7 +327,7 @@ def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
             {"resize_schedule": [{"step": 3, "world_size": 4, "tensor_parallel": 2}]},
             2,
             False,
-            "(step 3): a grow to 4 (an AutoTP job does not grow yet)",
+            "(step 3): a grow to 4 needs `dynatrain launch` (it hosts the membership)",
         ),
         (
             {"autotp_size": 1},
@@ -376,9 +376,15 @@ def test_tensor_parallel_job_accepted():
     assert check_tensor_parallel(ds, DynatrainConfig(snapshot=snaps), 4, launched=False) == 2
     no_restart = DynatrainConfig(snapshot={**snaps, "restore_on_failure": False})
     assert check_tensor_parallel(ds, no_restart, 4, launched=True) == 2
+    # a grow under dynatrain launch, keeping the TP degree, then one to a degree of its own
+    grow = DynatrainConfig(
+        resize_schedule=[{"step": 3, "world_size": 6}, {"step": 5, "world_size": 8, "tensor_parallel": 4}]
+    )
+    assert check_tensor_parallel(ds, grow, 4, launched=True) == 2
     with pytest.raises(ConfigError) as err:
-        check_tensor_parallel(ds, DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 5}]), 4, launched=True)
+        bad = DynatrainConfig(resize_schedule=[{"step": 3, "world_size": 6, "tensor_parallel": 4}])
+        check_tensor_parallel(ds, bad, 4, launched=True)
     assert str(err.value) == (
         "invalid DeepSpeed config: tensor_parallel.autotp_size 2 with dynatrain.resize_schedule (step 3): "
-        "a grow to 5 (an AutoTP job does not grow yet)"
+        "TP degree 4 does not divide the world size 6"
     )

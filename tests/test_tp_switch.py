@@ -205,6 +205,64 @@ def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt, zero3):
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
 
 
+@pytest.mark.parametrize(
+    "tp_to, extra",
+    [(2, []), pytest.param(1, ["--stage", "3", "--bf16"], marks=pytest.mark.slow)],
+    ids=["tp2dp1_to_tp2dp2", "tp2dp1_to_tp1dp4_zero3_bf16"],
+)
+def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra):
+    """``dynatrain launch`` of 2 processes at TP 2 x DP 1 grows after step 3 to 4 processes
+    (``engine.resize(4, tensor_parallel=T)``): the launcher starts two joiners, which build their
+    engines at the new layout and receive their state. The gathered logical state right after the
+    grow equals the state before it, bitwise; the losses of steps 4-5 and the final state equal a
+    plain DeepSpeed run of 4 processes at the new layout set from the state after step 3, bitwise.
+    The ZeRO-3 bf16 case grows to TP 1 x DP 4. The TP 2 case then runs again with the grow in
+    the config's ``resize_schedule`` (its joiners started ahead, while the survivors train): the
+    same losses and final state."""
+    config = dict(CONFIG, dynatrain={"metrics_path": str(tmp_path / "metrics.jsonl")})
+    if "--stage" in extra:
+        config.update(zero_optimization={"stage": 3}, bf16={"enabled": True})
+    common = ["--mode", "launch", "--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps", "5", *extra]
+    job = launch(tmp_path, SCRIPT, 2, config, [*common, "--resize-at", f"3:4:{tp_to}"], timeout=300, name="grow")
+    assert job.returncode == 0, job.output[-4000:]
+    assert f"resize TP 2 x DP 1 → TP {tp_to} x DP {4 // tp_to} after step 3" in job.output
+    assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
+    args = [
+        "--out",
+        str(tmp_path),
+        "--tp-from",
+        "2",
+        "--tp-to",
+        str(tp_to),
+        "--steps-before",
+        "3",
+        "--steps-after",
+        "2",
+    ]
+    jobs = run_plain(tmp_path, SCRIPT, 4, [*args, *extra, "--mode", "static"], timeout=200, name="static")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    static = json.loads((tmp_path / "losses_static.json").read_text())
+    ran = json.loads((tmp_path / "losses_launch.json").read_text())
+    assert ran["losses"] == static["losses"] and ran["tp"] == tp_to
+    assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
+        (2, 4, 2, tp_to)
+    ]
+    final_static = torch.load(tmp_path / "final_static.pt")
+    assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
+    if extra:
+        return
+    for name in ("final_launch.pt", "losses_launch.json"):
+        (tmp_path / name).unlink()
+    config["dynatrain"]["resize_schedule"] = [{"step": 3, "world_size": 4}]
+    args = [*common, "--resize-at", "3:4:2", "--by-schedule"]
+    job = launch(tmp_path, SCRIPT, 2, config, args, timeout=300, name="schedule")
+    assert job.returncode == 0, job.output[-4000:]
+    assert "agent: starting joiner" in job.output.split("resize TP 2 x DP 1")[0]
+    ran = json.loads((tmp_path / "losses_launch.json").read_text())
+    assert ran["losses"] == static["losses"] and ran["tp"] == 2
+    assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
+
+
 def test_resize_request_carries_the_tensor_parallel_degree():
     """``dynatrain resize --tensor-parallel`` (``request_resize``) against a real TCPStore standing in
     for a job's: the TP degree is in the queued request, the global batch is checked over the DP

@@ -32,7 +32,9 @@ from .members import request_joiners
 from .records import StepRecord, format_step
 from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
+from .tp_grow import grow_members
 from .tp_resize import largest_tp_layout
+from .tp_switch import new_layout, tp_degree_for
 from .vote import StepTally, StepVote, exchange
 
 
@@ -223,14 +225,24 @@ def spawn_ahead(engine) -> None:
     """Ask the agent to start the joiners of the next scheduled grow a few steps early, so that
     their start-up (imports, model construction) overlaps training."""
     dt: ElasticState = engine._dt
-    if dt.membership is None or not engine.is_member or dt.preparing is not None or dt.tp_layout is not None:
-        return  # a request being prepared owns the next generation; an AutoTP job does not grow
+    if dt.membership is None or not engine.is_member or dt.preparing is not None:
+        return  # a request being prepared owns the next generation
     upcoming = [(s, w) for s, w in sorted(dt.schedule.items()) if s >= engine.global_steps]
     if not upcoming:
         return
     step, world_size = upcoming[0]
-    if step == engine.global_steps or world_size <= engine.dp_world_size:
+    if step == engine.global_steps or world_size <= len(dt.members):
         return
     if step - engine.global_steps > dt.config.spawn_lookahead_steps:
         return
+    if dt.tp_layout is not None:  # an AutoTP job: its joiners take the ranks its grow will give them
+        g = dt.generation + 1
+        if dt.published.get(g) is not None:
+            return
+        tp = tp_degree_for(dt, world_size, dt.tp_schedule.get(step))
+        try:
+            new = new_layout(engine, tp, world_size)
+        except ResizeRefusedError:
+            return  # refused at the grow itself, with the reason
+        dt.assigned[(g, world_size, ())] = grow_members(dt.tp_layout, new, dt.members, g)
     request_joiners(engine, world_size)

@@ -43,6 +43,7 @@ from .members import form_generation
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .tp_grow import join_tensor_parallel
 from .tp_switch import check_layout, tp_layout_for_model
 from .warmup import warm_joiner
 
@@ -176,7 +177,9 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     # warm while the survivors train (until the generation forms): no collective, no state changed,
     # one CPU thread beside the host's running workers
     one_thread_unless_fixed()
-    dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
+    tensor_parallel = is_tensor_parallel_job(dt.ds_config)
+    if not tensor_parallel:  # an AutoTP grow waits for its joiners at the rendezvous: no warm-up
+        dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
     started_at = return_to_job_priority()  # the agent started it below the workers: back to their priority
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
@@ -187,13 +190,8 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     lower = f" (started at nice {started_at} until now)" if started_at is not None else ""
     where = f"as rank {ctx.rank} of {rec.world_size}"
     logger.info(f"member {ctx.member} joining generation {rec.generation} {where}{lower}")
-    join_generation(
-        engine,
-        rec,
-        model,
-        optimizer,
-        model_parameters,
-        lr_scheduler,
-        client_groups(model, optimizer, model_parameters),
-        rebuilt=False,
-    )
+    groups = client_groups(model, optimizer, model_parameters)
+    if tensor_parallel:
+        join_tensor_parallel(engine, rec, model, optimizer, model_parameters, lr_scheduler, groups)
+        return
+    join_generation(engine, rec, model, optimizer, model_parameters, lr_scheduler, groups, rebuilt=False)

@@ -26,7 +26,7 @@ from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
 from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
-from . import boundary, loading, pending, recover, requests, tp_resize, tp_switch
+from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize, tp_switch
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
@@ -79,7 +79,9 @@ class ElasticEngine(DeepSpeedEngine):
             tensor_parallel: the new AutoTP degree of an AutoTP job (``tensor_parallel.autotp_size``
                 in its config), at an unchanged ``world_size`` (the number of processes, TP x DP):
                 the TP and DP degrees change, the processes stay
-                (:func:`~ds_dynatrain.engine.tp_switch.switch_tensor_parallel`).
+                (:func:`~ds_dynatrain.engine.tp_switch.switch_tensor_parallel`); under
+                ``dynatrain launch`` with another ``world_size`` processes leave
+                (:mod:`~ds_dynatrain.engine.tp_resize`) or join (:mod:`~ds_dynatrain.engine.tp_grow`).
 
         Returns:
             The resize record (``from``, ``to``, ``bytes_moved``, ``seconds``, ...) on members of
@@ -117,12 +119,9 @@ class ElasticEngine(DeepSpeedEngine):
                 f"tensor_parallel {tensor_parallel} refused: the job was not started with AutoTP "
                 "(tensor_parallel.autotp_size in its DeepSpeed config)"
             )
-        tp = dt.tp if tensor_parallel is None else tensor_parallel
-        if tensor_parallel is None and world_size >= 1 and world_size % tp:
-            # a shrink the TP degree does not divide: the largest smaller degree that does
-            tp = max(t for t in range(1, tp + 1) if world_size % t == 0)
-            if self.global_rank == 0:
-                logger.info(f"world size {world_size}: TP {dt.tp} does not divide it; the job goes on at TP {tp}")
+        tp = tp_switch.tp_degree_for(dt, world_size, tensor_parallel)
+        if tp != dt.tp and tensor_parallel is None and self.global_rank == 0:
+            logger.info(f"world size {world_size}: TP {dt.tp} does not divide it; the job goes on at TP {tp}")
         world = len(dt.members)
         if world_size == world and not must_leave:
             return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()
@@ -131,6 +130,12 @@ class ElasticEngine(DeepSpeedEngine):
                 f"world size {world_size} refused: an AutoTP job started by {other_launcher()} changes its TP "
                 f"degree at its world size ({world}); `dynatrain launch` serves its shrinks"
             )
+        if world_size > world:
+            if must_leave:
+                raise ResizeRefusedError(
+                    f"world size {world_size} refused: a grow cannot also let {list(must_leave)} leave"
+                )
+            return tp_grow.grow_tensor_parallel(self, world_size, tp).to_dict()
         rec = tp_resize.shrink_tensor_parallel(self, world_size, tp, tuple(must_leave))
         return None if rec is None else rec.to_dict()
 

@@ -45,6 +45,8 @@ class TransitionHeader:
         its hyper-parameters.  rng: ``torch``, ``python`` and ``numpy`` RNG states.
         loss_scaler: ``{"class", "state"}`` of the ZeRO optimizer's loss scaler (None: none).
         standby: who stands by after this transition.  history: recent memberships.
+        tensor_parallel_to: an AutoTP job's new TP degree (its ``old_layout`` is then
+        ``{"tensor_parallel", "data_parallel"}``, the old degrees; None: a ZeRO layout).
     """
 
     digest: str
@@ -63,6 +65,7 @@ class TransitionHeader:
     loss_scaler: Optional[dict] = None
     standby: List[str] = field(default_factory=list)
     history: List[List[str]] = field(default_factory=list)
+    tensor_parallel_to: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -77,8 +80,9 @@ class TransitionHeader:
             raise TransitionAbortedError(f"transition header incomplete: {err}") from None
 
 
-def make_header(engine, plan: Plan, state: PartitionState, must_leave: Tuple[str, ...] = ()) -> TransitionHeader:
-    """Old rank 0's header for ``plan`` from its live ``engine`` and partitions ``state``.
+def make_header(engine, plan, state: PartitionState, must_leave: Tuple[str, ...] = ()) -> TransitionHeader:
+    """Old rank 0's header for ``plan`` (a :class:`Plan`, or an AutoTP job's
+    :class:`~ds_dynatrain.planner.tp_plan.TpPlan`) from its live ``engine`` and partitions ``state``.
 
     ``loss_scaler``: the attributes of the ZeRO optimizer's loss scaler (DeepSpeed's
     ``DynamicLossScaler`` in fp16: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
@@ -89,9 +93,12 @@ def make_header(engine, plan: Plan, state: PartitionState, must_leave: Tuple[str
     sched = engine.lr_scheduler
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     leaving = [m for m in plan.old_members if m not in plan.new_members and m not in must_leave]
+    tp_new = getattr(plan.new_layout, "tp", None)
+    old = plan.old_layout
     return TransitionHeader(
         digest=plan.digest(),
-        old_layout=plan.old_layout.to_dict(),
+        old_layout=old.to_dict() if tp_new is None else {"tensor_parallel": old.tp, "data_parallel": old.dp},
+        tensor_parallel_to=tp_new,
         old_members=list(plan.old_members),
         new_members=list(plan.new_members),
         kinds=list(state_kinds(state)),

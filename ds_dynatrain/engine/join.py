@@ -62,28 +62,12 @@ def join_generation(
     dt = engine._dt
     t0 = time.perf_counter()
     timeout = dt.group_timeout_s
-    membership = dt.membership
     dt.published_step[rec.generation] = rec.step
-    _build_groups(dt, rec, timeout)
+    build_groups(dt, rec, timeout)
     reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
-    # the survivors may still give the request up (a preemption at the boundary where all were
-    # ready): wait for them to switch before entering the header's broadcast. They switch once
-    # every process of the generation has its groups (each build bounded by ``timeout``, the
-    # last one started up to ``timeout`` after this one) or give the request up, so twice the
-    # timeout is a bound that a live job never reaches.
-    try:
-        wait_unless_given_up(
-            dt,
-            rec,
-            lambda: membership.is_switching(rec.generation, rec.step),
-            "the survivors did not switch",
-            2 * timeout,
-        )
-    except TransitionAbortedError:
-        membership.groups.detach()
-        raise
+    wait_for_switch(dt, rec, timeout)
     header, plan = join_header(rec, own)
     dests, _, transfer, overlap, xfer = begin_transition(
         plan, dt, rec.generation, header, None, receives=True, group=xfer.get(timeout)
@@ -118,7 +102,32 @@ def join_generation(
     return record
 
 
-def _build_groups(dt, rec: GenerationRecord, timeout: float) -> None:
+def wait_for_switch(dt, rec: GenerationRecord, timeout: float) -> None:
+    """A joiner of generation ``rec``, its groups formed, waits for the survivors to switch before
+    it enters the header's broadcast: they may still give the request up (a preemption at the
+    boundary where all were ready). They switch once every process of the generation has its
+    groups (each build bounded by ``timeout``, the last one started up to ``timeout`` after this
+    one) or give the request up, so twice the timeout is a bound that a live job never reaches.
+
+    Raises:
+        TransitionAbortedError: the request was given up, or the survivors did not switch in time
+            (this process's groups are detached).
+    """
+    membership = dt.membership
+    try:
+        wait_unless_given_up(
+            dt,
+            rec,
+            lambda: membership.is_switching(rec.generation, rec.step),
+            "the survivors did not switch",
+            2 * timeout,
+        )
+    except TransitionAbortedError:
+        membership.groups.detach()
+        raise
+
+
+def build_groups(dt, rec: GenerationRecord, timeout: float) -> None:
     """The generation's process groups, built in the background, so that a request given up (or
     the job's end) does not leave this process stuck in a rendezvous its peers never reach.
 

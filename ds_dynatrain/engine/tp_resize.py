@@ -31,6 +31,7 @@ from .records import ResizeRecord
 from .tp_switch import (
     count_transfer,
     install_moved_state,
+    kinds_of,
     move_state,
     new_layout,
     new_partitions,
@@ -74,7 +75,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     t0 = time.perf_counter()
     members = tuple(dt.members)
     if world_size > len(members):
-        raise ResizeRefusedError(f"world size {world_size} refused: an AutoTP job does not grow yet")
+        raise ResizeRefusedError(f"world size {world_size} refused: a grow (engine.tp_grow), not a shrink")
     if tp < 1:
         raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
     if world_size % tp:
@@ -97,7 +98,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     stays = dt.member in new_members
     new_rank = new_members.index(dt.member) if stays else None
     state = extract_partitions(engine)
-    dests = new_partitions(new, new_rank, state) if stays else None
+    dests = new_partitions(new, new_rank, kinds_of(state)) if stays else None
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=len(members),
@@ -123,7 +124,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
         dt.members = new_members
         dt.generation = g
 
-    rebuild_at(engine, tp, split, before_groups=form)
+    rebuild_at(engine, tp, split, before_groups=form, same_world=False)
     install_moved_state(engine, dests, scalars)
     dt.tp_layout = new
     evict_groups(dt)

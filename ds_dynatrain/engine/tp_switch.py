@@ -92,7 +92,7 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     new = new_layout(engine, tp, world)
     plan = plan_tp_transition(old, new, dt.members, dt.members)
     state = extract_partitions(engine)
-    dests = new_partitions(new, rank, state)
+    dests = new_partitions(new, rank, kinds_of(state))
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=world,
@@ -113,6 +113,16 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     rec.seconds = time.perf_counter() - t0
     publish(engine, rec)
     return rec
+
+
+def tp_degree_for(dt, world_size: int, tensor_parallel: Optional[int]) -> int:
+    """The TP degree of a resize to ``world_size``: ``tensor_parallel`` where given, else the job's
+    degree where it divides ``world_size``, else the largest smaller degree that does."""
+    if tensor_parallel is not None:
+        return tensor_parallel
+    if world_size < 1:
+        return dt.tp
+    return max(t for t in range(1, dt.tp + 1) if world_size % t == 0)
 
 
 def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
@@ -141,15 +151,20 @@ def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
     return old.with_degrees(tp, world_size // tp, splits)
 
 
-def new_partitions(layout: TensorParallelLayout, rank: int, state) -> List[Dict[str, torch.Tensor]]:
+def kinds_of(state) -> Dict[str, torch.dtype]:
+    """``{kind: dtype}`` of a ``PartitionState``'s partitions (fp32 master and moments)."""
+    return {k: v.dtype for k, v in state.tensors[0].items()}
+
+
+def new_partitions(
+    layout: TensorParallelLayout, rank: int, kinds: Dict[str, torch.dtype]
+) -> List[Dict[str, torch.Tensor]]:
     """New partitions of global ``rank`` under ``layout``, one ``{kind: 1-D tensor}`` per
-    partition, of the kinds and dtypes of this rank's ``state`` (``PartitionState``): the padding
-    zeroed, every element a fragment covers left for the transfer to write (every one of them is
-    in the plan)."""
+    partition, of the given kinds and dtypes (:func:`kinds_of`): the padding zeroed, every element
+    a fragment covers left for the transfer to write (every one of them is in the plan)."""
     zl = layout.zero(rank % layout.tp)
-    like = state.tensors[0]
     out = [
-        {k: torch.empty(zl.partition_numel(b), dtype=v.dtype) for k, v in like.items()}
+        {k: torch.empty(zl.partition_numel(b), dtype=dtype) for k, dtype in kinds.items()}
         for b in range(zl.num_partitions)
     ]
     covered = [[] for _ in out]
@@ -250,12 +265,13 @@ def install_moved_state(engine, dests, scalars) -> None:
     working_from_master(engine)
 
 
-def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
+def rebuild_at(engine, tp: int, split, before_groups=None, same_world: bool = True) -> None:
     """Rebuild ``engine`` in place on a model cut at ``tp``, with the torch optimizer and scheduler
     it had (their parameters re-pointed, by name, to the new model's); its working parameters are
     neither filled nor broadcast: :func:`install_moved_state` writes them. ``before_groups``: called
     after the old engine is torn down and before DeepSpeed's groups are made for ``tp`` (a shrink
-    forms the new world there)."""
+    forms the new world there); ``same_world``: the processes are those DeepSpeed's cached groups
+    were made over (False after a shrink or a grow)."""
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
     counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
@@ -271,7 +287,7 @@ def rebuild_at(engine, tp: int, split, before_groups=None) -> None:
     dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
     if before_groups is not None:
         before_groups()
-    reset_tp_groups(tp, same_world=before_groups is None)
+    reset_tp_groups(tp, same_world=same_world)
     model = tp_module(old_module, tp, dt.ds_config)
     params = dict(model.named_parameters())
     for g in basic.param_groups:

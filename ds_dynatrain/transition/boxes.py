@@ -62,7 +62,8 @@ def execute_box_plan(
         table: the plan's rows (int64 ``(n, 11)``, columns ``TP_COLUMNS``), the same on every
             process; its old ranks are ranks of ``group``.
         rank: this process's old rank (its rank in ``group``).
-        old: per old partition, ``{kind: 1-D tensor}`` (read); new: the same for the new
+        old: per old partition, ``{kind: 1-D tensor}`` (read; empty in a process that held no
+            old rank, a joiner); new: the same for the new
             partitions (written where the plan says; the rest is left as it is), None in a
             process that takes no new rank.
         kinds: the state kinds to move, in the same order on every process.
@@ -86,7 +87,7 @@ def execute_box_plan(
     in_rows = table[(dst == (-2 if new_rank is None else new_rank)) & (src != rank)]
     keeps = table[(src == rank) & (dst_peer == rank)]
     t0 = time.perf_counter()
-    dtype = old[0][kinds[0]].dtype
+    dtype = (old[0] if old else new[0])[kinds[0]].dtype  # a joiner holds no old partition
     per_element = len(kinds) * torch.empty((), dtype=dtype).element_size()
     # two messages per peer and direction in flight, each half the budget: one travels while the
     # next is packed or the last scattered

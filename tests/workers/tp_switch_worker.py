@@ -101,11 +101,10 @@ def train_step(engine, batch, tp: int) -> float:
         x = batch[i * dp + dp_rank : i * dp + dp_rank + 1]
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
-        engine.step()
         total += loss.detach().float()
-    if not getattr(engine, "is_member", True):  # it left the job at this step's boundary
-        return float("nan")
-    tdist.all_reduce(total)  # every TP rank of a DP rank holds the same loss
+        if i == gas - 1:  # over the world that trained: the last step() may resize it (the schedule)
+            tdist.all_reduce(total)  # every TP rank of a DP rank holds the same loss
+        engine.step()
     return (total / (gas * world)).item()
 
 
@@ -203,8 +202,9 @@ def launched(a) -> None:
     """Under ``dynatrain launch``: train ``--steps``; after step K of ``--resize-at K:W:T`` every
     process calls ``engine.resize(W, tensor_parallel=T)`` (the state gathered before and after);
     with ``--preempt K:R`` the process of rank R sends itself SIGTERM as step K starts (a
-    preemption notice, served at that step's boundary). Rank 0 of the last world writes
-    ``final_launch.pt`` and ``losses_launch.json`` (losses of the steps after K, the records)."""
+    preemption notice, served at that step's boundary). A process the launcher starts for a grow
+    enters at the job's step. Rank 0 of the last world writes ``final_launch.pt`` and
+    ``losses_launch.json`` (losses of the steps after K, the records)."""
     import signal
 
     import ds_dynatrain
@@ -218,7 +218,10 @@ def launched(a) -> None:
     k, world, tp = (int(x) for x in a.resize_at.split(":")) if a.resize_at else (0, 0, 0)
     pk, pr = (int(x) for x in a.preempt.split(":")) if a.preempt else (0, -1)
     losses = []
-    for s in range(1, a.steps + 1):
+    first = engine.global_steps + 1  # a joiner enters at the job's step, after the grow
+    if first > 1 and not a.by_schedule:
+        gather_logical(engine)  # the survivors' gather after the resize (collective)
+    for s in range(first, a.steps + 1):
         if s == pk and tdist.get_rank() == pr:
             os.kill(os.getpid(), signal.SIGTERM)
         loss = train_step(engine, data[s - 1], current_tp())
@@ -227,7 +230,7 @@ def launched(a) -> None:
             return
         if s > max(k, pk):
             losses.append(loss)
-        if s == k:
+        if s == k and not a.by_schedule:
             before = gather_logical(engine)
             if tdist.get_rank() == 0:
                 torch.save(before, os.path.join(a.out, "before.pt"))
@@ -338,6 +341,9 @@ def main() -> None:
     p.add_argument("--deepspeed_config", default=None, help="(launch) appended by dynatrain launch")
     p.add_argument("--steps", type=int, default=5, help="(launch) steps in all")
     p.add_argument("--resize-at", default="", help="(launch) K:W:T engine.resize(W, tensor_parallel=T) after step K")
+    p.add_argument(
+        "--by-schedule", action="store_true", help="(launch) the resize of --resize-at is the config's schedule's"
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="(launch) seconds slept after each step")
     p.add_argument("--preempt", default="", help="(launch) K:R rank R is sent SIGTERM as step K starts")
     p.add_argument("--tp-from", type=int, required=True)

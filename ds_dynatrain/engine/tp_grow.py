@@ -1,0 +1,227 @@
+"""A grow of an AutoTP job under ``dynatrain launch``: new processes join, and the TP and DP degrees
+of the larger world are chosen anew; the survivors' side (:func:`grow_tensor_parallel`) and the
+joiners' (:func:`join_tensor_parallel`).
+
+1. **plan** (survivors): the new :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout`,
+   the ranks the survivors take (the assignment that keeps the most state in place, over the
+   boxes' overlaps) and the joiners the others; rank 0 publishes the generation, the launcher's
+   agents start the joiners;
+2. **form**: survivors and joiners form the new generation's group (the survivors wait there for
+   the joiners' start-up); old rank 0 broadcasts the header (the plan's digest, the old and new
+   TP degrees, the optimizer's scalars and the non-tensor training state); a joiner computes both
+   layouts from its own uncut model and checks the plan's digest;
+3. **transfer**: the fp32 master and Adam moments move by the plan over the new group
+   (:func:`~ds_dynatrain.transition.boxes.execute_box_plan`), survivors sending, joiners receiving;
+4. **rebuild**: a survivor rebuilds its engine at the new degree
+   (:func:`~ds_dynatrain.engine.tp_switch.rebuild_at`); a joiner builds its engine on its own model,
+   which DeepSpeed's AutoTP cuts at the new degree, as at a job's start; both install the moved
+   state.
+
+The survivors wait for the joiners at the rendezvous: unlike a data-parallel grow, the new world is
+not built in the background (a joiner's start-up is part of the downtime).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from ..elastic.launch_env import member_id
+from ..elastic.membership import GenerationRecord
+from ..errors import ResizeRefusedError
+from ..planner.tp_plan import TpPlan, assign_tp_members_best, plan_tp_transition
+from ..transition.boxes import BoxTransferStats, execute_box_plan
+from ..vps.tensor_parallel import TensorParallelLayout
+from ..zero.state import extract_partitions
+from ..zero.tp_module import reset_tp_groups
+from .construct import construct, ds_config_for, keep_returned_optimizer
+from .header import agree_on_header, header_failures, install_header_state, make_header
+from .join import build_groups, wait_for_switch
+from .members import evict_groups, form_generation, request_joiners
+from .pending import publish
+from .records import JoinRecord, ResizeRecord
+from .tp_switch import (
+    check_layout,
+    count_transfer,
+    install_moved_state,
+    kinds_of,
+    message_bytes,
+    new_layout,
+    new_partitions,
+    new_scalars,
+    rebuild_at,
+    tp_layout_for_model,
+    transfer_group,
+)
+
+_JOINER = "\0tp-joiner-"  # placeholder of a joiner before it is named after its rank (no id starts with NUL)
+
+
+def grow_members(
+    old: TensorParallelLayout, new: TensorParallelLayout, members: Sequence[str], generation: int
+) -> Tuple[str, ...]:
+    """The processes of ``new``'s ranks: every old member at the rank that keeps the most of its
+    state in place (:func:`~ds_dynatrain.planner.tp_plan.assign_tp_members_best`), a joiner named
+    ``member_id(generation, rank)`` at each other rank. In rank order."""
+    placeholders = tuple(f"{_JOINER}{i}" for i in range(new.world_size - len(members)))
+    drafted, _ = assign_tp_members_best(old, new, members, placeholders)
+    return tuple(member_id(generation, r) if m.startswith(_JOINER) else m for r, m in enumerate(drafted))
+
+
+def grow_tensor_parallel(engine, world_size: int, tp: int) -> ResizeRecord:
+    """Grow ``engine``'s AutoTP job to ``world_size`` processes at TP degree ``tp`` now.
+
+    Collective over the current generation; the joiners it asks the launcher for take part from
+    the rendezvous on (:func:`join_tensor_parallel`). Returns the resize record.
+
+    Raises:
+        ResizeRefusedError: ``tp`` does not divide ``world_size``, the DP size cannot keep the
+            global batch, or AutoTP cannot cut the model at ``tp``; nothing has changed.
+        TransitionAbortedError: the joiners did not come within ``collective_timeout_s``, the
+            processes planned differently, or a peer failed during the transfer.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    members = tuple(dt.members)
+    if tp < 1 or world_size % tp:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
+    split = dt.split(world_size // tp)
+    old = dt.tp_layout
+    new = new_layout(engine, tp, world_size)
+    g = dt.generation + 1
+    new_members = grow_members(old, new, members, g)
+    dt.assigned[(g, world_size, ())] = new_members
+    request_joiners(engine, world_size)  # publishes generation g; the agents start its joiners
+    plan = plan_tp_transition(old, new, members, new_members)
+    state = extract_partitions(engine)
+    header = make_header(engine, plan, state) if engine.global_rank == 0 else None
+    rec = ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=len(members),
+        to_world_size=world_size,
+        generation=g,
+        plan_s=time.perf_counter() - t0,
+        tensor_parallel_from=old.tp,
+        tensor_parallel_to=tp,
+    )
+    step = dt.published_step[g]
+    if engine.global_rank == 0:
+        dt.membership.go(g)
+        dt.membership.switching(g, step)  # the joiners enter the header's broadcast once formed
+    t = time.perf_counter()
+    rec.group_reused = form_generation(dt, g, new_members, dt.group_timeout_s, step=step)
+    rec.group_s = time.perf_counter() - t
+    t = time.perf_counter()
+    header = agree_on_header(
+        header,
+        lambda h: "plan digest differs" if h.digest != plan.digest() else None,
+        src=new_members.index(members[0]),
+    )
+    rec.plan_s += time.perf_counter() - t
+    new_rank = new_members.index(dt.member)
+    dests = new_partitions(new, new_rank, kinds_of(state))
+    count_transfer(rec, plan, state, move_into_new_world(dt, plan, state.tensors, dests, tuple(state.tensors[0])))
+    scalars = new_scalars(old, members.index(dt.member), new, new_rank, state.scalars)
+    state = None
+    t = time.perf_counter()
+    dt.members, dt.generation = new_members, g  # before the rebuild: its snapshot engine keys by generation
+    rebuild_at(engine, tp, split, same_world=False)
+    install_moved_state(engine, dests, scalars)
+    install_header_state(engine, header, None, joiner=False)
+    dt.tp_layout = new
+    evict_groups(dt)
+    rec.rebuild_s = time.perf_counter() - t
+    rec.seconds = time.perf_counter() - t0
+    publish(engine, rec)
+    return rec
+
+
+def move_into_new_world(
+    dt, plan: TpPlan, old: Sequence[Dict[str, torch.Tensor]], dests, kinds: Sequence[str]
+) -> BoxTransferStats:
+    """Move this process's rows of a grow's ``plan`` over the new generation's group (every old
+    member is in it): the plan's old ranks become the ranks their processes have there. ``old``:
+    this process's old partitions (empty in a joiner); ``dests``: its new ones (written)."""
+    rank_in_new = {m: j for j, m in enumerate(plan.new_members)}
+    table = plan.table.copy()
+    table[:, 0] = np.asarray([rank_in_new[m] for m in plan.old_members], dtype=np.int64)[table[:, 0]]
+    me = rank_in_new[dt.member]
+    group = transfer_group()
+    try:
+        return execute_box_plan(table, me, list(old), dests, tuple(kinds), group, me, None, message_bytes(dt))
+    finally:
+        if group is not None:
+            tdist.destroy_process_group(group)
+
+
+def join_tensor_parallel(
+    engine, rec: GenerationRecord, model, optimizer, model_parameters, lr_scheduler, groups: List[list]
+) -> JoinRecord:
+    """Join an AutoTP job's generation ``rec`` (its membership names this process): form its
+    group, receive and check the header, receive this process's fp32 master and moments, build
+    the engine on ``model`` (uncut: DeepSpeed's AutoTP cuts it at the new degree) and install the
+    state. Returns the join record.
+
+    Args:
+        model, optimizer, model_parameters, lr_scheduler: what ``deepspeed.initialize`` took.
+        groups: the parameter groups the optimizer will hold, as lists of parameters.
+
+    Raises:
+        TransitionAbortedError: the generation was given up, a rendezvous or the header failed,
+            or the plan this process computed differs from the survivors' (another model).
+        LayoutMismatchError: this process's model is not the one the survivors train.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    timeout = dt.group_timeout_s
+    dt.published_step[rec.generation] = rec.step
+    build_groups(dt, rec, timeout)
+    reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
+    wait_for_switch(dt, rec, timeout)
+    box: dict = {}
+
+    def check(h) -> Optional[str]:
+        was = h.old_layout
+        tp_old, tp_new = int(was["tensor_parallel"]), int(h.tensor_parallel_to)
+        old = tp_layout_for_model(model, groups, tp_old, tp_old * int(was["data_parallel"]), dt)
+        new = tp_layout_for_model(model, groups, tp_new, rec.world_size, dt)
+        box["plan"] = plan = plan_tp_transition(old, new, h.old_members, h.new_members)
+        return "plan digest differs" if plan.digest() != h.digest else None
+
+    with header_failures(rec.generation):
+        header = agree_on_header(None, check, src=rec.header_rank)
+    plan: TpPlan = box["plan"]
+    old, new = plan.old_layout, plan.new_layout
+    new_rank = rec.members.index(dt.member)
+    kinds = {k: getattr(torch, header.dtype) for k in header.kinds}
+    dests = new_partitions(new, new_rank, kinds)
+    stats = move_into_new_world(dt, plan, (), dests, tuple(kinds))
+    # every partition of old rank 0 steps with all others: its scalars are every rank's
+    scalars = new_scalars(old, 0, new, new_rank, header.scalars)
+    dt.members, dt.generation, dt.retired = plan.new_members, rec.generation, False
+    dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = new.tp
+    dt.tp_layout = new
+    reset_tp_groups(new.tp)  # as a survivor's rebuild makes them, in the same order
+    dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
+    config = ds_config_for(dt, dt.split(new.dp), client_objects=False)
+    construct(engine, dt, model, optimizer, model_parameters, lr_scheduler, config, light=True, values_follow=True)
+    keep_returned_optimizer(engine)
+    check_layout(engine)
+    install_moved_state(engine, dests, scalars)
+    install_header_state(engine, header, None, joiner=True)
+    evict_groups(dt)
+    record = JoinRecord(
+        step=engine.global_steps,
+        generation=rec.generation,
+        group_reused=reused,
+        seconds=time.perf_counter() - t0,
+        warmup_s=dt.warmup_s,
+    )
+    record.transfer_s, record.messages = stats.exchange_seconds, stats.messages
+    record.bytes_received, record.peak_staging_bytes = stats.bytes_received, stats.peak_staging_bytes
+    publish(engine, record)
+    return record
