@@ -302,10 +302,11 @@ def test_resize_request_carries_the_tensor_parallel_degree():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tp_request_under_launch(tmp_path):
-    """``dynatrain resize --world-size 4 --tensor-parallel 1`` against a running 4-process TP 2 job:
-    served at a step boundary (every rank reads the degree from the store), answered with the
-    layouts, recorded; a degree that does not divide the world is refused by the requester with
-    exit status 2; the job trains on at TP 1 x DP 4 to its end."""
+    """``dynatrain resize --world-size 4`` against a running 2-process TP 2 job grows it to TP 2 x
+    DP 2 (the launcher starts two processes, which join at the job's step), then
+    ``--tensor-parallel 1`` switches it to TP 1 x DP 4: each served at a step boundary (every rank
+    reads the request from the store), answered with the layouts, recorded; a degree that does not
+    divide the world is refused by the requester with exit status 2; the job trains on to its end."""
     import subprocess
     import sys
     import time
@@ -316,9 +317,9 @@ def test_tp_request_under_launch(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(CONFIG, dynatrain={"metrics_path": str(metrics)})))
-    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "4", "--store", f"127.0.0.1:{port}"]
-    cmd += ["--config", str(cfg), SCRIPT, "--mode", "launch", "--out", str(tmp_path), "--tp-from", "2"]
-    cmd += ["--tp-to", "2", "--steps", "14", "--step-sleep", "0.7"]
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--store", f"127.0.0.1:{port}"]
+    cmd += ["--allow-oversubscribe", "--config", str(cfg), SCRIPT, "--mode", "launch", "--out", str(tmp_path)]
+    cmd += ["--tp-from", "2", "--tp-to", "2", "--steps", "24", "--step-sleep", "0.7"]
     with background_job(cmd, str(tmp_path / "job.log")) as job:
         deadline = time.monotonic() + 150
         while not (metrics.exists() and any(r.get("event") == "step" for r in read_jsonl(metrics))):
@@ -328,6 +329,10 @@ def test_tp_request_under_launch(tmp_path):
             [*resize_command(f"127.0.0.1:{port}", 4, 60), "--tensor-parallel", "3"], capture_output=True, text=True
         )
         assert bad.returncode == 2 and "TP degree 3 does not divide the world size 4" in bad.stderr, bad.stderr
+        grow = subprocess.run(resize_command(f"127.0.0.1:{port}", 4, 180), capture_output=True, text=True)
+        assert grow.returncode == 0 and "resized 2 -> 4 (TP 2 -> 2) after step" in grow.stdout, (
+            grow.stdout + grow.stderr
+        )
         ok = subprocess.run(
             [*resize_command(f"127.0.0.1:{port}", 4, 120), "--tensor-parallel", "1"], capture_output=True, text=True
         )
@@ -336,7 +341,8 @@ def test_tp_request_under_launch(tmp_path):
     ran = json.loads((tmp_path / "losses_launch.json").read_text())
     assert ran["tp"] == 1
     assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
-        (4, 4, 2, 1)
+        (2, 4, 2, 2),
+        (4, 4, 2, 1),
     ]
     steps = [r["step"] for r in read_jsonl(metrics) if r.get("event") == "step"]
-    assert steps == list(range(1, 15))
+    assert steps == list(range(1, 25))

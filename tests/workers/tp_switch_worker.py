@@ -219,7 +219,7 @@ def launched(a) -> None:
     pk, pr = (int(x) for x in a.preempt.split(":")) if a.preempt else (0, -1)
     losses = []
     first = engine.global_steps + 1  # a joiner enters at the job's step, after the grow
-    if first > 1 and not a.by_schedule:
+    if first > 1 and a.resize_at and not a.by_schedule:
         gather_logical(engine)  # the survivors' gather after the resize (collective)
     for s in range(first, a.steps + 1):
         if s == pk and tdist.get_rank() == pr:
