@@ -174,7 +174,7 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
                 if engine.global_rank == 0:
                     logger.warning(f"the resize scheduled after step {engine.global_steps} was refused: {err}")
     elif prep is not None:
-        if tally.ready == engine.dp_world_size:
+        if tally.ready == len(dt.members):
             finish_request(engine, prep)
     elif tally.request is not None:
         serve_request(engine, *tally.request)

@@ -17,6 +17,8 @@ from .members import request_joiners
 from .records import ResizeRecord
 from .resize import resize
 from .state import Preparation
+from .tp_grow import grow_members, grow_tensor_parallel
+from .tp_switch import new_layout, tp_degree_for
 from .transfer import background_xfer
 
 REFUSED = 0  # the world size of a request rank 0 refused as it read it (already answered)
@@ -45,6 +47,9 @@ def serve_request(engine, index: int, world_size: int) -> None:
             dt.split(world_size)
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
             prepare(engine, index, world_size)
+            return
+        if dt.config.background_groups and dt.tp_layout is not None and world_size > len(dt.members):
+            prepare_tensor_parallel_grow(engine, index, world_size, tp)
             return
         rec = engine.resize(world_size) if tp is None else engine.resize(world_size, tensor_parallel=tp)
     except ResizeRefusedError as err:
@@ -76,10 +81,13 @@ def requested_tensor_parallel(dt, index: int) -> Optional[int]:
     return None if tp is None else int(tp)
 
 
-def prepare(engine, index: int, world_size: int) -> None:
+def prepare(engine, index: int, world_size: int, tensor_parallel: Optional[int] = None) -> None:
     """Publish the next generation, start its joiners (or take back standby processes) and build
-    its default group and transition group in background threads; return at once."""
+    its default group and (``tensor_parallel`` None) transition group in background threads;
+    return at once. ``tensor_parallel``: an AutoTP job's grow to that TP degree (its members
+    assigned already, :func:`prepare_tensor_parallel_grow`)."""
     dt = engine._dt
+    t0 = time.perf_counter()
     members = request_joiners(engine, world_size)
     g = dt.generation + 1
     step = dt.published_step[g]
@@ -87,27 +95,53 @@ def prepare(engine, index: int, world_size: int) -> None:
         dt.membership.go(g)  # joiners and standby processes form it as soon as they are up
     timeout = dt.group_timeout_s
     dt.membership.prepare(g, members, step, timeout)
-    xfer = background_xfer(dt, transition_members(dt.members, members), g, step, timeout)
-    dt.preparing = Preparation(index, world_size, g, members, step, xfer, time.perf_counter())
+    xfer = None
+    if tensor_parallel is None:
+        xfer = background_xfer(dt, transition_members(dt.members, members), g, step, timeout)
+    dt.preparing = Preparation(index, world_size, g, members, step, xfer, t0, tensor_parallel=tensor_parallel)
     if engine.global_rank == 0:
         logger.info(
-            f"resize request {index}: preparing generation {g} ({engine.dp_world_size} -> {world_size} "
-            f"ranks) while training goes on"
+            f"resize request {index}: preparing generation {g} ({len(dt.members)} -> {world_size} "
+            f"{'processes' if tensor_parallel else 'ranks'}) while training goes on"
         )
+
+
+def prepare_tensor_parallel_grow(engine, index: int, world_size: int, tensor_parallel: Optional[int]) -> None:
+    """An AutoTP job's grow request, prepared as :func:`prepare` does: the TP degree (the requested
+    one, else the job's where it divides ``world_size``, else the largest smaller one) and the
+    ranks the survivors take decided now.
+
+    Raises:
+        ResizeRefusedError: the layout is refused (the TP degree does not divide the world size,
+            the DP size cannot keep the global batch, AutoTP cannot cut the model at it); nothing
+            has changed.
+    """
+    dt = engine._dt
+    tp = tp_degree_for(dt, world_size, tensor_parallel)
+    if tp < 1 or world_size % tp:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
+    dt.split(world_size // tp)
+    g = dt.generation + 1
+    dt.assigned[(g, world_size, ())] = grow_members(dt.tp_layout, new_layout(engine, tp, world_size), dt.members, g)
+    prepare(engine, index, world_size, tensor_parallel=tp)
 
 
 def finish_request(engine, prep: Preparation) -> None:
     """Every rank has the prepared groups: switch to the new world now."""
     dt = engine._dt
     dt.preparing = None
-    rec = resize(engine, prep.world_size, dt.split(prep.world_size), prepared=prep)
+    if prep.tensor_parallel is not None:
+        rec = grow_tensor_parallel(engine, prep.world_size, prep.tensor_parallel, prepared=prep)
+    else:
+        rec = resize(engine, prep.world_size, dt.split(prep.world_size), prepared=prep)
     if not isinstance(rec, ResizeRecord):
         return  # this process left (or stood by and was taken back later: a join record)
     if engine.is_member and engine.global_rank == 0:
+        tp = "" if rec.tensor_parallel_to is None else f" (TP {rec.tensor_parallel_from} -> {rec.tensor_parallel_to})"
         dt.membership.answer(
             prep.index,
             True,
-            f"resized {rec.from_world_size} -> {rec.to_world_size} after step "
+            f"resized {rec.from_world_size} -> {rec.to_world_size}{tp} after step "
             f"{rec.step} in {rec.seconds:.2f} s ({rec.prepare_s:.2f} s prepared in the background)",
             rec.to_dict(),
         )
@@ -129,7 +163,8 @@ def abandon(engine, prep: Preparation, why: str) -> None:
         logger.info(f"resize request {prep.index} abandoned: {why}")
     dt.published.pop(prep.generation, None)
     dt.assigned = {k: v for k, v in dt.assigned.items() if k[0] != prep.generation}
-    prep.xfer.close()
+    if prep.xfer is not None:
+        prep.xfer.close()
     # a joiner's id comes back when the generation is published again: a group built with the
     # cancelled joiner must not pass for the new one's
     gone = set(prep.members) - set(dt.members) - set(dt.standby)

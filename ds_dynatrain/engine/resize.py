@@ -255,14 +255,19 @@ def _rebuild(engine, r: _Resize) -> None:
     dt.pending = PendingResize(r.transfer, r.dests, scalars_for(plan, r.header.scalars), r.record, r.rss_base, r.xfer)
 
 
+def count_preparation(rec: ResizeRecord, prepared: Preparation, t0: float) -> None:
+    """Put into ``rec`` (a resize that switched at ``t0``, ``time.perf_counter()``) how much of the
+    new world's construction (joiners' start-up, group rendezvous) ran behind training: from the
+    request to ``prepared.ready_at``; what is left at the switch is ``group_s + xfer_group_s``."""
+    built = (prepared.ready_at or t0) - prepared.started
+    rec.request, rec.prepare_s, rec.background_build_s = prepared.index, t0 - prepared.started, built
+    rec.hidden_fraction = built / max(built + rec.group_s + rec.xfer_group_s, 1e-9)
+
+
 def _finish(engine, r: _Resize) -> ResizeRecord:
     dt, rec = engine._dt, r.record
     if r.prepared is not None:
-        # the new world's construction (joiners' start-up, group rendezvous) ran behind training
-        # from the request to ``ready_at``; what is left at the switch is group_s + xfer_group_s
-        built = (r.prepared.ready_at or r.t0) - r.prepared.started
-        rec.request, rec.prepare_s, rec.background_build_s = r.prepared.index, r.t0 - r.prepared.started, built
-        rec.hidden_fraction = built / max(built + rec.group_s + rec.xfer_group_s, 1e-9)
+        count_preparation(rec, r.prepared, r.t0)
     evict_groups(dt)
     r.state = None  # the old partitions go as soon as the transfer is done with them
     if r.overlap != "step" or r.transfer.done():

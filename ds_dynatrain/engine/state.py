@@ -145,9 +145,11 @@ class Preparation:
         index: the request's index in the store.  world_size: the requested size.
         generation, members, step: the generation being formed (members in rank order), published
             at optimizer step ``step``.
-        xfer: the transition group being built (:class:`~ds_dynatrain.elastic.groups.BackgroundGroup`).
+        xfer: the transition group being built (:class:`~ds_dynatrain.elastic.groups.BackgroundGroup`;
+            None for an AutoTP job's grow, whose transfer runs over the new default group).
         started: ``time.perf_counter()`` when it was decided.  ready_at: when this process saw its
-            groups built (None before).
+            groups built (None before).  tensor_parallel: an AutoTP job's TP degree after the grow
+            (None: a data-parallel resize).
     """
 
     index: int
@@ -158,19 +160,20 @@ class Preparation:
     xfer: Any
     started: float
     ready_at: Optional[float] = None
+    tensor_parallel: Optional[int] = None
 
     def state(self, dt: ElasticState, check_joiners: bool = False) -> Tuple[bool, Optional[str]]:
         """``(ready, error)`` of this process's builds, without waiting. ``check_joiners`` (rank 0):
         also whether a joiner of this generation died before it joined (its agent says so)."""
         groups = dt.membership.groups
         mine = dt.member in self.members
-        err = self.xfer.error or (groups.error(self.members) if mine else None)
+        err = (self.xfer.error if self.xfer is not None else None) or (groups.error(self.members) if mine else None)
         if err is None and check_joiners:
             dead = dt.membership.failed_joiners([m for m in self.members if m not in dt.members])
             if dead:
                 one = len(dead) == 1
                 err = f"{'joiner' if one else 'joiners'} {list(dead)} died before {'it' if one else 'they'} joined"
-        ready = self.xfer.ready() and (not mine or groups.ready(self.members))
+        ready = (self.xfer is None or self.xfer.ready()) and (not mine or groups.ready(self.members))
         if ready and self.ready_at is None:
             self.ready_at = time.perf_counter()
         return ready, err

@@ -44,6 +44,8 @@ from .join import build_groups, wait_for_switch
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import JoinRecord, ResizeRecord
+from .resize import count_preparation
+from .state import Preparation
 from .tp_switch import (
     check_layout,
     count_transfer,
@@ -72,11 +74,13 @@ def grow_members(
     return tuple(member_id(generation, r) if m.startswith(_JOINER) else m for r, m in enumerate(drafted))
 
 
-def grow_tensor_parallel(engine, world_size: int, tp: int) -> ResizeRecord:
+def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Preparation] = None) -> ResizeRecord:
     """Grow ``engine``'s AutoTP job to ``world_size`` processes at TP degree ``tp`` now.
 
     Collective over the current generation; the joiners it asks the launcher for take part from
-    the rendezvous on (:func:`join_tensor_parallel`). Returns the resize record.
+    the rendezvous on (:func:`join_tensor_parallel`). ``prepared``: a request whose generation was
+    published and whose joiners and group were started behind training
+    (:func:`~ds_dynatrain.engine.requests.prepare`). Returns the resize record.
 
     Raises:
         ResizeRefusedError: ``tp`` does not divide ``world_size``, the DP size cannot keep the
@@ -136,6 +140,8 @@ def grow_tensor_parallel(engine, world_size: int, tp: int) -> ResizeRecord:
     evict_groups(dt)
     rec.rebuild_s = time.perf_counter() - t
     rec.seconds = time.perf_counter() - t0
+    if prepared is not None:
+        count_preparation(rec, prepared, t0)
     publish(engine, rec)
     return rec
 
