@@ -303,7 +303,8 @@ def test_resize_request_carries_the_tensor_parallel_degree():
 @pytest.mark.timeout(400)
 def test_tp_request_under_launch(tmp_path):
     """``dynatrain resize --world-size 4`` against a running 2-process TP 2 job grows it to TP 2 x
-    DP 2 (the launcher starts two processes, which join at the job's step), then
+    DP 2 (the launcher starts two processes, which join at the job's step; their start-up and the
+    new group's rendezvous run behind training), then
     ``--tensor-parallel 1`` switches it to TP 1 x DP 4: each served at a step boundary (every rank
     reads the request from the store), answered with the layouts, recorded; a degree that does not
     divide the world is refused by the requester with exit status 2; the job trains on to its end."""
@@ -333,6 +334,7 @@ def test_tp_request_under_launch(tmp_path):
         assert grow.returncode == 0 and "resized 2 -> 4 (TP 2 -> 2) after step" in grow.stdout, (
             grow.stdout + grow.stderr
         )
+        assert "prepared in the background" in grow.stdout  # joiners started and group built behind training
         ok = subprocess.run(
             [*resize_command(f"127.0.0.1:{port}", 4, 120), "--tensor-parallel", "1"], capture_output=True, text=True
         )

@@ -17,8 +17,10 @@ joiners' (:func:`join_tensor_parallel`).
    which DeepSpeed's AutoTP cuts at the new degree, as at a job's start; both install the moved
    state.
 
-The survivors wait for the joiners at the rendezvous: unlike a data-parallel grow, the new world is
-not built in the background (a joiner's start-up is part of the downtime).
+A ``dynatrain resize`` grow is prepared behind training
+(:func:`~ds_dynatrain.engine.requests.prepare_tensor_parallel_grow`: joiners started, the new group
+built); by ``engine.resize`` or the schedule the survivors wait at the rendezvous for the joiners'
+start-up.
 """
 
 from __future__ import annotations
