@@ -179,7 +179,7 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     one_thread_unless_fixed()
     tensor_parallel = is_tensor_parallel_job(dt.ds_config)
     if not tensor_parallel:  # an AutoTP grow waits for its joiners at the rendezvous: no warm-up
-        dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s)
+        dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s, hold=dt.held)
     dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
     started_at = return_to_job_priority()  # the agent started it below the workers: back to their priority
     rec = dt.membership.read(ctx.generation, dt.group_timeout_s)

@@ -68,6 +68,7 @@ def join_generation(
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
     wait_for_switch(dt, rec, timeout)
+    dt.held.clear()  # the warm-up's memory, touched and held until now: the set-up and first step reuse it
     header, plan = join_header(rec, own)
     dests, _, transfer, overlap, xfer = begin_transition(
         plan, dt, rec.generation, header, None, receives=True, group=xfer.get(timeout)

@@ -83,6 +83,13 @@ def start_peak_rss() -> Optional[int]:
     return _proc_status_bytes("VmRSS")
 
 
+def rss_peak_rise(base: Optional[int]) -> int:
+    """Peak resident set since :func:`start_peak_rss` above ``base`` (its return), bytes; 0 if
+    unmeasurable."""
+    hwm = _proc_status_bytes("VmHWM")
+    return 0 if base is None or hwm is None else max(0, hwm - base)
+
+
 def peak_extra_bytes(base: Optional[int]) -> int:
     """Peak resident set since :func:`start_peak_rss` above both the start and the current
     resident set, bytes (0 if unmeasurable): the transient memory of the transition."""

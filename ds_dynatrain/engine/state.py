@@ -84,6 +84,7 @@ class ElasticState:
     abandoned: bool = False  # a recovery abandoned the running step: the caller's next step() is skipped
     output_template: Any = None  # the last forward's output structure (recover.output_template)
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
+    held: list = field(default_factory=list)  # memory a joiner holds touched until the survivors switch
     tp_layout: Any = None  # an AutoTP job's layout (vps.tensor_parallel.TensorParallelLayout); None: DP only
 
     @property

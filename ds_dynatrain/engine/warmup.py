@@ -11,6 +11,15 @@ its ZeRO optimizer check imports its Muon optimizer, which loads torch.compile's
 2.7 s of the 2.9 s a joiner's engine set-up took (``deepspeed/runtime/zero/utils.py``,
 ``is_zero_supported_optimizer``).
 
+The memory the warm-up needed on top of the process as it stood (the rise of its peak resident set)
+stays allocated and touched until the switch (:func:`held_memory`): memory a process frees goes back
+to its kernel, and on a host that reports free pages to its hypervisor (a virtio balloon with free
+page reporting, as on this project's Firecracker test machine) back to the host about 2 s later;
+touching it again then costs a fault on the host for every page. Measured there, 1.2 GB touched
+again 8 s after it was freed took 0.95 s, within 1 s of the free 0.05 s. The joiner frees the held
+memory as the survivors switch, so that its engine's set-up and first step reuse pages that are
+still warm.
+
 Rank 0 describes the inputs of its first forward (shapes and dtypes, never values) in the job's
 store (:data:`~ds_dynatrain.elastic.keys.BATCH_KEY`); a joiner builds zeros of that description,
 runs them through its model under a forked RNG (the training RNG streams stay as they are) and drops
@@ -31,6 +40,7 @@ import torch
 
 from ..elastic.keys import BATCH_KEY, GO_KEY, MODULES_KEY
 from ..log import logger
+from .pending import rss_peak_rise, start_peak_rss
 
 _PLAIN = (bool, int, float, str, type(None))
 POLL_S = 0.05
@@ -164,13 +174,27 @@ def preload_modules(names: Sequence[str]) -> Tuple[int, float]:
     return imported, time.perf_counter() - t0
 
 
-def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float) -> Optional[float]:
+def held_memory(nbytes: int) -> Optional[torch.Tensor]:
+    """``nbytes`` bytes allocated and written (every page touched), to be held until the memory is
+    wanted and then freed (uint8, 1-D); None for 0 bytes."""
+    if nbytes <= 0:
+        return None
+    held = torch.empty(nbytes, dtype=torch.uint8)
+    held.fill_(0)
+    return held
+
+
+def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float, hold: Optional[list] = None):
     """A joiner of ``generation``, before its rendezvous: wait until rank 0 has described its
     inputs or the generation is about to form (its go key), whichever comes first, at most
     ``timeout_s`` seconds; in the first case import rank 0's modules (:func:`preload_modules`,
     where it has listed them) and warm up. Returns the seconds of both, or None where
     it joined cold (no description before the go or the limit, or the model failed on the
-    synthetic batch: logged, never raised; the caller's wait for the go then decides)."""
+    synthetic batch: logged, never raised; the caller's wait for the go then decides).
+
+    ``hold``: a list that gets the memory the warm-up needed on top of the process as it stood
+    (:func:`held_memory`, the rise of its peak resident set, bytes), for the caller to free when
+    the survivors switch; nothing where it cannot be measured (no ``/proc/self/clear_refs``)."""
     go = GO_KEY.format(generation)
     deadline = time.monotonic() + timeout_s
     while not store.check([BATCH_KEY]):
@@ -182,10 +206,18 @@ def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float
     if store.check([MODULES_KEY]):
         count, preload_s = preload_modules(json.loads(store.get(MODULES_KEY)))
         logger.info(f"joiner imported {count} module(s) that rank 0 uses in {preload_s:.2f} s")
+    base = start_peak_rss() if hold is not None else None
     try:
         seconds = warm_up(model, desc)
     except Exception as err:  # the warm-up is an optimisation: a model it cannot feed joins cold
         logger.info(f"joiner warm-up skipped: the model failed on a synthetic batch ({type(err).__name__}: {err})")
         return None
-    logger.info(f"joiner warmed up in {seconds:.2f} s (forward, backward and an optimizer step on a synthetic batch)")
+    rise = rss_peak_rise(base)
+    held = held_memory(rise)
+    if held is not None:
+        hold.append(held)
+    logger.info(
+        f"joiner warmed up in {seconds:.2f} s (forward, backward and an optimizer step on a synthetic batch)"
+        + (f"; {rise / 2**20:.0f} MiB held touched until the switch" if held is not None else "")
+    )
     return preload_s + seconds
