@@ -59,6 +59,7 @@ from .tp_switch import (
     new_scalars,
     rebuild_at,
     tp_layout_for_model,
+    tp_record,
     transfer_group,
 )
 
@@ -105,15 +106,7 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
     plan = plan_tp_transition(old, new, members, new_members)
     state = extract_partitions(engine)
     header = make_header(engine, plan, state) if engine.global_rank == 0 else None
-    rec = ResizeRecord(
-        step=engine.global_steps,
-        from_world_size=len(members),
-        to_world_size=world_size,
-        generation=g,
-        plan_s=time.perf_counter() - t0,
-        tensor_parallel_from=old.tp,
-        tensor_parallel_to=tp,
-    )
+    rec = tp_record(engine, len(members), world_size, g, old.tp, tp, t0)
     step = dt.published_step[g]
     if engine.global_rank == 0:
         dt.membership.go(g)

@@ -37,6 +37,7 @@ from .tp_switch import (
     new_partitions,
     new_scalars,
     rebuild_at,
+    tp_record,
 )
 
 
@@ -99,15 +100,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     new_rank = new_members.index(dt.member) if stays else None
     state = extract_partitions(engine)
     dests = new_partitions(new, new_rank, kinds_of(state)) if stays else None
-    rec = ResizeRecord(
-        step=engine.global_steps,
-        from_world_size=len(members),
-        to_world_size=world_size,
-        generation=g,
-        plan_s=time.perf_counter() - t0,
-        tensor_parallel_from=old.tp,
-        tensor_parallel_to=tp,
-    )
+    rec = tp_record(engine, len(members), world_size, g, old.tp, tp, t0)
     peers = [members.index(m) for m in new_members]
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests, new_rank, peers))
     scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None

@@ -93,15 +93,7 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     plan = plan_tp_transition(old, new, dt.members, dt.members)
     state = extract_partitions(engine)
     dests = new_partitions(new, rank, kinds_of(state))
-    rec = ResizeRecord(
-        step=engine.global_steps,
-        from_world_size=world,
-        to_world_size=world,
-        generation=dt.generation,
-        plan_s=time.perf_counter() - t0,
-        tensor_parallel_from=old.tp,
-        tensor_parallel_to=tp,
-    )
+    rec = tp_record(engine, world, world, dt.generation, old.tp, tp, t0)
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
     scalars = new_scalars(old, rank, new, rank, state.scalars)
     state = None
@@ -123,6 +115,20 @@ def tp_degree_for(dt, world_size: int, tensor_parallel: Optional[int]) -> int:
     if world_size < 1:
         return dt.tp
     return max(t for t in range(1, dt.tp + 1) if world_size % t == 0)
+
+
+def tp_record(engine, from_world: int, to_world: int, generation: int, tp_from: int, tp_to: int, t0: float):
+    """The resize record of an AutoTP job's layout change decided at ``t0`` (``time.perf_counter()``;
+    planning counted until now): numbers of processes and TP degrees before and after."""
+    return ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=from_world,
+        to_world_size=to_world,
+        generation=generation,
+        plan_s=time.perf_counter() - t0,
+        tensor_parallel_from=tp_from,
+        tensor_parallel_to=tp_to,
+    )
 
 
 def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
