@@ -173,23 +173,7 @@ def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt, zero3):
     assert job.returncode == 0, job.output[-4000:]
     assert f"resize TP 2 x DP 2 → TP {tp_to} x DP {2 // tp_to} after step 3" in job.output
     assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
-    args = [
-        "--out",
-        str(tmp_path),
-        "--tp-from",
-        "2",
-        "--tp-to",
-        str(tp_to),
-        "--steps-before",
-        "3",
-        "--steps-after",
-        "2",
-    ]
-    args += extra
-    jobs = run_plain(tmp_path, SCRIPT, 2, [*args, "--mode", "static"], timeout=200, name="static")
-    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
-    static = json.loads((tmp_path / "losses_static.json").read_text())
-    final_static = torch.load(tmp_path / "final_static.pt")
+    static, final_static = _static_after_step_3(tmp_path, 2, tp_to, extra)
     if preempt:
         for name in ("final_launch.pt", "losses_launch.json"):
             (tmp_path / name).unlink()
@@ -203,6 +187,17 @@ def test_tp_shrink_under_launch_equals_the_static_run(tmp_path, preempt, zero3):
         (4, 2, 2, tp_to)
     ]
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
+
+
+def _static_after_step_3(tmp_path, nproc: int, tp_to: int, extra) -> tuple:
+    """The oracle of the launched jobs: a plain DeepSpeed run of ``nproc`` processes at TP ``tp_to``
+    set from ``before.pt`` (the state after step 3), two steps. Returns its losses (the JSON
+    object) and its final gathered state."""
+    args = ["--out", str(tmp_path), "--tp-from", "2", "--tp-to", str(tp_to), "--steps-before", "3"]
+    args += ["--steps-after", "2", *extra, "--mode", "static"]
+    jobs = run_plain(tmp_path, SCRIPT, nproc, args, timeout=200, name="static")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    return json.loads((tmp_path / "losses_static.json").read_text()), torch.load(tmp_path / "final_static.pt")
 
 
 @pytest.mark.parametrize(
@@ -227,27 +222,12 @@ def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra):
     assert job.returncode == 0, job.output[-4000:]
     assert f"resize TP 2 x DP 1 → TP {tp_to} x DP {4 // tp_to} after step 3" in job.output
     assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
-    args = [
-        "--out",
-        str(tmp_path),
-        "--tp-from",
-        "2",
-        "--tp-to",
-        str(tp_to),
-        "--steps-before",
-        "3",
-        "--steps-after",
-        "2",
-    ]
-    jobs = run_plain(tmp_path, SCRIPT, 4, [*args, *extra, "--mode", "static"], timeout=200, name="static")
-    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
-    static = json.loads((tmp_path / "losses_static.json").read_text())
+    static, final_static = _static_after_step_3(tmp_path, 4, tp_to, extra)
     ran = json.loads((tmp_path / "losses_launch.json").read_text())
     assert ran["losses"] == static["losses"] and ran["tp"] == tp_to
     assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
         (2, 4, 2, tp_to)
     ]
-    final_static = torch.load(tmp_path / "final_static.pt")
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
     if extra:
         return

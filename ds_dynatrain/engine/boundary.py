@@ -32,9 +32,9 @@ from .members import request_joiners
 from .records import StepRecord, format_step
 from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
-from .tp_grow import grow_members
+from .tp_grow import assign_grow
 from .tp_resize import largest_tp_layout
-from .tp_switch import new_layout, tp_degree_for
+from .tp_switch import tp_degree_for
 from .vote import StepTally, StepVote, exchange
 
 
@@ -236,13 +236,10 @@ def spawn_ahead(engine) -> None:
     if step - engine.global_steps > dt.config.spawn_lookahead_steps:
         return
     if dt.tp_layout is not None:  # an AutoTP job: its joiners take the ranks its grow will give them
-        g = dt.generation + 1
-        if dt.published.get(g) is not None:
+        if dt.published.get(dt.generation + 1) is not None:
             return
-        tp = tp_degree_for(dt, world_size, dt.tp_schedule.get(step))
         try:
-            new = new_layout(engine, tp, world_size)
+            assign_grow(engine, world_size, tp_degree_for(dt, world_size, dt.tp_schedule.get(step)))
         except ResizeRefusedError:
             return  # refused at the grow itself, with the reason
-        dt.assigned[(g, world_size, ())] = grow_members(dt.tp_layout, new, dt.members, g)
     request_joiners(engine, world_size)

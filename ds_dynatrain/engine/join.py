@@ -62,9 +62,7 @@ def join_generation(
     dt = engine._dt
     t0 = time.perf_counter()
     timeout = dt.group_timeout_s
-    dt.published_step[rec.generation] = rec.step
-    build_groups(dt, rec, timeout)
-    reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
+    reused = enter_generation(dt, rec, timeout)
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
     wait_for_switch(dt, rec, timeout)
@@ -101,6 +99,19 @@ def join_generation(
         wait_transition(engine)
     evict_groups(dt)
     return record
+
+
+def enter_generation(dt, rec: GenerationRecord, timeout: float) -> bool:
+    """A joiner's way into generation ``rec``'s process groups: built in the background
+    (:func:`build_groups`), then made this process's default (survivors reach the same
+    rendezvous). Returns True when a cached group was reused.
+
+    Raises:
+        TransitionAbortedError: as :func:`build_groups`, or the rendezvous did not complete.
+    """
+    dt.published_step[rec.generation] = rec.step
+    build_groups(dt, rec, timeout)
+    return form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
 
 
 def wait_for_switch(dt, rec: GenerationRecord, timeout: float) -> None:

@@ -17,8 +17,8 @@ from .members import request_joiners
 from .records import ResizeRecord
 from .resize import resize
 from .state import Preparation
-from .tp_grow import grow_members, grow_tensor_parallel
-from .tp_switch import new_layout, tp_degree_for
+from .tp_grow import assign_grow, grow_tensor_parallel
+from .tp_switch import tp_degree_for
 from .transfer import background_xfer
 
 REFUSED = 0  # the world size of a request rank 0 refused as it read it (already answered)
@@ -116,13 +116,8 @@ def prepare_tensor_parallel_grow(engine, index: int, world_size: int, tensor_par
             the DP size cannot keep the global batch, AutoTP cannot cut the model at it); nothing
             has changed.
     """
-    dt = engine._dt
-    tp = tp_degree_for(dt, world_size, tensor_parallel)
-    if tp < 1 or world_size % tp:
-        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
-    dt.split(world_size // tp)
-    g = dt.generation + 1
-    dt.assigned[(g, world_size, ())] = grow_members(dt.tp_layout, new_layout(engine, tp, world_size), dt.members, g)
+    tp = tp_degree_for(engine._dt, world_size, tensor_parallel)
+    assign_grow(engine, world_size, tp)
     prepare(engine, index, world_size, tensor_parallel=tp)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
+from ..batch import BatchSplit
 from ..elastic.launch_env import member_id
 from ..elastic.membership import GenerationRecord
 from ..errors import ResizeRefusedError
@@ -42,7 +43,7 @@ from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups
 from .construct import construct, ds_config_for, keep_returned_optimizer
 from .header import agree_on_header, header_failures, install_header_state, make_header
-from .join import build_groups, wait_for_switch
+from .join import enter_generation, wait_for_switch
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import JoinRecord, ResizeRecord
@@ -77,6 +78,27 @@ def grow_members(
     return tuple(member_id(generation, r) if m.startswith(_JOINER) else m for r, m in enumerate(drafted))
 
 
+def assign_grow(engine, world_size: int, tp: int) -> Tuple[BatchSplit, TensorParallelLayout, Tuple[str, ...]]:
+    """Decide a grow of ``engine``'s AutoTP job to ``world_size`` processes at TP degree ``tp``: the
+    batch split over the new DP size, the new layout and its processes (:func:`grow_members`,
+    recorded as the next generation's members for
+    :func:`~ds_dynatrain.engine.members.request_joiners`).
+
+    Raises:
+        ResizeRefusedError: ``tp`` does not divide ``world_size``, the DP size cannot keep the
+            global batch, or AutoTP cannot cut the model at ``tp``; nothing has changed.
+    """
+    dt = engine._dt
+    if tp < 1 or world_size % tp:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
+    split = dt.split(world_size // tp)
+    new = new_layout(engine, tp, world_size)
+    g = dt.generation + 1
+    members = grow_members(dt.tp_layout, new, dt.members, g)
+    dt.assigned[(g, world_size, ())] = members
+    return split, new, members
+
+
 def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Preparation] = None) -> ResizeRecord:
     """Grow ``engine``'s AutoTP job to ``world_size`` processes at TP degree ``tp`` now.
 
@@ -93,15 +115,8 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
     """
     dt = engine._dt
     t0 = time.perf_counter()
-    members = tuple(dt.members)
-    if tp < 1 or world_size % tp:
-        raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
-    split = dt.split(world_size // tp)
-    old = dt.tp_layout
-    new = new_layout(engine, tp, world_size)
-    g = dt.generation + 1
-    new_members = grow_members(old, new, members, g)
-    dt.assigned[(g, world_size, ())] = new_members
+    members, old, g = tuple(dt.members), dt.tp_layout, dt.generation + 1
+    split, new, new_members = assign_grow(engine, world_size, tp)
     request_joiners(engine, world_size)  # publishes generation g; the agents start its joiners
     plan = plan_tp_transition(old, new, members, new_members)
     state = extract_partitions(engine)
@@ -179,9 +194,7 @@ def join_tensor_parallel(
     dt = engine._dt
     t0 = time.perf_counter()
     timeout = dt.group_timeout_s
-    dt.published_step[rec.generation] = rec.step
-    build_groups(dt, rec, timeout)
-    reused = form_generation(dt, rec.generation, rec.members, timeout, step=rec.step)
+    reused = enter_generation(dt, rec, timeout)
     wait_for_switch(dt, rec, timeout)
     box: dict = {}
 

@@ -14,8 +14,8 @@ its ZeRO optimizer check imports its Muon optimizer, which loads torch.compile's
 The memory the warm-up needed on top of the process as it stood (the rise of its peak resident set)
 stays allocated and touched until the switch (:func:`held_memory`): memory a process frees goes back
 to its kernel, and on a host that reports free pages to its hypervisor (a virtio balloon with free
-page reporting, as on this project's Firecracker test machine) back to the host about 2 s later;
-touching it again then costs a fault on the host for every page. Measured there, 1.2 GB touched
+page reporting, as a Firecracker VM may have) back to the host about 2 s later;
+touching it again then costs a fault on the host for every page. Measured on such a VM, 1.2 GB touched
 again 8 s after it was freed took 0.95 s, within 1 s of the free 0.05 s. The joiner frees the held
 memory as the survivors switch, so that its engine's set-up and first step reuse pages that are
 still warm.
