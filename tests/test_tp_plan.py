@@ -70,12 +70,10 @@ def execute(plan, old_parts: list) -> list:
     """Run a plan's rows as strided copies; count how often each element is written."""
     new = plan.new_layout
     out, writes = [None] * new.world_size, [None] * new.world_size
-    for t in range(new.tp):
-        zl = new.zero(t)
-        for d in range(new.dp):
-            r = new.rank(t, d)
-            out[r] = [np.full(zl.partition_numel(b), np.nan) for b in range(zl.num_partitions)]
-            writes[r] = [np.zeros(zl.partition_numel(b), dtype=int) for b in range(zl.num_partitions)]
+    for r in range(new.world_size):
+        zl = new.zero_of(r)
+        out[r] = [np.full(zl.partition_numel(b), np.nan) for b in range(zl.num_partitions)]
+        writes[r] = [np.zeros(zl.partition_numel(b), dtype=int) for b in range(zl.num_partitions)]
     for src, dst, _p, g, so, ss, dg, do, ds, rows, cols in plan.table:
         for k in range(rows):
             out[dst][dg][do + k * ds : do + k * ds + cols] = old_parts[src][g][so + k * ss : so + k * ss + cols]

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
+from ..planner.box_plan import BoxPlan
 from ..planner.plan import scalars_between
-from ..planner.tp_plan import TpPlan, plan_tp_transition
+from ..planner.tp_plan import plan_tp_transition
 from ..vps.layout import ParamMeta
 from ..vps.tensor_parallel import TensorParallelLayout, TpSplit
 from .saved import SavedCheckpoint, partitions_of
@@ -63,7 +64,7 @@ def _settings(saved: SavedCheckpoint) -> Tuple[int, bool, bool, int]:
     return stage, rr, align, sub_group_size
 
 
-def plan_reads(old: TensorParallelLayout, live: TensorParallelLayout) -> TpPlan:
+def plan_reads(old: TensorParallelLayout, live: TensorParallelLayout) -> BoxPlan:
     """The box plan from the saved ranks (``saved<r>``) to the live ones (``rank<r>``)."""
     src = tuple(f"saved{r}" for r in range(old.world_size))
     dst = tuple(f"rank{r}" for r in range(live.world_size))
@@ -82,7 +83,7 @@ def new_partitions(
 
 
 def read_boxes(
-    saved: SavedCheckpoint, plan: TpPlan, rank: int, kinds: Sequence[str], dests: List[Dict[str, torch.Tensor]]
+    saved: SavedCheckpoint, plan: BoxPlan, rank: int, kinds: Sequence[str], dests: List[Dict[str, torch.Tensor]]
 ) -> int:
     """Read every box the plan puts into global ``rank``'s new partitions (``dests``), one batch
     per saved file. Returns the bytes read.

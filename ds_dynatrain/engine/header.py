@@ -82,7 +82,7 @@ class TransitionHeader:
 
 def make_header(engine, plan, state: PartitionState, must_leave: Tuple[str, ...] = ()) -> TransitionHeader:
     """Old rank 0's header for ``plan`` (a :class:`Plan`, or an AutoTP job's
-    :class:`~ds_dynatrain.planner.tp_plan.TpPlan`) from its live ``engine`` and partitions ``state``.
+    :class:`~ds_dynatrain.planner.tp_plan.BoxPlan`) from its live ``engine`` and partitions ``state``.
 
     ``loss_scaler``: the attributes of the ZeRO optimizer's loss scaler (DeepSpeed's
     ``DynamicLossScaler`` in fp16: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,

@@ -36,7 +36,8 @@ from ..batch import BatchSplit
 from ..elastic.launch_env import member_id
 from ..elastic.membership import GenerationRecord
 from ..errors import ResizeRefusedError
-from ..planner.tp_plan import TpPlan, assign_tp_members_best, plan_tp_transition
+from ..planner.box_plan import BoxPlan
+from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
 from ..transition.boxes import BoxTransferStats, execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.state import extract_partitions
@@ -157,7 +158,7 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
 
 
 def move_into_new_world(
-    dt, plan: TpPlan, old: Sequence[Dict[str, torch.Tensor]], dests, kinds: Sequence[str]
+    dt, plan: BoxPlan, old: Sequence[Dict[str, torch.Tensor]], dests, kinds: Sequence[str]
 ) -> BoxTransferStats:
     """Move this process's rows of a grow's ``plan`` over the new generation's group (every old
     member is in it): the plan's old ranks become the ranks their processes have there. ``old``:
@@ -208,7 +209,7 @@ def join_tensor_parallel(
 
     with header_failures(rec.generation):
         header = agree_on_header(None, check, src=rec.header_rank)
-    plan: TpPlan = box["plan"]
+    plan: BoxPlan = box["plan"]
     old, new = plan.old_layout, plan.new_layout
     new_rank = rec.members.index(dt.member)
     kinds = {k: getattr(torch, header.dtype) for k in header.kinds}

@@ -1,10 +1,12 @@
-"""The intersection of two tensor-parallel layouts as boxes (pure, vectorised with numpy).
+"""The intersection of two band layouts as boxes (pure, vectorised with numpy).
 
-Every rank's part of a parameter is a few boxes of the parameter's matrix
-(:mod:`~ds_dynatrain.vps.tensor_parallel`). A transfer is the intersection of an old box and a
-new box: a box again, which lies in both flat partitions as a strided run. Method:
+A band layout is a tensor-parallel one (:class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout`:
+a band is a TP rank's shard) or a pipeline one (:class:`~ds_dynatrain.vps.pipeline.PipelineLayout`:
+a band is a stage, holding a parameter whole or not at all). Every rank's part of a parameter is a
+few boxes of the parameter's matrix. A transfer is the intersection of an old box and a new box: a
+box again, which lies in both flat partitions as a strided run. Method:
 
-1. the pairs ``(parameter, old TP band, new TP band)`` whose bands overlap each get a group id;
+1. the pairs ``(parameter, old band, new band)`` whose bands overlap each get a group id;
 2. the boxes of each band are repeated into every pair of their band, in the band's flattening
    order, so their rows, shifted by ``group id * (max rows + 1)``, are sorted on one global line
    (start and stop both non-decreasing: the boxes of a band tile it in row order);
@@ -23,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from ..vps.layout import _ragged_arange
-from ..vps.tensor_parallel import BoxTable, TensorParallelLayout, matrix_shape
+from ..vps.tensor_parallel import BoxTable, matrix_shape
 
 # the columns of a box transfer table, in this order: old and new global ranks, the parameter,
 # each side's partition, the offset of the box's first element and its row stride there, and the
@@ -44,24 +46,14 @@ TP_COLUMNS = (
 TP_WIDTH = len(TP_COLUMNS)
 
 
-def _bands(layout: TensorParallelLayout) -> np.ndarray:
-    """``(parameters, tp, 4)`` int64: every TP rank's shard of every parameter as a box."""
-    params = layout.params
-    out = np.empty((len(params), layout.tp, 4), dtype=np.int64)
-    for i, p in enumerate(params):
-        for t in range(layout.tp):
-            out[i, t] = layout.band(p, t)
-    return out
-
-
-def _sorted_boxes(layout: TensorParallelLayout):
+def _sorted_boxes(layout):
     """The layout's boxes sorted by (parameter, band, row, column), and where each
-    ``(parameter, band)`` starts (``starts[p * tp + t]``, int64, one past the end at the end)."""
+    ``(parameter, band)`` starts (``starts[p * bands + t]``, int64, one past the end at the end)."""
     b = layout.boxes()
     order = np.lexsort((b.col, b.row, b.band, b.param))
     b = BoxTable(*(c[order] for c in b))
-    key = b.param * layout.tp + b.band
-    starts = np.searchsorted(key, np.arange(len(layout.params) * layout.tp + 1), side="left")
+    key = b.param * layout.num_bands + b.band
+    starts = np.searchsorted(key, np.arange(len(layout.params) * layout.num_bands + 1), side="left")
     return b, starts
 
 
@@ -74,23 +66,23 @@ def _expand(b: BoxTable, starts: np.ndarray, band_key: np.ndarray):
     return idx, gid
 
 
-def box_transfers(
-    old: TensorParallelLayout, new: TensorParallelLayout, source_band: Optional[np.ndarray] = None
-) -> np.ndarray:
+def box_transfers(old, new, source_band: Optional[np.ndarray] = None) -> np.ndarray:
     """Every non-empty intersection of an old and a new box of the same parameter, as the rows of
     an int64 array of shape ``(n, 11)`` (columns :data:`TP_COLUMNS`, elements), sorted by
     ``(src, dst, param)``.
 
-    A parameter that the old layout replicates over its TP ranks is held ``old.tp`` times: with
-    ``source_band`` (int64, one old TP rank per new rank) new rank ``j`` takes such a parameter
-    from old TP rank ``source_band[j]``'s copy only, so the rows into each new rank tile its part
-    of every parameter exactly once; without it every copy is intersected (what old rank ``i``
-    could give new rank ``j``: the overlap the rank assignment maximises).
+    A parameter that the old layout replicates (``old.replicated()``: over its TP ranks, or over
+    the stages owning a tied key) is held more than once: with ``source_band`` new rank ``j``
+    takes such a parameter from one old band's copy only, so the rows into each new rank tile its
+    part of every parameter exactly once; without it every copy is intersected (what old rank
+    ``i`` could give new rank ``j``: the overlap the rank assignment maximises). ``source_band``:
+    int64, one old band per new rank (shape ``(new world size,)``), or one per parameter and new
+    rank (``(parameters, new world size)``).
 
-    ``old`` and ``new`` describe the same model (:meth:`TensorParallelLayout.check_same_model`).
+    ``old`` and ``new`` are band layouts of the same model (their ``check_same_model``).
     """
     params = old.params
-    bo, bn = _bands(old), _bands(new)
+    bo, bn = old.band_boxes(), new.band_boxes()
     # 1. pairs of overlapping bands
     r_lo = np.maximum(bo[:, :, None, 0], bn[:, None, :, 0])
     r_hi = np.minimum(bo[:, :, None, 0] + bo[:, :, None, 1], bn[:, None, :, 0] + bn[:, None, :, 1])
@@ -100,8 +92,8 @@ def box_transfers(
     # 2. the boxes of each band, repeated into its pairs
     ob, ostarts = _sorted_boxes(old)
     nb, nstarts = _sorted_boxes(new)
-    oi, ogid = _expand(ob, ostarts, p * old.tp + t)
-    ni, ngid = _expand(nb, nstarts, p * new.tp + u)
+    oi, ogid = _expand(ob, ostarts, p * old.num_bands + t)
+    ni, ngid = _expand(nb, nstarts, p * new.num_bands + u)
     span = max((matrix_shape(q.shape)[0] for q in params), default=0) + 1
     o_lo = ogid * span + ob.row[oi]
     o_hi = o_lo + ob.rows[oi]
@@ -119,8 +111,9 @@ def box_transfers(
     cols = np.minimum(ob.col[a] + ob.cols[a], nb.col[b] + nb.cols[b]) - col
     keep = (rows > 0) & (cols > 0)
     if source_band is not None:
-        replicated = np.asarray([old.split(q.key).dim is None for q in params], dtype=bool)
-        keep &= ~replicated[ob.param[a]] | (ob.band[a] == np.asarray(source_band, dtype=np.int64)[nb.rank[b]])
+        source = np.asarray(source_band, dtype=np.int64)
+        chosen = source[nb.rank[b]] if source.ndim == 1 else source[ob.param[a], nb.rank[b]]
+        keep &= ~old.replicated()[ob.param[a]] | (ob.band[a] == chosen)
     a, b, row, rows, col, cols = a[keep], b[keep], row[keep], rows[keep], col[keep], cols[keep]
     table = np.empty((a.shape[0], TP_WIDTH), dtype=np.int64, order="F")
     table[:, 0] = ob.rank[a]
@@ -138,7 +131,7 @@ def box_transfers(
     return np.asfortranarray(table[order])
 
 
-def box_overlap_matrix(old: TensorParallelLayout, new: TensorParallelLayout) -> np.ndarray:
+def box_overlap_matrix(old, new) -> np.ndarray:
     """``K[i, j]``: elements old rank ``i`` holds that new rank ``j`` needs (int64, shape
     ``(old.world_size, new.world_size)``; a replicated parameter's every copy counts)."""
     t = box_transfers(old, new)

@@ -12,84 +12,14 @@ joiner from old TP rank ``new TP rank mod old TP``.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Sequence, Tuple
 
 import numpy as np
 
 from ..vps.tensor_parallel import TensorParallelLayout
 from .assignment import assign_by_overlap
-from .boxes import TP_COLUMNS, TP_WIDTH, box_overlap_matrix, box_transfers
-from .plan import check_members
-
-
-@dataclass(frozen=True, eq=False)
-class TpPlan:
-    """A deterministic plan of one change of TP and DP degree.
-
-    Attributes:
-        old_layout, new_layout: the two layouts (same model).
-        old_members, new_members: member id of each old and new global rank.
-        table: every transfer as a row of an int64 array ``(n, 11)``, columns
-            :data:`~ds_dynatrain.planner.boxes.TP_COLUMNS` (a box moving between two strided
-            runs; elements), sorted by ``(src, dst, param)``; keeps included.
-
-    Raises:
-        ValueError: a member list does not name one process per rank, or names one twice.
-    """
-
-    old_layout: TensorParallelLayout
-    new_layout: TensorParallelLayout
-    old_members: Tuple[str, ...]
-    new_members: Tuple[str, ...]
-    table: np.ndarray
-
-    def __post_init__(self):
-        check_members(self.old_members, self.new_members, self.old_layout.world_size, self.new_layout.world_size)
-        if self.table.ndim != 2 or self.table.shape[1] != TP_WIDTH:
-            raise ValueError(f"a TP plan's table has {TP_WIDTH} columns {TP_COLUMNS}")
-        self.table.flags.writeable = False
-
-    @cached_property
-    def keep_mask(self) -> np.ndarray:
-        """Per row: both ends are one process."""
-        old = np.asarray(self.old_members, dtype=object)[self.table[:, 0]]
-        new = np.asarray(self.new_members, dtype=object)[self.table[:, 1]]
-        return old == new
-
-    @cached_property
-    def _numels(self) -> np.ndarray:
-        return self.table[:, 9] * self.table[:, 10]
-
-    @property
-    def numel_kept(self) -> int:
-        """Elements that stay in place (a local copy at most)."""
-        return int(self._numels[self.keep_mask].sum())
-
-    @property
-    def numel_moved(self) -> int:
-        """Elements sent between processes."""
-        return int(self._numels[~self.keep_mask].sum())
-
-    def per_rank(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(kept by new rank, sent by old rank, received by new rank)``: elements (int64)."""
-        t, keep, n = self.table, self.keep_mask, self._numels
-        kept = np.bincount(t[keep, 1], n[keep], minlength=self.new_layout.world_size).astype(np.int64)
-        sent = np.bincount(t[~keep, 0], n[~keep], minlength=self.old_layout.world_size).astype(np.int64)
-        recv = np.bincount(t[~keep, 1], n[~keep], minlength=self.new_layout.world_size).astype(np.int64)
-        return kept, sent, recv
-
-    def digest(self) -> str:
-        """SHA-256 of the degrees, members and the table's bytes: equal on every rank for the
-        same plan."""
-        h = hashlib.sha256()
-        head = [self.old_layout.tp, self.old_layout.dp, self.new_layout.tp, self.new_layout.dp]
-        h.update(json.dumps([head, self.old_members, self.new_members]).encode())
-        h.update(np.ascontiguousarray(self.table.T).astype("<i8").tobytes())
-        return h.hexdigest()
+from .box_plan import BoxPlan
+from .boxes import box_overlap_matrix, box_transfers
 
 
 def source_bands(old: TensorParallelLayout, new: TensorParallelLayout, old_members, new_members) -> np.ndarray:
@@ -109,18 +39,18 @@ def plan_tp_transition(
     old_members: Sequence[str],
     new_members: Sequence[str],
     same_settings: bool = True,
-) -> TpPlan:
+) -> BoxPlan:
     """The plan that moves ``old`` to ``new`` with the given processes at each rank.
     ``same_settings=False``: the two may differ in ZeRO stage and settings and in working dtype
     (a checkpoint loaded into another configuration); the parameters must still be the same.
 
     Raises:
         LayoutMismatchError: the layouts describe different models (or ZeRO settings).
-        ValueError: as :class:`TpPlan`.
+        ValueError: as :class:`BoxPlan`.
     """
     old.check_same_model(new, settings=same_settings)
     bands = source_bands(old, new, old_members, new_members)
-    return TpPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, bands))
+    return BoxPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, bands))
 
 
 def assign_tp_members_best(

@@ -1,7 +1,7 @@
 """Executing a box plan (a change of TP and DP degree) on one process: strided copies in and out
 of flat partitions, over point-to-point messages of a process group (no DeepSpeed).
 
-Every row of a :class:`~ds_dynatrain.planner.tp_plan.TpPlan` is a box: ``rows`` runs of ``cols``
+Every row of a :class:`~ds_dynatrain.planner.tp_plan.BoxPlan` is a box: ``rows`` runs of ``cols``
 elements, run ``k`` at ``offset + k * stride`` of a flat partition on each side. A process packs
 the boxes it sends to one peer, for every state kind, into contiguous messages of a bounded size
 (``as_strided`` views copied into it once; a box larger than a message is cut by its

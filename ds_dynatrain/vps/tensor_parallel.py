@@ -151,8 +151,31 @@ class TensorParallelLayout:
     def world_size(self) -> int:
         return self.tp * self.dp
 
+    @property
+    def num_bands(self) -> int:
+        """Bands of the box view: one per TP rank."""
+        return self.tp
+
+    @property
+    def degrees(self) -> Tuple[int, int]:
+        """``(tp, dp)``: what a plan's digest names of this layout."""
+        return (self.tp, self.dp)
+
     def split(self, key: str) -> TpSplit:
         return self._split.get(key, REPLICATED)
+
+    def band_boxes(self) -> np.ndarray:
+        """``(parameters, tp, 4)`` int64: every TP rank's shard of every parameter as a box."""
+        params = self.params
+        out = np.empty((len(params), self.tp, 4), dtype=np.int64)
+        for i, p in enumerate(params):
+            for t in range(self.tp):
+                out[i, t] = self.band(p, t)
+        return out
+
+    def replicated(self) -> np.ndarray:
+        """``(parameters,)`` bool: held whole by every TP rank (AutoTP does not cut it)."""
+        return np.asarray([self.split(p.key).dim is None for p in self.params], dtype=bool)
 
     def local_shape(self, p: ParamMeta, tp_rank: int) -> Tuple[int, ...]:
         """The shape of TP rank ``tp_rank``'s shard of ``p``."""
@@ -179,6 +202,10 @@ class TensorParallelLayout:
         """The ZeRO layout of TP rank ``tp_rank``'s data-parallel group (its local shapes)."""
         return self._zero[tp_rank]
 
+    def zero_of(self, rank: int) -> ZeroLayout:
+        """The ZeRO layout of global ``rank``'s data-parallel group."""
+        return self._zero[rank % self.tp]
+
     def rank(self, tp_rank: int, dp_rank: int) -> int:
         """The global rank of ``(tp_rank, dp_rank)``: ``dp_rank * tp + tp_rank``."""
         return dp_rank * self.tp + tp_rank
@@ -198,7 +225,7 @@ class TensorParallelLayout:
             keys = [p.key for g in self._zero[t].groups for p in g]
             pidx = np.asarray([index[k] for k in keys], dtype=np.int64)[frag.param]
             bands = np.asarray([self.band(p, t) for p in params], dtype=np.int64).reshape(-1, 4)[pidx]
-            parts.append(_fragment_boxes(frag, pidx, t, bands, self.tp))
+            parts.append(fragment_boxes(frag, pidx, t, bands, frag.rank * self.tp + t))
         return BoxTable(*(np.concatenate([p[i] for p in parts]) for i in range(len(BOX_FIELDS))))
 
     def check_same_model(self, other: "TensorParallelLayout", settings: bool = True) -> None:
@@ -231,9 +258,10 @@ class TensorParallelLayout:
         )
 
 
-def _fragment_boxes(frag, pidx: np.ndarray, tp_rank: int, bands: np.ndarray, tp: int) -> Tuple[np.ndarray, ...]:
-    """The at most three boxes of each ZeRO fragment of one TP rank's shards (columns of
-    :class:`BoxTable`). ``bands[i]``: fragment ``i``'s shard as ``(row, rows, col, cols)``."""
+def fragment_boxes(frag, pidx: np.ndarray, band: int, bands: np.ndarray, ranks: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """The at most three boxes of each ZeRO fragment of one band's shards (columns of
+    :class:`BoxTable`). ``pidx[i]``: fragment ``i``'s parameter index; ``bands[i]``: its shard
+    as ``(row, rows, col, cols)``; ``ranks[i]``: the global rank holding it (int64 arrays)."""
     c = np.maximum(bands[:, 3], 1)
     s, e = frag.start, frag.start + frag.numel
     i_s, j_s, i_e, j_e = s // c, s % c, e // c, e % c
@@ -254,8 +282,8 @@ def _fragment_boxes(frag, pidx: np.ndarray, tp_rank: int, bands: np.ndarray, tp:
         cols_out.append(
             (
                 pidx[keep],
-                np.full(int(keep.sum()), tp_rank, dtype=np.int64),
-                frag.rank[keep] * tp + tp_rank,
+                np.full(int(keep.sum()), band, dtype=np.int64),
+                ranks[keep],
                 frag.partition[keep],
                 row[keep] + bands[keep, 0],
                 rows[keep],

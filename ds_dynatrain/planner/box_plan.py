@@ -1,0 +1,83 @@
+"""A plan between two band layouts (pure): every box an old rank sends a new rank, or keeps, as
+the rows of one table (:mod:`~ds_dynatrain.planner.boxes`), with its totals and digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Tuple
+
+import numpy as np
+
+from .boxes import TP_COLUMNS, TP_WIDTH
+from .plan import check_members
+
+
+@dataclass(frozen=True, eq=False)
+class BoxPlan:
+    """A deterministic plan of one change of a band layout (TP and DP, or PP and DP, degrees).
+
+    Attributes:
+        old_layout, new_layout: the two layouts (same model, same kind:
+            :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout` or
+            :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`).
+        old_members, new_members: member id of each old and new global rank.
+        table: every transfer as a row of an int64 array ``(n, 11)``, columns
+            :data:`~ds_dynatrain.planner.boxes.TP_COLUMNS` (a box moving between two strided
+            runs; elements), sorted by ``(src, dst, param)``; keeps included.
+
+    Raises:
+        ValueError: a member list does not name one process per rank, or names one twice.
+    """
+
+    old_layout: Any
+    new_layout: Any
+    old_members: Tuple[str, ...]
+    new_members: Tuple[str, ...]
+    table: np.ndarray
+
+    def __post_init__(self):
+        check_members(self.old_members, self.new_members, self.old_layout.world_size, self.new_layout.world_size)
+        if self.table.ndim != 2 or self.table.shape[1] != TP_WIDTH:
+            raise ValueError(f"a box plan's table has {TP_WIDTH} columns {TP_COLUMNS}")
+        self.table.flags.writeable = False
+
+    @cached_property
+    def keep_mask(self) -> np.ndarray:
+        """Per row: both ends are one process."""
+        old = np.asarray(self.old_members, dtype=object)[self.table[:, 0]]
+        new = np.asarray(self.new_members, dtype=object)[self.table[:, 1]]
+        return old == new
+
+    @cached_property
+    def _numels(self) -> np.ndarray:
+        return self.table[:, 9] * self.table[:, 10]
+
+    @property
+    def numel_kept(self) -> int:
+        """Elements that stay in place (a local copy at most)."""
+        return int(self._numels[self.keep_mask].sum())
+
+    @property
+    def numel_moved(self) -> int:
+        """Elements sent between processes."""
+        return int(self._numels[~self.keep_mask].sum())
+
+    def per_rank(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(kept by new rank, sent by old rank, received by new rank)``: elements (int64)."""
+        t, keep, n = self.table, self.keep_mask, self._numels
+        kept = np.bincount(t[keep, 1], n[keep], minlength=self.new_layout.world_size).astype(np.int64)
+        sent = np.bincount(t[~keep, 0], n[~keep], minlength=self.old_layout.world_size).astype(np.int64)
+        recv = np.bincount(t[~keep, 1], n[~keep], minlength=self.new_layout.world_size).astype(np.int64)
+        return kept, sent, recv
+
+    def digest(self) -> str:
+        """SHA-256 of the layouts' degrees, members and the table's bytes: equal on every rank for the
+        same plan."""
+        h = hashlib.sha256()
+        head = [*self.old_layout.degrees, *self.new_layout.degrees]
+        h.update(json.dumps([head, self.old_members, self.new_members]).encode())
+        h.update(np.ascontiguousarray(self.table.T).astype("<i8").tobytes())
+        return h.hexdigest()

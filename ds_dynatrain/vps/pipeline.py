@@ -1,0 +1,226 @@
+"""Pipeline-parallel (DeepSpeed ``PipelineModule``) layouts composed with ZeRO-1, from parameter
+metadata alone.
+
+A ``PipelineModule`` (``deepspeed/runtime/pipe/module.py``, deepspeed 0.19.8) gives stage ``s`` of
+``pp`` the layers ``[parts[s], parts[s + 1])`` and names their parameters independently of the
+stage: ``"<layer index>.<sub name>"``, and ``"tied_modules.<key>.<sub name>"`` for a
+``TiedLayerSpec`` key, of which every stage holding one of the key's layers builds its own copy.
+Each stage's data-parallel group (global ranks ``stage * dp + d``, ``PipeDataParallelTopology``'s
+row-major ``['pipe', 'data']`` axes) flattens and partitions the stage's own parameters as plain
+ZeRO does (``stage_1_and_2.py``).
+
+A parameter is never cut: a stage holds it whole or not at all. In the box view of
+:mod:`~ds_dynatrain.vps.tensor_parallel` a stage is a *band*: its band of a parameter is the whole
+matrix where it holds the parameter, an empty box where it does not; a tied parameter is a
+replicated one, held by every stage that owns its key (any copy is a source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import LayoutMismatchError
+from .layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
+from .tensor_parallel import BOX_FIELDS, BoxTable, fragment_boxes, matrix_shape
+
+TIED_PREFIX = "tied_modules."
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    """One entry of a pipeline's layer list.
+
+    Attributes:
+        params: its trainable parameters, ``ParamMeta`` keyed by their stage-independent names
+            (``"<index>.<sub>"``, or ``"tied_modules.<key>.<sub>"`` for a tied layer), in the
+            layer's ``named_parameters`` order; empty for a function or a parameterless layer.
+        tie: the ``TiedLayerSpec`` key, or ``None``.
+    """
+
+    params: Tuple[ParamMeta, ...] = ()
+    tie: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The layout of a pipeline model at ``pp`` stages of ``dp`` ZeRO ranks each.
+
+    Attributes:
+        pp, dp: pipeline and data-parallel degrees (world size ``pp * dp``).
+        layers: the layer list (:class:`PipelineLayer`), the same at every degree.
+        parts: the stage bounds, ``pp + 1`` increasing layer indices from 0 to the number of
+            layers (DeepSpeed's ``PipelineModule.parts``, from its partition method).
+        stage, round_robin, parameter_alignment, sub_group_size: the ZeRO settings, as
+            :class:`~ds_dynatrain.vps.layout.ZeroLayout` (one optimizer group per stage: the
+            stage's parameters in ``PipelineModule`` order, tied modules first).
+
+    Raises:
+        LayoutMismatchError: ``parts`` does not bound ``pp`` stages of the layer list, a stage
+            holds no layer or no trainable parameter, or two layers give one parameter name
+            different shapes.
+        ValueError: ``pp`` or ``dp`` below 1 (and as :class:`ZeroLayout`).
+    """
+
+    pp: int
+    dp: int
+    layers: Tuple[PipelineLayer, ...]
+    parts: Tuple[int, ...]
+    stage: int = 1
+    round_robin: bool = False
+    parameter_alignment: bool = False
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    _zero: Tuple[ZeroLayout, ...] = field(init=False, repr=False, compare=False, hash=False)
+    _params: Tuple[ParamMeta, ...] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"PP and DP degrees must be >= 1, got PP {self.pp} x DP {self.dp}")
+        parts = tuple(int(x) for x in self.parts)
+        if len(parts) != self.pp + 1 or parts[0] != 0 or parts[-1] != len(self.layers):
+            raise LayoutMismatchError(
+                f"stage bounds {list(parts)} do not split {len(self.layers)} layers into {self.pp} stages"
+            )
+        for s, (a, b) in enumerate(zip(parts, parts[1:])):
+            if b <= a:
+                raise LayoutMismatchError(f"stage bounds {list(parts)}: stage {s} holds no layer")
+        object.__setattr__(self, "parts", parts)
+        metas: Dict[str, ParamMeta] = {}
+        for layer in self.layers:
+            for p in layer.params:
+                if metas.setdefault(p.key, p) != p:
+                    raise LayoutMismatchError(f"{p.key}: two layers give it {metas[p.key]} and {p}")
+        object.__setattr__(self, "_params", tuple(metas[k] for k in sorted(metas)))
+        for s in range(self.pp):
+            if not self.stage_params(s):
+                raise LayoutMismatchError(f"stage bounds {list(parts)}: stage {s} holds no trainable parameter")
+        zero = tuple(
+            ZeroLayout(
+                self.dp,
+                (self.stage_params(s),),
+                self.round_robin,
+                self.parameter_alignment,
+                self.stage,
+                self.sub_group_size,
+            )
+            for s in range(self.pp)
+        )
+        object.__setattr__(self, "_zero", zero)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_bands(self) -> int:
+        """Bands of the box view: one per stage."""
+        return self.pp
+
+    @property
+    def degrees(self) -> Tuple[str, int, int]:
+        """``("pp", pp, dp)``: what a plan's digest names of this layout."""
+        return ("pp", self.pp, self.dp)
+
+    def stage_params(self, s: int) -> Tuple[ParamMeta, ...]:
+        """Stage ``s``'s parameters in ``PipelineModule`` order: every tied key's parameters (in
+        the order the stage first meets the keys), then its other layers' in layer order."""
+        tied, own, seen = [], [], set()
+        for layer in self.layers[self.parts[s] : self.parts[s + 1]]:
+            if layer.tie is None:
+                own.extend(layer.params)
+            elif layer.tie not in seen:
+                seen.add(layer.tie)
+                tied.extend(layer.params)
+        return tuple(tied + own)
+
+    def stage_of_rank(self, rank: int) -> int:
+        """The stage of global ``rank``."""
+        return rank // self.dp
+
+    def rank(self, stage: int, dp_rank: int) -> int:
+        """The global rank of ``(stage, dp_rank)``: ``stage * dp + dp_rank``."""
+        return stage * self.dp + dp_rank
+
+    def zero(self, stage: int) -> ZeroLayout:
+        """The ZeRO layout of stage ``stage``'s data-parallel group."""
+        return self._zero[stage]
+
+    def zero_of(self, rank: int) -> ZeroLayout:
+        """The ZeRO layout of global ``rank``'s data-parallel group (its stage's)."""
+        return self._zero[self.stage_of_rank(rank)]
+
+    @property
+    def params(self) -> Tuple[ParamMeta, ...]:
+        """Every trainable parameter once, sorted by name (the ``param`` index of
+        :class:`~ds_dynatrain.vps.tensor_parallel.BoxTable`; the same at every degree)."""
+        return self._params
+
+    def holders(self) -> np.ndarray:
+        """``(parameters, pp)`` bool: stage ``s`` holds parameter ``i``."""
+        index = {p.key: i for i, p in enumerate(self._params)}
+        out = np.zeros((len(self._params), self.pp), dtype=bool)
+        for s in range(self.pp):
+            for p in self.stage_params(s):
+                out[index[p.key], s] = True
+        return out
+
+    def band_boxes(self) -> np.ndarray:
+        """``(parameters, pp, 4)`` int64: stage ``s``'s part of parameter ``i`` as ``(row, rows,
+        col, cols)`` of its matrix; the whole matrix where the stage holds it, else empty."""
+        shapes = np.asarray([matrix_shape(p.shape) for p in self._params], dtype=np.int64).reshape(-1, 2)
+        held = self.holders()
+        out = np.zeros((len(self._params), self.pp, 4), dtype=np.int64)
+        out[:, :, 1] = np.where(held, shapes[:, 0:1], 0)
+        out[:, :, 3] = np.where(held, shapes[:, 1:2], 0)
+        return out
+
+    def replicated(self) -> np.ndarray:
+        """``(parameters,)`` bool: held whole by more than one stage (a tied parameter)."""
+        return self.holders().sum(axis=1) > 1
+
+    def boxes(self) -> BoxTable:
+        """Every box of every rank (:class:`~ds_dynatrain.vps.tensor_parallel.BoxTable`; ``band``
+        is the stage)."""
+        index = {p.key: i for i, p in enumerate(self._params)}
+        bands = self.band_boxes()
+        parts = []
+        for s in range(self.pp):
+            frag = self._zero[s].fragment_table()
+            pidx = np.asarray([index[p.key] for p in self.stage_params(s)], dtype=np.int64)[frag.param]
+            ranks = s * self.dp + frag.rank
+            parts.append(fragment_boxes(frag, pidx, s, bands[pidx, s], ranks))
+        return BoxTable(*(np.concatenate([p[i] for p in parts]) for i in range(len(BOX_FIELDS))))
+
+    def check_same_model(self, other: "PipelineLayout", settings: bool = True) -> None:
+        """Raise :class:`LayoutMismatchError` when ``other`` is not the same model (the same
+        parameters, full shapes and ties; with ``settings`` also dtypes and ZeRO settings)."""
+        if not isinstance(other, PipelineLayout):
+            raise LayoutMismatchError("a pipeline layout and a layout of another kind describe different jobs")
+        a, b = self._params, other._params
+        if [(p.key, p.shape) for p in a] != [(p.key, p.shape) for p in b]:
+            raise LayoutMismatchError("the two pipeline layouts describe different parameters")
+        if [(len(x.params), x.tie) for x in self.layers] != [(len(x.params), x.tie) for x in other.layers]:
+            raise LayoutMismatchError("the two pipeline layouts have different layer lists")
+        if not settings:
+            return
+        if [p.dtype for p in a] != [p.dtype for p in b]:
+            raise LayoutMismatchError("the two pipeline layouts describe different parameter dtypes")
+        mine = (self.stage, self.round_robin, self.parameter_alignment, self.sub_group_size)
+        theirs = (other.stage, other.round_robin, other.parameter_alignment, other.sub_group_size)
+        if mine != theirs:
+            raise LayoutMismatchError(f"the two pipeline layouts differ in their ZeRO settings: {mine} and {theirs}")
+
+    def with_degrees(self, pp: int, dp: int, parts: Sequence[int]) -> "PipelineLayout":
+        """The same model and ZeRO settings at ``pp`` stages of ``dp`` ranks, split at ``parts``."""
+        return PipelineLayout(
+            pp,
+            dp,
+            self.layers,
+            tuple(parts),
+            self.stage,
+            self.round_robin,
+            self.parameter_alignment,
+            self.sub_group_size,
+        )

@@ -1,0 +1,150 @@
+"""The pipeline + ZeRO-1 layout and its plan, checked element by element (pure, no process).
+
+Oracle: a rank's flat partitions built straight from the full tensors: its stage's parameters in
+``PipelineModule`` order (tied modules first, then layers by index), laid out by
+``ZeroLayout.fragments`` (the 1-D layout proven against DeepSpeed in
+``tests/test_layout_vs_deepspeed.py``), with no box geometry. A plan is executed on those
+partitions as strided copies; every new rank's partitions must equal the oracle's for the new
+layout, every element a parameter owns written exactly once. Layer lists, ties, degrees and stage
+bounds are drawn by hypothesis. (The stage order and bounds themselves are checked against a real
+``PipelineModule`` in ``tests/test_pipeline_layout_vs_deepspeed.py``.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_tp_plan import execute
+
+from ds_dynatrain.errors import LayoutMismatchError
+from ds_dynatrain.planner.pp_plan import assign_pp_members_best, plan_pp_transition
+from ds_dynatrain.planner.tp_plan import kept_upper_bound
+from ds_dynatrain.vps.layout import ParamMeta
+from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout
+
+
+def _bounds(n: int, pp: int, draw) -> tuple:
+    """Stage bounds with at least one layer per stage."""
+    if pp == 1:
+        return (0, n)
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
+    return (0, *cuts, n)
+
+
+@st.composite
+def pipelines(draw):
+    n = draw(st.integers(1, 7))
+    ties = draw(st.lists(st.sampled_from([None, None, "embed", "other"]), min_size=n, max_size=n))
+    tie_shapes = {}
+    layers = []
+    for i, tie in enumerate(ties):
+        if tie is not None:
+            shape = tie_shapes.setdefault(tie, tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=2))))
+            layers.append(PipelineLayer((ParamMeta(f"tied_modules.{tie}.weight", shape, "float32"),), tie))
+            continue
+        k = draw(st.integers(1, 2))
+        shapes = [tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))) for _ in range(k)]
+        layers.append(PipelineLayer(tuple(ParamMeta(f"{i}.w{j}", s, "float32") for j, s in enumerate(shapes))))
+    zero = dict(parameter_alignment=draw(st.booleans()), round_robin=draw(st.booleans()))
+    out = []
+    for _ in range(2):
+        pp, dp = draw(st.integers(1, min(3, n))), draw(st.integers(1, 3))
+        out.append(PipelineLayout(pp, dp, tuple(layers), _bounds(n, pp, draw), **zero))
+    return out[0], out[1]
+
+
+def partitions(layout: PipelineLayout, full: dict) -> list:
+    """Oracle: per global rank, its flat partitions (float64 arrays, NaN where padding)."""
+    out = [None] * layout.world_size
+    for s in range(layout.pp):
+        zl = layout.zero(s)
+        for d in range(layout.dp):
+            parts = [np.full(zl.partition_numel(b), np.nan) for b in range(zl.num_partitions)]
+            for f in zl.fragments(d):
+                parts[f.group][f.local : f.local + f.numel] = full[f.key][f.start : f.start + f.numel]
+            out[layout.rank(s, d)] = parts
+    return out
+
+
+def _run(old, new, joiners=()):
+    rng = np.random.default_rng(7)
+    full = {p.key: rng.standard_normal(math.prod(p.shape)) for p in old.params}
+    members = [f"m{i}" for i in range(old.world_size)]
+    joiners = list(joiners) or [f"j{i}" for i in range(max(0, new.world_size - old.world_size))]
+    new_members, k = assign_pp_members_best(old, new, members, joiners)
+    plan = plan_pp_transition(old, new, members, new_members)
+    got, writes = execute(plan, partitions(old, full))
+    want = partitions(new, full)
+    for r in range(new.world_size):
+        for b, (g, w, n) in enumerate(zip(got[r], want[r], writes[r])):
+            owned = ~np.isnan(w)
+            np.testing.assert_array_equal(g[owned], w[owned], err_msg=f"rank {r} partition {b}")
+            assert (n[owned] == 1).all() and (n[~owned] == 0).all(), f"rank {r} partition {b}: writes {n}"
+    return plan, members, new_members, k
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines())
+def test_plan_moves_every_element_once(pair):
+    old, new = pair
+    plan, members, new_members, k = _run(old, new)
+    kept = sum(int(k[members.index(m), j]) for j, m in enumerate(new_members) if m in members)
+    assert plan.numel_kept == kept <= kept_upper_bound(k)
+    # a new layout holds each parameter once per stage that holds it
+    held = new.holders().sum(axis=1)
+    total = sum(math.prod(p.shape) * int(h) for p, h in zip(new.params, held))
+    assert plan.numel_kept + plan.numel_moved == total
+
+
+def _tied_model():
+    """Embedding tied to the head, four blocks and a norm (the pipeline tutorial's shape)."""
+    embed = ParamMeta("tied_modules.embed.weight", (16, 4), "float32")
+    layers = [PipelineLayer((embed,), "embed")]
+    for i in range(1, 5):
+        layers.append(
+            PipelineLayer((ParamMeta(f"{i}.fc.weight", (4, 4), "float32"), ParamMeta(f"{i}.fc.bias", (4,), "float32")))
+        )
+    layers.append(PipelineLayer((ParamMeta("5.ln.weight", (4,), "float32"),)))
+    layers.append(PipelineLayer((embed,), "embed"))
+    return tuple(layers)
+
+
+def test_pp2_to_pp1_moves_only_what_the_other_stage_held():
+    """PP 2 -> 1 at world 2: rank 0 (stage 0) keeps the part of its stage the new DP rank 0
+    partition covers; the tied embedding is on both stages, so nobody receives it from afar."""
+    layers = _tied_model()
+    old = PipelineLayout(2, 1, layers, (0, 3, 7))
+    new = PipelineLayout(1, 2, layers, (0, 7))
+    plan, _, new_members, _ = _run(old, new)
+    assert new_members == ("m0", "m1")
+    embed = next(i for i, p in enumerate(new.params) if p.key.startswith("tied"))
+    moved = plan.table[~plan.keep_mask]
+    assert not (moved[:, 2] == embed).any()  # both old stages held a copy: each new rank keeps its own
+
+
+def test_tied_weight_goes_only_to_newly_owning_stages():
+    layers = _tied_model()
+    old = PipelineLayout(1, 2, layers, (0, 7))
+    new = PipelineLayout(2, 1, layers, (0, 3, 7))
+    plan, _, _, _ = _run(old, new)
+    assert old.replicated().sum() == 0 and new.replicated().sum() == 1
+
+
+def test_bad_bounds_and_models_are_refused():
+    layers = _tied_model()
+    with pytest.raises(LayoutMismatchError, match="do not split 7 layers into 2 stages"):
+        PipelineLayout(2, 1, layers, (0, 7))
+    with pytest.raises(LayoutMismatchError, match="stage 1 holds no layer"):
+        PipelineLayout(3, 1, layers, (0, 5, 3, 7))
+    other = layers[:-1] + (PipelineLayer((ParamMeta("6.x", (2,), "float32"),)),)
+    with pytest.raises(LayoutMismatchError, match="different"):
+        plan_pp_transition(
+            PipelineLayout(1, 2, layers, (0, 7)), PipelineLayout(1, 2, other, (0, 7)), ["a", "b"], ["a", "b"]
+        )
+    clash = layers + (PipelineLayer((ParamMeta("tied_modules.embed.weight", (3, 3), "float32"),), "embed"),)
+    with pytest.raises(LayoutMismatchError, match="two layers give it"):
+        PipelineLayout(1, 1, clash, (0, 8))
