@@ -148,3 +148,74 @@ def test_bad_bounds_and_models_are_refused():
     clash = layers + (PipelineLayer((ParamMeta("tied_modules.embed.weight", (3, 3), "float32"),), "embed"),)
     with pytest.raises(LayoutMismatchError, match="two layers give it"):
         PipelineLayout(1, 1, clash, (0, 8))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_plan_cli_with_pipeline_degrees(tmp_path, capsys, tied):
+    """``dynatrain plan --pipeline-parallel-from/--pipeline-parallel-to`` on a small Llama config
+    seen as a pipeline (embedding, 4 decoder layers, norm, head): the bytes add up to the state
+    (a tied embedding/head once per stage holding it), every old rank sends what the new ranks
+    receive, the kept bytes reach the upper bound, and impossible layouts are refused with the
+    reason and exit status 2."""
+    import json
+
+    from ds_dynatrain.cli import main as cli_main
+
+    h, f, v, n = 32, 64, 96, 4
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "head_dim": 8,
+        "intermediate_size": f,
+        "num_hidden_layers": n,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": v,
+        "tie_word_embeddings": tied,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+
+    def plan(*args):
+        capsys.readouterr()
+        rc = cli_main(["plan", "--model-config", str(path), *args])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    block = h * h + 2 * 16 * h + h * h + 3 * h * f + 2 * h  # attention, MLP, two norms
+    params = n * block + h + v * h * (1 if tied else 2)
+    rc, out, err = plan("--from", "2", "--to", "2", "--pipeline-parallel-from", "2", "--pipeline-parallel-to", "1")
+    assert rc == 0, err
+    assert "PP 2 x DP 1 -> PP 1 x DP 2 (2 -> 2 ranks)" in out
+    rc, out, err = plan(
+        "--from", "2", "--to", "4", "--pipeline-parallel-from", "1", "--pipeline-parallel-to", "2", "--json"
+    )
+    assert rc == 0, err
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["parameters"] == params and rep["zero_stage"] == 1
+    assert rep["stage_bounds_from"] == [0, n + 3] and len(rep["stage_bounds_to"]) == 3
+    copies = params + (v * h if tied else 0)  # PP 2: the tied pair on the first and the last stage
+    assert rep["bytes_moved"] + rep["bytes_kept"] == 12 * copies
+    assert rep["bytes_kept"] == rep["bytes_kept_upper_bound"] > 0
+    assert sum(r["bytes_received"] for r in rep["ranks"]) == rep["bytes_moved"]
+    assert sum(r["bytes_sent"] for r in rep["ranks"]) == rep["bytes_moved"]
+    refusals = [
+        (
+            ["--from", "4", "--to", "3", "--pipeline-parallel-from", "2", "--pipeline-parallel-to", "2"],
+            "PP degree 2 does not divide world size 3",
+        ),
+        (
+            ["--from", "8", "--to", "8", "--pipeline-parallel-from", "8", "--pipeline-parallel-to", "8"],
+            "PP degree 8: the pipeline has 7 layers",
+        ),
+        (["--from", "2", "--to", "2", "--pipeline-parallel-to", "2", "--zero-stage", "2"], "ZeRO-1"),
+        (["--from", "2", "--to", "2", "--pipeline-parallel-to", "2", "--tensor-parallel-to", "2"], "one of the two"),
+        (
+            ["--from", "2", "--to", "2", "--pipeline-parallel-to", "2", "--partition-method", "profile"],
+            "partition method 'profile'",
+        ),
+    ]
+    for args, words in refusals:
+        rc, _, err = plan(*args)
+        assert rc == 2 and words in err, (args, err)

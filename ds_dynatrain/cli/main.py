@@ -117,14 +117,28 @@ def _cmd_plan(a) -> int:
     from .plan import plan_report, print_report
 
     dtype = DTYPE_NAMES.get(a.dtype, a.dtype)
+    pipeline = a.pp_from is not None or a.pp_to is not None
     try:
-        if a.tp_from is None and a.tp_to is None:
-            rep = plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, dtype, a.assignment)
+        if pipeline and (a.tp_from is not None or a.tp_to is not None):
+            raise ConfigError("--pipeline-parallel-* with --tensor-parallel-*: plans change one of the two")
+        if pipeline:
+            from .plan_pp import pp_plan_report
+
+            if a.zero_stage not in (None, 1):
+                raise ConfigError(f"--zero-stage {a.zero_stage}: DeepSpeed's pipeline engine runs ZeRO-1 (stage < 2)")
+            pp_from, pp_to = (1 if p is None else p for p in (a.pp_from, a.pp_to))
+            rep = pp_plan_report(
+                a.model_config, a.from_ws, a.to_ws, pp_from, pp_to, dtype, a.assignment, a.partition_method
+            )
+        elif a.tp_from is None and a.tp_to is None:
+            rep = plan_report(a.model_config, a.zero_stage or 2, a.from_ws, a.to_ws, dtype, a.assignment)
         else:
             from .plan_tp import tp_plan_report
 
             tp_from, tp_to = (1 if t is None else t for t in (a.tp_from, a.tp_to))
-            rep = tp_plan_report(a.model_config, a.zero_stage, a.from_ws, a.to_ws, tp_from, tp_to, dtype, a.assignment)
+            rep = tp_plan_report(
+                a.model_config, a.zero_stage or 2, a.from_ws, a.to_ws, tp_from, tp_to, dtype, a.assignment
+            )
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
         return 2
@@ -332,7 +346,9 @@ def _add_query_commands(sub) -> None:
 
     qp = sub.add_parser("plan", help="print the transition plan of a model between two world sizes (no process starts)")
     qp.add_argument("--model-config", required=True, help="a Hugging Face model config (config.json)")
-    qp.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (1, 2 or 3; default 2)")
+    qp.add_argument(
+        "--zero-stage", type=int, help="ZeRO stage (1, 2 or 3; default 2, and 1 with --pipeline-parallel-*)"
+    )
     qp.add_argument("--from", dest="from_ws", type=int, required=True, help="old world size (data-parallel without TP)")
     qp.add_argument("--to", dest="to_ws", type=int, required=True, help="new world size (data-parallel without TP)")
     qp.add_argument(
@@ -354,6 +370,20 @@ def _add_query_commands(sub) -> None:
         help="old AutoTP degree (--from and --to are then world sizes: TP x DP; default 1)",
     )
     qp.add_argument("--tensor-parallel-to", dest="tp_to", type=int, help="new AutoTP degree (default 1)")
+    qp.add_argument(
+        "--pipeline-parallel-from",
+        dest="pp_from",
+        type=int,
+        help="old pipeline degree: the model as a PipelineModule (embedding, decoder layers, norm, head) "
+        "with ZeRO-1 (--from and --to are then world sizes: PP x DP; default 1)",
+    )
+    qp.add_argument("--pipeline-parallel-to", dest="pp_to", type=int, help="new pipeline degree (default 1)")
+    qp.add_argument(
+        "--partition-method",
+        default="parameters",
+        help="how the stages are split, as PipelineModule's partition_method (parameters, uniform, "
+        "type:<regex>; default parameters)",
+    )
     qp.add_argument("--json", action="store_true", help="one JSON object")
     qp.set_defaults(func=_cmd_plan)
 

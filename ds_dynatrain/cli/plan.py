@@ -174,6 +174,9 @@ def print_report(rep: dict, as_json: bool) -> None:
     if "tensor_parallel_from" in rep:
         a, b = rep["tensor_parallel_from"], rep["tensor_parallel_to"]
         ranks = f"TP {a} x DP {rep['from'] // a} -> TP {b} x DP {rep['to'] // b} ({ranks})"
+    if "pipeline_parallel_from" in rep:
+        a, b = rep["pipeline_parallel_from"], rep["pipeline_parallel_to"]
+        ranks = f"PP {a} x DP {rep['from'] // a} -> PP {b} x DP {rep['to'] // b} ({ranks})"
     print(
         f"{rep['parameters'] / 1e9:.2f} B parameters, ZeRO-{rep['zero_stage']}, {ranks}, "
         f"{rep['assignment']} assignment: planned in {rep['plan_seconds'] * 1e3:.1f} ms, {rep['transfers']} transfers"
