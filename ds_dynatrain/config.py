@@ -181,6 +181,13 @@ class DynatrainConfig(_Strict):
         "ready; false: the resize blocks training at the step it is served",
     )
 
+    pipeline_partition_method: str = Field(
+        "parameters",
+        description="a PipelineModule job: the partition_method its PipelineModule was built "
+        "with (parameters, uniform, type:<regex>; DeepSpeed keeps no record of it), used to split "
+        "the layers at another PP degree; checked against the module's stage bounds at start",
+    )
+
     @model_validator(mode="after")
     def _schedule_ordered(self):
         steps = [e.step for e in self.resize_schedule]

@@ -45,23 +45,30 @@ def _refuse_frontend_under_launch(frontend: Optional[str], in_place_loop: Option
         )
 
 
-def _refuse_model_parallel(model: torch.nn.Module, mpu) -> None:
-    """Refuse a job whose layout DeepSpeed gets from the model (an mpu, a pipeline): its partitions
-    hold stage-local parameters that the resize, snapshot and recovery paths would take for whole ones.
+def _refuse_model_parallel(mpu) -> None:
+    """Refuse a job whose layout DeepSpeed gets from a user's ``mpu``: its partitions hold
+    model-parallel parameters no layout here describes.
 
     Raises:
-        ConfigError: a model-parallel ``mpu``, or a ``deepspeed.pipe.PipelineModule``. (An AutoTP
-            config is checked with the world size: ``config.check_tensor_parallel``.)
+        ConfigError: a model-parallel ``mpu``. (An AutoTP config is checked with the world size:
+            ``config.check_tensor_parallel``; a ``PipelineModule`` brings its own grid.)
     """
     if mpu is not None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
-    from deepspeed.pipe import PipelineModule
 
-    if isinstance(model, PipelineModule):
-        raise ConfigError(
-            "a deepspeed.pipe.PipelineModule: ds_dynatrain resizes, snapshots and recovers data-parallel "
-            "jobs only. Remove the dynatrain section to train with pipeline parallelism"
-        )
+
+def _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, frontend):
+    """``initialize`` of a ``deepspeed.pipe.PipelineModule``: an
+    :class:`~ds_dynatrain.engine.pp_engine.ElasticPipelineEngine` (``train_batch`` takes the
+    caller's ``data_iter``). Raises ConfigError: training data handed over, or a front-end's engine."""
+    from .engine.pp_engine import start_pipeline_engine
+
+    if training_data is not None:
+        raise ConfigError("training_data with a PipelineModule job: pass a data_iter to engine.train_batch instead")
+    if frontend is not None:
+        raise ConfigError(f"a PipelineModule job through {frontend}: DeepSpeed's pipeline engine trains by train_batch")
+    engine = start_pipeline_engine(model, optimizer, model_parameters, lr_scheduler, ds_config, dt_cfg)
+    return engine, engine.optimizer, None, engine.lr_scheduler
 
 
 def initialize(
@@ -117,7 +124,13 @@ def initialize(
         plain = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data)
         plain.update(lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, collate_fn=collate_fn)
         return deepspeed.initialize(model=model, dist_init_required=dist_init_required, config=ds_config, **plain)
-    _refuse_model_parallel(model, mpu)
+    _refuse_model_parallel(mpu)
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        return _start_pipeline(
+            model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, frontend
+        )
     _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(

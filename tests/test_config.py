@@ -277,28 +277,33 @@ def test_resolve_global_batch_refuses(keys, ws, message):
 
 
 @pytest.mark.parametrize(
-    "extra, model_kind, message",
+    "extra, section, message",
     [
-        ({}, "pipeline", "a deepspeed.pipe.PipelineModule: ds_dynatrain resizes"),
+        ({}, {}, "a PipelineModule job with ZeRO stage 0: ds_dynatrain changes the layout of pipeline jobs at ZeRO-1"),
+        ({"zero_optimization": {"stage": 2}}, {}, "with ZeRO stage 2"),
+        ({"zero_optimization": {"stage": 1}}, {"snapshot": {"dir": "snaps"}}, "snapshots of a PipelineModule job"),
+        (
+            {"zero_optimization": {"stage": 1}},
+            {"resize_schedule": [{"step": 3, "world_size": 2}]},
+            "a PipelineModule job changes its layout by engine.resize only",
+        ),
     ],
+    ids=["zero0", "zero2", "snapshots", "schedule"],
 )
-def test_initialize_refuses_model_parallel_layouts(extra, model_kind, message):
-    """A pipeline job is refused by ``ds_dynatrain.initialize`` before any engine or
-    process group exists (its partitions are not whole parameters), naming the key."""
+def test_initialize_refuses_what_a_pipeline_job_cannot_have(extra, section, message):
+    """What a pipeline job cannot have yet is refused by ``ds_dynatrain.initialize`` before any
+    engine or process group exists, naming the key."""
     import torch
+    from deepspeed.pipe import PipelineModule
 
     import ds_dynatrain
 
-    if model_kind == "pipeline":
-        from deepspeed.pipe import PipelineModule
-
-        # a one-stage PipelineModule needs a process group; the type is what is refused, so an
-        # instance is made without running its constructor
-        model = PipelineModule.__new__(PipelineModule)
-        torch.nn.Module.__init__(model)
-    else:
-        model = torch.nn.Linear(4, 4)
-    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "dynatrain": {}, **extra}
+    # a PipelineModule needs a process group; the config is what is refused, so an instance is
+    # made without running its constructor
+    model = PipelineModule.__new__(PipelineModule)
+    torch.nn.Module.__init__(model)
+    model.lin = torch.nn.Linear(4, 4)
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "dynatrain": section, **extra}
     with pytest.raises(ConfigError, match=re.escape(message)):
         ds_dynatrain.initialize(model=model, model_parameters=list(model.parameters()), config=config)
 

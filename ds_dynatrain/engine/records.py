@@ -203,6 +203,10 @@ class ResizeRecord(TransferTotals):
         "AutoTP degree before (an AutoTP job; `from`/`to` are then world sizes, TP x DP)", None, optional=True
     )
     tensor_parallel_to: Optional[int] = _f("AutoTP degree after", None, optional=True)
+    pipeline_parallel_from: Optional[int] = _f(
+        "pipeline degree before (a PipelineModule job; `from`/`to` are then world sizes, PP x DP)", None, optional=True
+    )
+    pipeline_parallel_to: Optional[int] = _f("pipeline degree after", None, optional=True)
 
 
 @dataclass
@@ -327,6 +331,9 @@ def format_resize(r: ResizeRecord) -> str:
     if r.tensor_parallel_from is not None:
         a, b = r.tensor_parallel_from, r.tensor_parallel_to
         sizes = f"TP {a} x DP {r.from_world_size // a} \u2192 TP {b} x DP {r.to_world_size // b}"
+    if r.pipeline_parallel_from is not None:
+        a, b = r.pipeline_parallel_from, r.pipeline_parallel_to
+        sizes = f"PP {a} x DP {r.from_world_size // a} \u2192 PP {b} x DP {r.to_world_size // b}"
     return (
         f"resize {sizes} after step {r.step}: "
         f"{r.bytes_moved / 2**20:.2f} MiB moved, {r.bytes_kept / 2**20:.2f} MiB kept in place, "

@@ -86,6 +86,7 @@ class ElasticState:
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
     held: list = field(default_factory=list)  # memory a joiner holds touched until the survivors switch
     tp_layout: Any = None  # an AutoTP job's layout (vps.tensor_parallel.TensorParallelLayout); None: DP only
+    pp_layout: Any = None  # a PipelineModule job's layout (vps.pipeline.PipelineLayout); None: no pipeline
 
     @property
     def tp(self) -> int:

@@ -42,6 +42,15 @@ from ..transition.boxes import BoxTransferStats, execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups
+from .box_state import (
+    count_transfer,
+    install_moved_state,
+    kinds_of,
+    message_bytes,
+    new_partitions,
+    new_scalars,
+    transfer_group,
+)
 from .construct import construct, ds_config_for, keep_returned_optimizer
 from .header import agree_on_header, header_failures, install_header_state, make_header
 from .join import enter_generation, wait_for_switch
@@ -50,20 +59,7 @@ from .pending import publish
 from .records import JoinRecord, ResizeRecord
 from .resize import count_preparation
 from .state import Preparation
-from .tp_switch import (
-    check_layout,
-    count_transfer,
-    install_moved_state,
-    kinds_of,
-    message_bytes,
-    new_layout,
-    new_partitions,
-    new_scalars,
-    rebuild_at,
-    tp_layout_for_model,
-    tp_record,
-    transfer_group,
-)
+from .tp_switch import check_layout, new_layout, rebuild_at, tp_layout_for_model, tp_record
 
 _JOINER = "\0tp-joiner-"  # placeholder of a joiner before it is named after its rank (no id starts with NUL)
 

@@ -25,20 +25,11 @@ from ..log import logger
 from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
 from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
+from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
 from .members import evict_groups, form_generation, request_joiners
 from .pending import publish
 from .records import ResizeRecord
-from .tp_switch import (
-    count_transfer,
-    install_moved_state,
-    kinds_of,
-    move_state,
-    new_layout,
-    new_partitions,
-    new_scalars,
-    rebuild_at,
-    tp_record,
-)
+from .tp_switch import new_layout, rebuild_at, tp_record
 
 
 def largest_tp_layout(

@@ -20,23 +20,22 @@ that the caller kept does not train any more).
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as tdist
 
 from ..config import tensor_parallel_grain
 from ..errors import LayoutMismatchError, ResizeRefusedError
-from ..planner.plan import scalars_between
 from ..planner.tp_plan import plan_tp_transition
-from ..transition.boxes import execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.autotp import autotp_splits
 from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.rebuild import teardown
-from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
+from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups, tp_module
 from ..zero.zero3 import forget_zero3_module
+from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
 from .construct import close_snapshots, construct, ds_config_for, keep_returned_optimizer, own_layout
 from .pending import publish
 from .records import ResizeRecord
@@ -157,86 +156,6 @@ def new_layout(engine, tp: int, world_size: int) -> TensorParallelLayout:
     return old.with_degrees(tp, world_size // tp, splits)
 
 
-def kinds_of(state) -> Dict[str, torch.dtype]:
-    """``{kind: dtype}`` of a ``PartitionState``'s partitions (fp32 master and moments)."""
-    return {k: v.dtype for k, v in state.tensors[0].items()}
-
-
-def new_partitions(
-    layout: TensorParallelLayout, rank: int, kinds: Dict[str, torch.dtype]
-) -> List[Dict[str, torch.Tensor]]:
-    """New partitions of global ``rank`` under ``layout``, one ``{kind: 1-D tensor}`` per
-    partition, of the given kinds and dtypes (:func:`kinds_of`): the padding zeroed, every element
-    a fragment covers left for the transfer to write (every one of them is in the plan)."""
-    zl = layout.zero(rank % layout.tp)
-    out = [
-        {k: torch.empty(zl.partition_numel(b), dtype=dtype) for k, dtype in kinds.items()}
-        for b in range(zl.num_partitions)
-    ]
-    covered = [[] for _ in out]
-    for f in zl.fragments(rank // layout.tp):
-        covered[f.group].append((f.local, f.local + f.numel))
-    for part, spans in zip(out, covered):
-        pos = 0
-        for lo, hi in sorted(spans) + [(len(next(iter(part.values()))),) * 2]:
-            if lo > pos:
-                for t in part.values():
-                    t[pos:lo].zero_()
-            pos = max(pos, hi)
-    return out
-
-
-def new_scalars(old: TensorParallelLayout, old_rank: int, new: TensorParallelLayout, new_rank: int, scalars) -> list:
-    """The optimizer's non-partition state (Adam's ``step``) of each new partition of global
-    ``new_rank``, copied from ``scalars`` (those of old global ``old_rank``'s partitions) by
-    :func:`~ds_dynatrain.planner.plan.scalars_between` (at ZeRO-3 the number of sub-groups
-    changes with the layout; every partition of a group steps together)."""
-    src = scalars_between(old.zero(old_rank % old.tp), new.zero(new_rank % new.tp), scalars)
-    return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in src]
-
-
-def transfer_group():
-    """The group a box transfer's CPU messages go over: the world's default group when it is gloo,
-    else a gloo group over the same processes (NCCL carries no CPU tensor; collective: every process
-    calls it). The caller destroys a group made here once the transfer is done."""
-    if tdist.get_backend() == "gloo":
-        return None
-    return tdist.new_group(backend="gloo")
-
-
-def move_state(dt, plan, rank: int, state, dests, new_rank: Optional[int] = -1, peers=None):
-    """Move this process's rows of ``plan`` (fp32 master and moments of ``state`` into ``dests``)
-    over the world's processes (:func:`transfer_group`), in messages of :func:`message_bytes`;
-    returns the transfer's figures."""
-    group = transfer_group()
-    kinds = tuple(state.tensors[0])
-    try:
-        return execute_box_plan(
-            plan.table, rank, state.tensors, dests, kinds, group, new_rank, peers, message_bytes(dt)
-        )
-    finally:
-        if group is not None:
-            tdist.destroy_process_group(group)
-
-
-def message_bytes(dt) -> int:
-    """The largest message of a box transfer: a quarter of ``dynatrain.max_inflight_bytes`` (one
-    message per peer and direction in flight, as a DP resize's two each way)."""
-    return max(dt.config.max_inflight_bytes // 4, 1)
-
-
-def count_transfer(rec: ResizeRecord, plan, state, stats) -> None:
-    """Put a box plan's totals (bytes of every state kind) and this process's transfer figures
-    into ``rec``."""
-    kinds = len(state.tensors[0])
-    elsize = state.tensors[0][MASTER].element_size()
-    rec.bytes_moved = plan.numel_moved * elsize * kinds
-    rec.bytes_kept = plan.numel_kept * elsize * kinds
-    rec.transfer_s, rec.keep_s, rec.messages = stats.exchange_seconds, stats.keep_seconds, stats.messages
-    rec.bytes_sent, rec.bytes_received = stats.bytes_sent, stats.bytes_received
-    rec.peak_staging_bytes = stats.peak_staging_bytes
-
-
 def check_layout(engine) -> None:
     """Raise :class:`LayoutMismatchError` when the job's TP layout is not what DeepSpeed built on
     this rank: a parameter's split (its ``ds_autotp_uc_meta``) or a flat partition's size differs.
@@ -260,15 +179,6 @@ def check_layout(engine) -> None:
     expected = [zl.partition_numel(b) for b in range(zl.num_partitions)]
     if sizes != expected:
         raise LayoutMismatchError(f"this rank's fp32 partitions hold {sizes} elements, the TP layout says {expected}")
-
-
-def install_moved_state(engine, dests, scalars) -> None:
-    """The moved partitions (``dests``: per new partition ``{kind: tensor}``) become the rebuilt
-    engine's fp32 master and moments (``scalars``: Adam's step per partition), and the working
-    parameters are made from the master (collective over the DP group)."""
-    install_master(engine, [d[MASTER] for d in dests])
-    install_optimizer_state(engine, [{k: v for k, v in d.items() if k != MASTER} for d in dests], scalars)
-    working_from_master(engine)
 
 
 def rebuild_at(engine, tp: int, split, before_groups=None, same_world: bool = True) -> None:

@@ -139,6 +139,10 @@ class PipelineLayout:
         """The stage of global ``rank``."""
         return rank // self.dp
 
+    def dp_rank_of(self, rank: int) -> int:
+        """The DP rank of global ``rank`` in its stage's data-parallel group."""
+        return rank % self.dp
+
     def rank(self, stage: int, dp_rank: int) -> int:
         """The global rank of ``(stage, dp_rank)``: ``stage * dp + dp_rank``."""
         return stage * self.dp + dp_rank

@@ -206,6 +206,10 @@ class TensorParallelLayout:
         """The ZeRO layout of global ``rank``'s data-parallel group."""
         return self._zero[rank % self.tp]
 
+    def dp_rank_of(self, rank: int) -> int:
+        """The DP rank of global ``rank`` in its data-parallel group."""
+        return rank // self.tp
+
     def rank(self, tp_rank: int, dp_rank: int) -> int:
         """The global rank of ``(tp_rank, dp_rank)``: ``dp_rank * tp + tp_rank``."""
         return dp_rank * self.tp + tp_rank

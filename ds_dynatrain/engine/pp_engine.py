@@ -1,0 +1,233 @@
+"""The elastic pipeline engine: a real DeepSpeed ``PipelineEngine`` whose PP and DP degrees change
+in memory at an unchanged world size, and its first build by ``ds_dynatrain.initialize``.
+
+What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed, and
+``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`). Snapshots, the resize
+schedule, requests, ``dynatrain launch`` and a change of the number of processes are refused at
+start with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..config import ConfigError, DynatrainConfig, check_elastic_config
+from ..elastic.launch_env import LaunchContext, local_rank, member_id
+from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..zero.pipe_module import check_rebuildable
+from ..zero.pipeline import pipeline_layout
+from ..zero.quiet import scheduler_start_quiet
+from ..zero.rebuild import light_rebuild
+from .device import bind_device, engine_args
+from .records import MetricsWriter
+from .state import ElasticState
+
+
+class ElasticPipelineEngine(PipelineEngine):
+    """A ``PipelineEngine`` whose pipeline degree can change while it trains.
+
+    Built by :func:`ds_dynatrain.initialize` from a ``deepspeed.pipe.PipelineModule``, never
+    directly. Everything of ``PipelineEngine`` works as usual (``train_batch``, ``eval_batch``);
+    in addition :meth:`resize` changes the PP and DP degrees at an unchanged world size.
+    """
+
+    _dt: ElasticState
+
+    @property
+    def resize_records(self) -> List[dict]:
+        """One record per change of layout this process took part in."""
+        return [r.to_dict() for r in self._dt.resizes]
+
+    def resize(self, world_size: int, pipeline_parallel: Optional[int] = None) -> Optional[dict]:
+        """Change the pipeline degree to ``pipeline_parallel`` now, in memory (DP becomes
+        ``world_size / pipeline_parallel``); the processes stay.
+
+        Collective: every process calls it at the same step boundary (between ``train_batch``
+        calls).
+
+        Returns:
+            The resize record (``pipeline_parallel_from``/``_to``, ``bytes_moved``,
+            ``seconds``, ...); None when the degree does not change.
+
+        Raises:
+            ResizeRefusedError: another number of processes (not supported for a pipeline job
+                yet), a degree that does not divide the world size, more stages than layers, a
+                split that leaves a stage without a trainable parameter, or a DP size that cannot
+                keep the global batch; nothing has changed.
+            TransitionAbortedError: a peer failed during the transfer.
+        """
+        from .pp_switch import switch_pipeline_parallel
+
+        world = tdist.get_world_size()
+        if world_size != world:
+            raise ResizeRefusedError(
+                f"world size {world_size} refused: a pipeline job changes its PP degree over its {world} "
+                "processes; growing or shrinking it is not supported yet"
+            )
+        pp = self._dt.pp_layout.pp if pipeline_parallel is None else pipeline_parallel
+        if pp == self._dt.pp_layout.pp:
+            return None
+        return switch_pipeline_parallel(self, pp).to_dict()
+
+    def _broadcast_model(self):
+        """DeepSpeed's set-up broadcast of the working parameters, skipped in a rebuild whose
+        working parameters are made from the installed master right after."""
+        dt = self.__dict__.get("_dt")
+        if dt is not None and dt.rebuild_broadcast == "none":
+            return None
+        return super()._broadcast_model()
+
+
+def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
+    """Refuse what a pipeline job cannot have yet, before anything is built.
+
+    Raises:
+        ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
+            layout change moves ZeRO partitions), snapshots, a resize schedule, or a process
+            started by ``dynatrain launch``.
+    """
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if stage != 1:
+        raise ConfigError(
+            f"a PipelineModule job with ZeRO stage {stage}: ds_dynatrain changes the layout of pipeline jobs "
+            "at ZeRO-1 (DeepSpeed's pipeline engine refuses stages 2 and 3)"
+        )
+    if dt_cfg.snapshot.interval_steps or dt_cfg.snapshot.dir:
+        raise ConfigError("dynatrain.snapshot: snapshots of a PipelineModule job are not supported yet")
+    if dt_cfg.resize_schedule:
+        raise ConfigError("dynatrain.resize_schedule: a PipelineModule job changes its layout by engine.resize only")
+    if LaunchContext.from_environ() is not None:
+        raise ConfigError(
+            "a PipelineModule job under `dynatrain launch`: not supported yet; start it with torchrun or "
+            "deepspeed (engine.resize changes its PP degree over the same processes)"
+        )
+
+
+def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_config: dict, dt_cfg: DynatrainConfig):
+    """An :class:`ElasticPipelineEngine` over ``module`` (a ``PipelineModule``, whose
+    construction started ``torch.distributed``), with the job's layout checked against DeepSpeed's
+    build.
+
+    Raises:
+        ConfigError: as :func:`refuse_pipeline_config`; batch keys the DP size cannot serve;
+            parameter groups (one group of every parameter is what a layout change rebuilds); a
+            ``pipeline_partition_method`` that does not give the module's stage bounds.
+        LayoutMismatchError: the module holds what a change would lose (persistent buffers,
+            frozen parameters), or DeepSpeed's partitions are not the layout's.
+    """
+    refuse_pipeline_config(ds_config, dt_cfg)
+    check_rebuildable(module)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("a PipelineModule job takes a torch optimizer object or the config's optimizer section")
+    groups = optimizer.param_groups if optimizer is not None else model_parameters
+    if groups is not None and len(groups) and isinstance(list(groups)[0], dict) and len(groups) > 1:
+        raise ConfigError("a PipelineModule job with several parameter groups: ds_dynatrain needs one group")
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    pp = module.num_stages
+    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world // pp, elastic=False)
+    dt = ElasticState(
+        config=dt_cfg,
+        ds_config=ds_config,
+        global_batch=global_batch,
+        micro_batch=micro,
+        membership=None,
+        member=member_id(0, rank),
+        members=tuple(member_id(0, r) for r in range(world)),
+        generation=0,
+        backend=tdist.get_backend(),
+        metrics=MetricsWriter(dt_cfg.metrics_path),
+    )
+    dt.pp_layout = job_layout(module, ds_config, dt_cfg, pp, world)
+    if tuple(int(x) for x in module.parts) != dt.pp_layout.parts:
+        raise ConfigError(
+            f"dynatrain.pipeline_partition_method {dt_cfg.pipeline_partition_method!r} splits the layers at "
+            f"{list(dt.pp_layout.parts)}, the PipelineModule was split at {[int(x) for x in module.parts]}: "
+            "set it to the partition_method the module was built with"
+        )
+    engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
+    split = dt.split(world // pp)
+    from .construct import ds_config_for
+
+    construct_pipeline(engine, dt, module, optimizer, model_parameters, lr_scheduler, ds_config_for(dt, split, False))
+    check_pipeline_layout(engine)
+    dt.returned_optimizer = engine.optimizer
+    return engine
+
+
+def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int):
+    """The job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` at ``pp`` stages."""
+    dtype = (
+        "bfloat16"
+        if ds_config.get("bf16", {}).get("enabled")
+        else "float16"
+        if ds_config.get("fp16", {}).get("enabled")
+        else str(next(module.parameters()).dtype).replace("torch.", "")
+    )
+    z = ds_config.get("zero_optimization", {})
+    return pipeline_layout(
+        module,
+        pp,
+        world,
+        dtype,
+        dt_cfg.pipeline_partition_method,
+        stage=1,
+        round_robin=bool(z.get("round_robin_gradients", False)),
+        parameter_alignment=bool(z.get("parameter_alignment", False)),
+    )
+
+
+def construct_pipeline(
+    engine, dt: ElasticState, module, optimizer, model_parameters, lr_scheduler, ds_config: dict, light: bool = False
+) -> None:
+    """Run ``PipelineEngine.__init__`` on ``engine`` (a new object or one being rebuilt), as
+    ``deepspeed.initialize`` does for a ``PipelineModule`` (its ``mpu`` is the module's grid).
+    ``light``: the optimizer state is installed right after (a layout change)."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    engine._dt = dt
+    mpu = module.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    deepspeed.set_optimizer_flags(config_class, module)
+    with light_rebuild((), True) if light else contextlib.nullcontext(), scheduler_start_quiet():
+        PipelineEngine.__init__(
+            engine,
+            args=engine_args(bind_device(get_accelerator(), local_rank())),
+            model=module,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=False,
+            config=ds_config,
+            config_class=config_class,
+        )
+    engine._configure_python_gc()
+    dt.rebuild_broadcast = None
+
+
+def check_pipeline_layout(engine) -> None:
+    """Raise :class:`LayoutMismatchError` when DeepSpeed's build is not the job's layout on this
+    rank: the stage's parameters (names, shapes, order) or its fp32 partitions' sizes."""
+    from ..zero.geometry import fp32_partitions, zero_optimizer_of
+
+    layout = engine._dt.pp_layout
+    rank = tdist.get_rank()
+    stage = layout.stage_of_rank(rank)
+    theirs = [(n, tuple(p.shape)) for n, p in engine.module.named_parameters()]
+    ours = [(p.key, tuple(p.shape)) for p in layout.stage_params(stage)]
+    if theirs != ours:
+        raise LayoutMismatchError(f"stage {stage} holds {theirs[:3]}..., the pipeline layout says {ours[:3]}...")
+    zl = layout.zero(stage)
+    sizes = [int(t.numel()) for t in fp32_partitions(zero_optimizer_of(engine))]
+    expected = [zl.partition_numel(b) for b in range(zl.num_partitions)]
+    if sizes != expected:
+        raise LayoutMismatchError(
+            f"this rank's fp32 partitions hold {sizes} elements, the pipeline layout says {expected}"
+        )

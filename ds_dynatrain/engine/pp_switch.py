@@ -1,0 +1,124 @@
+"""A change of a pipeline job's PP and DP degree at an unchanged world size, in memory, at a step
+boundary on every rank (``engine.resize(world_size, pipeline_parallel=P)``).
+
+1. **plan**: the new :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` (DeepSpeed's split of
+   the layer list at ``P`` stages) and the box plan between the two layouts: every layer that
+   changes stage moves whole, then is partitioned inside its new stage's DP group; a tied
+   parameter is taken from a copy its process held where it held one; the processes keep their
+   ranks;
+2. **transfer**: every rank's fp32 master and Adam moments move by the plan into new partitions
+   (:func:`~ds_dynatrain.transition.boxes.execute_box_plan`, point-to-point on the world group);
+3. **rebuild**: DeepSpeed's cached groups and pipeline globals are forgotten, a new
+   ``PipelineModule`` of the same layer list is built at ``P`` stages (its layers initialised,
+   then overwritten), and ``PipelineEngine.__init__`` runs again on the same engine object with
+   the batch split over the new DP size;
+4. **install**: the moved partitions become the optimizer's master and moments, and the working
+   parameters are made from the master (an all-gather over each stage's DP group).
+
+The engine object stays the same; ``engine.module`` is a new module.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as tdist
+
+from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..planner.pp_plan import plan_pp_transition
+from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
+from ..zero.pipeline import layer_type_names, pipeline_parts
+from ..zero.rebuild import teardown
+from ..zero.state import extract_partitions
+from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
+from .construct import ds_config_for, keep_returned_optimizer
+from .pp_engine import check_pipeline_layout, construct_pipeline
+from .records import ResizeRecord
+
+
+def new_pipeline_layout(engine, pp: int):
+    """The job's layout at ``pp`` stages over its processes.
+
+    Raises:
+        ResizeRefusedError: ``pp`` below 1, not dividing the world size, above the number of
+            layers, or a split leaving a stage without a trainable parameter.
+    """
+    dt = engine._dt
+    old = dt.pp_layout
+    world = old.world_size
+    if pp < 1 or world % pp:
+        raise ResizeRefusedError(f"PP degree {pp} refused: it must be >= 1 and divide the world size {world}")
+    if pp > len(old.layers):
+        raise ResizeRefusedError(f"PP degree {pp} refused: the pipeline has {len(old.layers)} layers")
+    method = dt.config.pipeline_partition_method
+    parts = pipeline_parts(old.layers, layer_type_names(engine.module), pp, method)
+    try:
+        return old.with_degrees(pp, world // pp, parts)
+    except LayoutMismatchError as err:
+        raise ResizeRefusedError(f"PP degree {pp} refused: {err}") from None
+
+
+def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
+    """Switch ``engine``'s pipeline degree to ``pp`` (DP becomes world size / ``pp``) now.
+
+    Collective: every rank calls it at the same step boundary.
+
+    Raises:
+        ResizeRefusedError: as :func:`new_pipeline_layout`, or the new DP size cannot keep the
+            global batch; nothing has changed.
+        TransitionAbortedError: a peer failed during the transfer.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    old = dt.pp_layout
+    new = new_pipeline_layout(engine, pp)
+    split = dt.split(world // pp)  # ResizeRefusedError: the global batch cannot be kept
+    plan = plan_pp_transition(old, new, dt.members, dt.members)
+    state = extract_partitions(engine)
+    dests = new_partitions(new, rank, kinds_of(state))
+    rec = ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=world,
+        to_world_size=world,
+        generation=dt.generation,
+        plan_s=time.perf_counter() - t0,
+        pipeline_parallel_from=old.pp,
+        pipeline_parallel_to=pp,
+    )
+    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
+    scalars = new_scalars(old, rank, new, rank, state.scalars)
+    state = None
+    t = time.perf_counter()
+    rebuild_pipeline_at(engine, pp, split)
+    dt.pp_layout = new
+    check_pipeline_layout(engine)
+    install_moved_state(engine, dests, scalars)
+    rec.rebuild_s = time.perf_counter() - t
+    rec.seconds = time.perf_counter() - t0
+    dt.resizes.append(rec)
+    dt.metrics.write(rec)
+    return rec
+
+
+def rebuild_pipeline_at(engine, pp: int, split) -> None:
+    """Rebuild ``engine`` in place on a new ``PipelineModule`` of the same layers at ``pp``
+    stages, with the torch optimizer and scheduler it had (the optimizer's one group now holds the
+    new stage's parameters); its values are written after by
+    :func:`~ds_dynatrain.engine.box_state.install_moved_state`."""
+    dt = engine._dt
+    basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler_state = None if scaler is None else dict(vars(scaler))
+    teardown(engine)
+    reset_pipeline_globals()
+    module = pipeline_module_at(old_module, pp, dt.config.pipeline_partition_method)
+    basic.param_groups[0]["params"] = list(module.parameters())
+    dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
+    construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)
+    keep_returned_optimizer(engine)
+    engine.global_steps, engine.global_samples, engine.skipped_steps = counters
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if scaler_state is not None:
+        engine.optimizer.loss_scaler.__dict__.update(scaler_state)

@@ -1,0 +1,66 @@
+"""A ``PipelineModule`` rebuilt at another number of stages from a live one's layer list, and the
+pipeline globals DeepSpeed keeps between builds (deepspeed 0.19.8: ``runtime/pipe/module.py``,
+``runtime/pipe/p2p.py``, ``utils/groups.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import LayoutMismatchError
+
+# what PipelineModule keeps of its constructor's arguments, under the same names
+_KEPT = (
+    "loss_fn",
+    "seed_layers",
+    "seed_fn",
+    "base_seed",
+    "activation_checkpoint_interval",
+    "activation_checkpoint_func",
+    "checkpointable_layers",
+    "dynamic_shape",
+)
+
+
+def reset_pipeline_globals() -> None:
+    """Forget DeepSpeed's cached groups and the p2p module's grid, as a new ``PipelineModule``
+    (which makes its own grid and groups) expects to find them."""
+    import deepspeed.runtime.pipe.p2p as p2p
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references()
+    p2p._grid = None
+    p2p._groups = None
+
+
+def check_rebuildable(module) -> None:
+    """Raise :class:`LayoutMismatchError` when ``module`` holds what a rebuild at another degree
+    would lose: a persistent buffer (not moved yet; a non-persistent one is made again by the
+    layer's constructor), a frozen parameter (the optimizer, whose state moves, does not hold
+    it), or a topology with a model (TP) axis."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    params = dict(module.named_parameters())
+    buffers = [n for n in module.state_dict() if n not in params]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if buffers or frozen:
+        what = ", ".join((buffers + frozen)[:4])
+        raise LayoutMismatchError(
+            f"a pipeline whose layers hold buffers or frozen parameters cannot change PP yet: {what}"
+        )
+    if not isinstance(module._topo, PipeDataParallelTopology):
+        raise LayoutMismatchError(f"a pipeline topology {type(module._topo).__name__}: only PP x DP can change PP")
+
+
+def pipeline_module_at(old, pp: int, partition_method: str):
+    """A new ``PipelineModule`` of ``old``'s layer list and settings at ``pp`` stages over the
+    same processes, split by ``partition_method``. Its layers are built (and initialised) for
+    real, PipelineModule has no meta build; the random generators are left as they were.
+
+    Collective: every process of the world calls it (the module makes its groups). Call after
+    :func:`reset_pipeline_globals`.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    kwargs = {k: getattr(old, k) for k in _KEPT}
+    with torch.random.fork_rng(devices=[]):
+        return PipelineModule(layers=list(old._layer_specs), num_stages=pp, partition_method=partition_method, **kwargs)

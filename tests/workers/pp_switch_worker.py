@@ -1,0 +1,178 @@
+"""Test worker: a small pipeline model (``tests/workers/pipeline_layout_worker.py``: an embedding
+tied to the head, blocks of different widths, a norm) trained with DeepSpeed's pipeline engine and
+ZeRO-1, whose PP degree is switched online, and the oracle run beside it.
+
+``--mode switch``: ``ds_dynatrain.initialize`` at PP ``--pp-from``; ``--steps-before`` steps;
+the gathered logical state (every parameter's fp32 master and Adam moments whole, from every
+stage, the tied copies checked equal; the optimizer step) saved to ``before.pt``;
+``engine.resize(world, pipeline_parallel=--pp-to)``; the state saved again to ``after.pt``;
+``--steps-after`` steps, each step's loss recorded; the final state to ``final_switch.pt``, the
+losses and the resize record to ``switch.json``.
+
+``--mode static`` (the oracle): plain ``deepspeed.initialize`` at PP ``--pp-to``, the state of
+``before.pt`` set with DeepSpeed's own accessors (``safe_set_full_fp32_param`` /
+``safe_set_full_optimizer_state``, the working parameters from the master, the step set on the
+optimizer state), then the same ``--steps-after`` steps on the same batches: ``final_static.pt``
+and ``static.json``. No code of ds_dynatrain runs in this mode.
+
+The global batch is 4 sequences every step, micro-batch 1: DP rank ``r`` of ``d`` takes row
+``i * d + r`` at micro-step ``i``. Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from tests.workers.common import exit_without_teardown  # noqa: E402
+from tests.workers.pipeline_layout_worker import VOCAB, loss_fn, specs  # noqa: E402
+
+GLOBAL_BATCH, SEQ = 4, 8
+
+
+def module_at(pp: int, method: str):
+    from deepspeed.pipe import PipelineModule
+
+    return PipelineModule(
+        layers=specs(),
+        num_stages=pp,
+        loss_fn=loss_fn,
+        partition_method=method,
+        seed_layers=True,
+        base_seed=1234,
+        seed_fn=lambda s: torch.manual_seed(int(s)),
+    )
+
+
+def config(a, pp: int, plain: bool) -> dict:
+    dp = tdist.get_world_size() // pp
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+    if a.dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    if plain:
+        cfg["gradient_accumulation_steps"] = GLOBAL_BATCH // dp
+    else:
+        cfg["dynatrain"] = {"pipeline_partition_method": a.method}
+    return cfg
+
+
+def train_step(engine, step: int) -> float:
+    """One ``train_batch`` on the batch of ``step``; the loss every rank gets back."""
+    grid = engine.grid
+    dp, d = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+    batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+    rows = [batch[i * dp + d : i * dp + d + 1] for i in range(GLOBAL_BATCH // dp)]
+    return float(engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows])).item())
+
+
+def gather_logical(engine) -> dict:
+    """Every trainable parameter's fp32 master and Adam moments whole, from every stage (a tied
+    parameter's copies must be equal), and the optimizer step (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    mine = {}
+    for name, p in engine.module.named_parameters():
+        mine[name] = {
+            "fp32": safe_get_full_fp32_param(p).detach().clone(),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone(),
+        }
+    opt = engine.optimizer
+    mine["__step__"] = [float(opt.optimizer.state[f]["step"]) for f in opt.single_partition_of_fp32_groups]
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, mine)
+    out = {}
+    for d in every:
+        for k, v in d.items():
+            if k in out and k != "__step__":
+                for kind in v:
+                    assert torch.equal(out[k][kind], v[kind]), f"copies of {k} differ in {kind}"
+            out.setdefault(k, v)
+    return out
+
+
+def set_logical(engine, state: dict) -> None:
+    """DeepSpeed's own setters: the fp32 master and moments, the working parameter from the master."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    opt = engine.optimizer
+    for f in opt.single_partition_of_fp32_groups:
+        opt.optimizer.state[f] = {
+            "step": torch.tensor(state["__step__"][0]),
+            "exp_avg": torch.zeros_like(f),
+            "exp_avg_sq": torch.zeros_like(f),
+        }
+    opt._lazy_init_hp_params_optimizer_state()
+    for name, p in engine.module.named_parameters():
+        safe_set_full_fp32_param(p, state[name]["fp32"])
+        with torch.no_grad():
+            p.copy_(state[name]["fp32"].to(p.dtype))
+        safe_set_full_optimizer_state(p, state[name]["exp_avg"], "exp_avg")
+        safe_set_full_optimizer_state(p, state[name]["exp_avg_sq"], "exp_avg_sq")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["switch", "static"], required=True)
+    p.add_argument("--pp-from", type=int, default=2)
+    p.add_argument("--pp-to", type=int, default=1)
+    p.add_argument("--method", default="parameters")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--steps-before", type=int, default=2)
+    p.add_argument("--steps-after", type=int, default=2)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    out = {}
+    if a.mode == "switch":
+        import ds_dynatrain
+
+        module = module_at(a.pp_from, a.method)
+        engine, *_ = ds_dynatrain.initialize(
+            model=module, model_parameters=module.parameters(), config=config(a, a.pp_from, False)
+        )
+        del module
+        out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
+        before = gather_logical(engine)
+        out["record"] = engine.resize(world, pipeline_parallel=a.pp_to)
+        after = gather_logical(engine)
+        out["parts"] = [int(x) for x in engine.module.parts]
+        out["stage"] = engine.grid.get_stage_id()
+        if rank == 0:
+            torch.save(before, os.path.join(a.out, "before.pt"))
+            torch.save(after, os.path.join(a.out, "after.pt"))
+    else:
+        module = module_at(a.pp_to, a.method)
+        engine, *_ = deepspeed.initialize(
+            model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, True)
+        )
+        set_logical(engine, torch.load(os.path.join(a.out, "before.pt")))
+    out["after"] = [train_step(engine, s) for s in range(a.steps_before, a.steps_before + a.steps_after)]
+    final = gather_logical(engine)
+    if rank == 0:
+        torch.save(final, os.path.join(a.out, f"final_{a.mode}.pt"))
+    with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    tdist.destroy_process_group()
+    exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    main()
