@@ -1,6 +1,8 @@
 """A pipeline job's PP degree switched online, in memory, beside two oracles
 (``tests/workers/pp_switch_worker.py``, real DeepSpeed pipeline engines on gloo):
 
+* a PP degree the world cannot take, and another number of processes, are refused with the
+  reason, nothing changed (more stages than layers: ``tests/test_pp_plan.py``);
 * the gathered logical state (every parameter's fp32 master and both Adam moments, whole, from
   every stage; the optimizer step) is bitwise the same right after the switch as right before it,
   and the copies of the tied embedding/head on different stages are equal;
@@ -54,6 +56,11 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     assert (rec["pipeline_parallel_from"], rec["pipeline_parallel_to"]) == (a, b)
     assert rec["bytes_moved"] > 0 and rec["from"] == rec["to"] == world
     assert sorted({s["stage"] for s in switch}) == list(range(b)) and len(switch[0]["parts"]) == b + 1
+    refused = switch[0]["refused"]
+    assert f"PP degree {world + 1} refused: it must be >= 1 and divide the world size {world}" in refused[0]
+    assert f"world size {world + 1} refused: a pipeline job changes its PP degree over its {world}" in refused[1]
+    assert "PP degree 0 refused" in refused[2]
+    # the refusals changed nothing, the switch moved the state bitwise
     _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
     assert all(s["after"] == static["after"] for s in switch), (switch[0]["after"], static["after"])
     _equal(torch.load(tmp_path / "final_switch.pt"), torch.load(tmp_path / "final_static.pt"))

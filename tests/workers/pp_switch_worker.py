@@ -4,8 +4,8 @@ ZeRO-1, whose PP degree is switched online, and the oracle run beside it.
 
 ``--mode switch``: ``ds_dynatrain.initialize`` at PP ``--pp-from``; ``--steps-before`` steps;
 the gathered logical state (every parameter's fp32 master and Adam moments whole, from every
-stage, the tied copies checked equal; the optimizer step) saved to ``before.pt``;
-``engine.resize(world, pipeline_parallel=--pp-to)``; the state saved again to ``after.pt``;
+stage, the tied copies checked equal; the optimizer step) saved to ``before.pt``; resizes it
+must refuse (their messages in ``refused``); ``engine.resize(world, pipeline_parallel=--pp-to)``; the state saved again to ``after.pt``;
 ``--steps-after`` steps, each step's loss recorded; the final state to ``final_switch.pt``, the
 losses and the resize record to ``switch.json``.
 
@@ -124,6 +124,20 @@ def set_logical(engine, state: dict) -> None:
         safe_set_full_optimizer_state(p, state[name]["exp_avg_sq"], "exp_avg_sq")
 
 
+def refusals(engine, world: int) -> list:
+    """What ``engine.resize`` says of layouts it cannot take (each must change nothing)."""
+    from ds_dynatrain.errors import ResizeRefusedError
+
+    said = []
+    for size, pp in ((world, world + 1), (world + 1, 1), (world, 0)):
+        try:
+            engine.resize(size, pipeline_parallel=pp)
+            said.append(None)
+        except ResizeRefusedError as err:
+            said.append(str(err))
+    return said
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["switch", "static"], required=True)
@@ -151,6 +165,7 @@ def main() -> None:
         del module
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
         before = gather_logical(engine)
+        out["refused"] = refusals(engine, world)
         out["record"] = engine.resize(world, pipeline_parallel=a.pp_to)
         after = gather_logical(engine)
         out["parts"] = [int(x) for x in engine.module.parts]
