@@ -8,13 +8,15 @@
   and the copies of the tied embedding/head on different stages are equal;
 * the losses of the steps after the switch and the final state equal, bitwise, a plain DeepSpeed
   run at the new PP degree started from the state before the switch (set with DeepSpeed's own
-  ``safe_set_full_*``).
+  ``safe_set_full_*``), and DeepSpeed's universal-checkpoint route for the same change.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,3 +69,43 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     # training went on: the state changed after the switch
     before, final = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "final_switch.pt")
     assert not torch.equal(before["1.fc1.weight"]["fp32"], final["1.fc1.weight"]["fp32"])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [CASES["pp2_to_pp1"], pytest.param(CASES["pp1_to_pp2"], marks=pytest.mark.slow)],
+    ids=["pp2_to_pp1", "pp1_to_pp2"],
+)
+def test_pp_switch_equals_the_universal_checkpoint_route(tmp_path, case):
+    """The second oracle: DeepSpeed's own route for the same change (save at the old PP,
+    ``ds_to_universal``, relaunch at the new PP with ``load_universal``) gives, bitwise, the losses
+    and final state of the online switch."""
+    world, a, b, method, dtype = case
+    common = ["--pp-from", str(a), "--pp-to", str(b), "--method", method, "--dtype", dtype, "--out", str(tmp_path)]
+    jobs = run_plain(tmp_path, WORKER, world, ["--mode", "route-save", *common], timeout=240, name="save")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    convert = subprocess.run(
+        [
+            *(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"),
+            *(
+                "--input_folder",
+                str(tmp_path / "route" / "t"),
+                "--output_folder",
+                str(tmp_path / "route_universal" / "t"),
+            ),
+            *("--num_extract_workers", "1", "--num_merge_workers", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert convert.returncode == 0, convert.stdout[-2000:] + convert.stderr[-2000:]
+    for mode in ("route-load", "switch"):
+        jobs = run_plain(tmp_path, WORKER, world, ["--mode", mode, *common], timeout=240, name=mode)
+        assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    saved = json.loads((tmp_path / "route-save_rank0.json").read_text())
+    route = json.loads((tmp_path / "route-load_rank0.json").read_text())
+    switch = json.loads((tmp_path / "switch_rank0.json").read_text())
+    assert saved["before"] == switch["before"]  # the same training up to the change on both routes
+    assert route["after"] == switch["after"], (route["after"], switch["after"])
+    _equal(torch.load(tmp_path / "final_route-load.pt"), torch.load(tmp_path / "final_switch.pt"))

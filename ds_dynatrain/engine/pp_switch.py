@@ -32,7 +32,7 @@ from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
 from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
 from .construct import ds_config_for, keep_returned_optimizer
-from .pp_engine import check_pipeline_layout, construct_pipeline
+from .pp_build import check_pipeline_layout, construct_pipeline
 from .records import ResizeRecord
 
 

@@ -5,15 +5,21 @@ ZeRO-1, whose PP degree is switched online, and the oracle run beside it.
 ``--mode switch``: ``ds_dynatrain.initialize`` at PP ``--pp-from``; ``--steps-before`` steps;
 the gathered logical state (every parameter's fp32 master and Adam moments whole, from every
 stage, the tied copies checked equal; the optimizer step) saved to ``before.pt``; resizes it
-must refuse (their messages in ``refused``); ``engine.resize(world, pipeline_parallel=--pp-to)``; the state saved again to ``after.pt``;
-``--steps-after`` steps, each step's loss recorded; the final state to ``final_switch.pt``, the
-losses and the resize record to ``switch.json``.
+must refuse (their messages in ``refused``); ``engine.resize(world, pipeline_parallel=--pp-to)``;
+the state saved again to ``after.pt``; ``--steps-after`` steps, each step's loss recorded; the
+final state to ``final_switch.pt``, the losses and the resize record to ``switch_rank<r>.json``.
 
 ``--mode static`` (the oracle): plain ``deepspeed.initialize`` at PP ``--pp-to``, the state of
 ``before.pt`` set with DeepSpeed's own accessors (``safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state``, the working parameters from the master, the step set on the
 optimizer state), then the same ``--steps-after`` steps on the same batches: ``final_static.pt``
-and ``static.json``. No code of ds_dynatrain runs in this mode.
+and ``static_rank<r>.json``. No code of ds_dynatrain runs in this mode.
+
+``--mode route-save`` / ``route-load`` (the second oracle, DeepSpeed's universal-checkpoint
+route): plain DeepSpeed at PP ``--pp-from`` trains ``--steps-before`` steps and saves to
+``route/t``; after ``ds_to_universal`` (run by the test into ``route_universal/t``), plain
+DeepSpeed at PP ``--pp-to`` with ``checkpoint.load_universal`` loads it and trains the same
+``--steps-after`` steps: ``final_route-load.pt`` and ``route-load_rank<r>.json``.
 
 The global batch is 4 sequences every step, micro-batch 1: DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i``. Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
@@ -140,7 +146,7 @@ def refusals(engine, world: int) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["switch", "static"], required=True)
+    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load"], required=True)
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
@@ -173,6 +179,21 @@ def main() -> None:
         if rank == 0:
             torch.save(before, os.path.join(a.out, "before.pt"))
             torch.save(after, os.path.join(a.out, "after.pt"))
+    elif a.mode == "route-save":  # DeepSpeed's own route, first half: train at the old PP and save
+        module = module_at(a.pp_from, a.method)
+        cfg = config(a, a.pp_from, True)
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
+        engine.save_checkpoint(os.path.join(a.out, "route"), tag="t")
+        with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        tdist.destroy_process_group()
+        exit_without_teardown(0)
+    elif a.mode == "route-load":  # ... and after ds_to_universal: relaunch at the new PP, load_universal
+        module = module_at(a.pp_to, a.method)
+        cfg = dict(config(a, a.pp_to, True), checkpoint={"load_universal": True})
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        engine.load_checkpoint(os.path.join(a.out, "route_universal"), tag="t")
     else:
         module = module_at(a.pp_to, a.method)
         engine, *_ = deepspeed.initialize(

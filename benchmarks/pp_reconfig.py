@@ -1,0 +1,250 @@
+"""PP switch downtime: our online switch of a pipeline job beside DeepSpeed's universal-checkpoint route.
+
+    python -m benchmarks.pp_reconfig [--params 100M] [--switches 2:1,1:2] [--world 2] [--json] [--dir DIR]
+
+One run, on this machine, ``--world`` processes (2), a pipeline model built with DeepSpeed's
+``PipelineModule`` (``benchmarks/pp_reconfig_worker.py``: a token embedding of vocabulary 8192
+tied to the head, pre-norm transformer layers of hidden 768 with 12 heads and MLP 2048, a final
+norm, sequence length 64, micro-batch 1; ``--params`` picks the number of layers, 17 for about
+101 M parameters; ``--hidden``/``--layers`` override), ZeRO-1, fp32, AdamW (``torch_adam`` with
+``fused``), partition method ``parameters``, the same global batch (``--global-batch``
+sequences) and the same tokens at every step in every job. Per switch A->B of the PP degree (DP
+goes from world/A to world/B):
+
+* ``ours``: ``ds_dynatrain.initialize`` at PP A, K steps (``--steps-before``),
+  ``engine.resize(world, pipeline_parallel=B)``, ``--steps-after`` steps at PP B. ``ours_s`` =
+  the record's ``seconds`` + ``first_step_excess_s`` (how much longer the first iteration at PP B
+  takes than the median of the later ones): the downtime between the last step at A and the
+  first normal step at B. Split: ``plan_s``, ``transfer_s`` (the point-to-point exchange of the
+  fp32 master and both moments), ``rebuild_s`` (the new ``PipelineModule`` built, the engine
+  rebuilt, the state installed).
+* ``deepspeed``: plain ``deepspeed.initialize`` ranks at PP A train K steps and
+  ``save_checkpoint`` (``save_s``); ``python -m deepspeed.checkpoint.ds_to_universal
+  --inject_missing_state`` (``convert_s``, the whole command; the flag supplies the
+  ``universal_checkpoint_info`` a PipelineModule's checkpoint lacks); fresh ranks at PP B with
+  ``checkpoint.load_universal`` load it and train one step (``relaunch_s``: from starting the
+  processes to the end of their load, plus how much longer their first step takes than a normal
+  iteration at B, ``new_iter_s``, measured in our run). ``deepspeed_route_s`` = the sum;
+  ``ratio`` = ``deepspeed_route_s / ours_s``. ``same_loss``: the first step after the switch has
+  bitwise the same loss on both routes.
+* memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize`` minus
+  the resident set right before it (the largest over the ranks); ``largest_stage_state_bytes``:
+  the largest ZeRO-1 partition of one rank of the fp32 master and both Adam moments, over the
+  ranks and both layouts; ``peak_ratio`` = ``peak_extra_bytes / largest_stage_state_bytes``.
+
+Times in seconds, sizes in bytes. ``--json`` prints one JSON object per switch; otherwise a table,
+one line per switch. Checkpoints and logs go to a temporary directory under ``--dir`` that is
+removed at the end. A failed job stops the run with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import List
+
+from benchmarks.reconfig import JobFailed, fmt, parse_count, parse_transitions, read_json, run_job, run_plain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "benchmarks", "pp_reconfig_worker.py")
+VOCAB = 8192
+
+
+def layers_for(params: int, hidden: int) -> int:
+    """Transformer layers of the benchmark's pipeline model closest to ``params`` parameters."""
+    ffn = 8 * hidden // 3
+    per_layer = 4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
+    return max(1, round((params - VOCAB * hidden - 2 * hidden) / per_layer))
+
+
+def model_args(a) -> List[str]:
+    return [
+        "--hidden",
+        str(a.hidden),
+        "--layers",
+        str(a.layers),
+        "--seq-len",
+        str(a.seq_len),
+        "--global-batch",
+        str(a.global_batch),
+    ]
+
+
+def run_ours(pp_from: int, pp_to: int, a, work: str) -> dict:
+    """Our switch A -> B in one job of ``--world`` processes. Returns rank 0's result."""
+    name = f"ours_pp{pp_from}to{pp_to}"
+    out = os.path.join(work, f"{name}.json")
+    args = [
+        *("--mode", "ours", *model_args(a), "--pp-from", str(pp_from), "--pp-to", str(pp_to)),
+        *("--steps-before", str(a.steps_before), "--steps-after", str(a.steps_after), "--out", out),
+    ]
+    run_plain(a.world, args, work, name, a.timeout, worker=WORKER)
+    return read_json(out, os.path.join(work, f"{name}_rank0.log"))
+
+
+def run_deepspeed(pp_from: int, pp_to: int, a, work: str) -> dict:
+    """DeepSpeed's route A -> B: save at A, ds_to_universal, relaunch at B. Times in seconds."""
+    name = f"ds_pp{pp_from}to{pp_to}"
+    k = a.steps_before
+    ckpt = os.path.join(work, f"{name}_ckpt")
+    tag = f"global_step{k}"
+    common = [*model_args(a), "--pp-from", str(pp_from), "--pp-to", str(pp_to), "--dir", ckpt]
+    save_out = os.path.join(work, f"{name}_save.json")
+    args = ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out]
+    run_plain(a.world, args, work, f"{name}_save", a.timeout, worker=WORKER)
+    save = read_json(save_out, os.path.join(work, f"{name}_save_rank0.log"))
+    uni_tag = f"{tag}_universal"
+    convert_s = run_job(
+        [
+            *(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"),
+            *("--input_folder", os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, uni_tag)),
+            *("--num_extract_workers", str(a.convert_workers), "--num_merge_workers", str(a.convert_workers)),
+        ],
+        os.path.join(work, f"{name}_convert.log"),
+        a.timeout,
+        f"ds_to_universal PP {pp_from}->{pp_to}",
+    )
+    load_out = os.path.join(work, f"{name}_load.json")
+    args = ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--first-step", str(k), "--out", load_out]
+    t_start = run_plain(a.world, args, work, f"{name}_load", a.timeout, worker=WORKER)
+    load = read_json(load_out, os.path.join(work, f"{name}_load_rank0.log"))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return {
+        "save_s": save["save_s"],
+        "convert_s": convert_s,
+        "relaunch_startup_s": load["t_init"] - t_start,
+        "relaunch_load_s": load["t_load"] - load["t_init"],
+        "relaunch_first_step_s": load["t_first_step"] - load["t_load"],
+        "checkpoint_bytes": save["checkpoint_bytes"],
+        "first_loss": load["iterations"][0][1],
+    }
+
+
+def switch(pp_from: int, pp_to: int, a, work: str) -> dict:
+    """Both routes for PP A -> B and the figures derived from them (seconds, bytes)."""
+    ours = run_ours(pp_from, pp_to, a, work)
+    ds = run_deepspeed(pp_from, pp_to, a, work)
+    rec = ours["record"]
+    excess = ours["first_step_excess_s"]
+    ours_s = rec["seconds"] + excess
+    # as for ours, the route's downtime ends at the first *normal* step at B
+    ds["relaunch_first_step_excess_s"] = max(0.0, ds["relaunch_first_step_s"] - ours["new_iter_s"])
+    ds["relaunch_s"] = ds["relaunch_startup_s"] + ds["relaunch_load_s"] + ds["relaunch_first_step_excess_s"]
+    route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
+    ranks = ours["ranks"]
+    peak = max(r["hwm"] - r["rss_before"] for r in ranks)
+    stage_state = max(max(r["state_bytes_before"], r["state_bytes_after"]) for r in ranks)
+    first_loss_ours = ours["iterations_after"][0][1]
+    return {
+        "switch": f"PP {pp_from}->{pp_to}",
+        "world_size": a.world,
+        "pipeline_parallel_from": pp_from,
+        "pipeline_parallel_to": pp_to,
+        "params": ours["params"],
+        "train_batch_size": a.global_batch,
+        "ours_s": ours_s,
+        "resize_seconds": rec["seconds"],
+        "plan_s": rec["plan_s"],
+        "transfer_s": rec["transfer_s"],
+        "rebuild_s": rec["rebuild_s"],
+        "first_step_excess_s": excess,
+        "bytes_moved": rec["bytes_moved"],
+        "bytes_kept": rec["bytes_kept"],
+        "old_iter_s": ours["old_iter_s"],
+        "new_iter_s": ours["new_iter_s"],
+        "deepspeed_route_s": route,
+        **{k: v for k, v in ds.items() if k != "first_loss"},
+        "ratio": route / ours_s if ours_s > 0 else None,
+        "peak_extra_bytes": peak,
+        "largest_stage_state_bytes": stage_state,
+        "peak_ratio": peak / stage_state,
+        "ranks": ranks,
+        "first_loss_ours": first_loss_ours,
+        "first_loss_deepspeed": ds["first_loss"],
+        "same_loss": first_loss_ours == ds["first_loss"],
+        "record": rec,
+    }
+
+
+def print_table(results: List[dict], a) -> None:
+    r0 = results[0]
+    print(
+        f"model: {r0['params'] / 1e6:.1f} M parameters (pipeline of a tied embedding, {a.layers} transformer layers "
+        f"of hidden {a.hidden}, a norm; vocabulary {VOCAB}, sequence {a.seq_len}), ZeRO-1 fp32 AdamW, {a.world} "
+        f"processes, global batch {a.global_batch}, micro-batch 1; switch after step {a.steps_before}"
+    )
+    mib = 2**20
+    print(
+        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} | "
+        f"{'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} | "
+        f"{'peak+ MiB':>9} {'stage MiB':>9} {'peak/stage':>10} | {'same loss':>9}"
+    )
+    for r in results:
+        print(
+            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
+            f"{r['first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
+            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} | "
+            f"{r['peak_extra_bytes'] / mib:>9.1f} {r['largest_stage_state_bytes'] / mib:>9.1f} "
+            f"{r['peak_ratio']:>10.2f} | {'yes' if r['same_loss'] else 'no':>9}"
+        )
+    print(
+        "\nseconds; ours = switch record + first step's excess; route = save + ds_to_universal + relaunch (start, "
+        "load, first step's excess over ours at the new PP); ratio = route / ours; peak+ = largest rise of a "
+        "rank's peak resident set during the switch over its resident set before; stage = largest fp32 master + "
+        "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=parse_count, default=parse_count("100M"), help="model size to aim at")
+    ap.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=None, help="number of transformer layers (overrides --params)")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--world", type=int, default=2, help="processes (unchanged by the switch)")
+    ap.add_argument(
+        "--switches", type=parse_transitions, default=parse_transitions("2:1,1:2"), help="A:B,... PP degrees"
+    )
+    ap.add_argument("--global-batch", type=int, default=4, help="global batch, sequences (a multiple of every DP size)")
+    ap.add_argument("--steps-before", type=int, default=3, help="optimizer steps at the old PP before the switch (K)")
+    ap.add_argument("--steps-after", type=int, default=4, help="optimizer steps at the new PP")
+    ap.add_argument("--convert-workers", type=int, default=2, help="ds_to_universal extract and merge workers")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="limit of each job, seconds")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
+    ap.add_argument("--json", action="store_true", help="one JSON object per switch")
+    a = ap.parse_args(argv)
+    if a.hidden % 64:
+        ap.error("--hidden must be a multiple of 64")
+    if a.steps_before < 1 or a.steps_after < 2:
+        ap.error("--steps-before must be >= 1 and --steps-after >= 2")
+    for pair in a.switches:
+        for pp in pair:
+            if a.world % pp or a.global_batch % (a.world // pp):
+                ap.error(f"PP {pp} must divide --world {a.world} and its DP size the --global-batch {a.global_batch}")
+    if a.layers is None:
+        a.layers = layers_for(a.params, a.hidden)
+    os.makedirs(a.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="dynatrain-pp-reconfig-", dir=a.dir)
+    results = []
+    try:
+        for pp_from, pp_to in a.switches:
+            r = switch(pp_from, pp_to, a, work)
+            results.append(r)
+            if a.json:
+                print(json.dumps(r), flush=True)
+    except JobFailed as err:
+        print(f"benchmarks.pp_reconfig: {err}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not a.json:
+        print_table(results, a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

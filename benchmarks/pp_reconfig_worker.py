@@ -1,0 +1,254 @@
+"""Worker of ``python -m benchmarks.pp_reconfig``: one process of one of its jobs (``--mode``).
+
+Every job is ``WORLD_SIZE`` plain torch.distributed processes (env:// rendezvous, gloo) training
+the same pipeline model (:func:`specs`: a token embedding tied to the head, ``--layers``
+pre-norm transformer layers, a final norm; no dropout) with DeepSpeed's pipeline engine, ZeRO-1,
+fp32 AdamW, micro-batch 1 and a global batch of ``--global-batch`` sequences: at PP ``p`` over
+``w`` processes, DP rank ``r`` of ``d = w // p`` takes row ``i * d + r`` of the step's batch at
+micro-step ``i``; the batch of step ``s`` comes from a generator seeded with ``s``.
+
+Modes (rank 0 writes ``--out``, JSON; times in seconds, sizes in bytes):
+
+* ``ours``: ``ds_dynatrain.initialize`` at PP ``--pp-from``; ``--steps-before`` steps;
+  ``engine.resize(world, pipeline_parallel=--pp-to)``; ``--steps-after`` steps. The record,
+  every iteration's time and loss, ``first_step_excess_s`` (the first iteration at the new PP
+  minus the median of the later ones, at least 0), and per rank the resident set before and after
+  the switch, its peak during it (``VmHWM`` after writing 5 to ``/proc/self/clear_refs``) and
+  the rank's ZeRO-1 partition of the fp32 master and both moments before and after.
+* ``ds-save``: plain ``deepspeed.initialize`` at PP ``--pp-from``; ``--steps`` steps;
+  ``save_checkpoint`` (``save_s`` barrier to barrier).
+* ``ds-load``: plain ``deepspeed.initialize`` at PP ``--pp-to`` with ``checkpoint.load_universal``;
+  ``load_checkpoint`` of ``--tag``; ``--steps`` steps (the first on the batch of
+  ``--first-step``). Wall-clock timestamps of the end of start-up, of the load and of the first
+  step, and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.reconfig_worker import dir_bytes, write_json  # noqa: E402
+from benchmarks.tp_reconfig_worker import no_op_builds, status_bytes  # noqa: E402
+
+VOCAB = 8192
+
+
+class Embed(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, hidden) * 0.02)
+
+    def forward(self, x):
+        return nn.functional.embedding(x, self.weight)
+
+
+def head(module, x):
+    return x @ module.weight.t()
+
+
+def loss_fn(logits, labels):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def specs(hidden: int, layers: int):
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    block = dict(d_model=hidden, nhead=hidden // 64, dim_feedforward=8 * hidden // 3, dropout=0.0)
+    return [
+        TiedLayerSpec("embed", Embed, hidden),
+        *(LayerSpec(nn.TransformerEncoderLayer, batch_first=True, norm_first=True, **block) for _ in range(layers)),
+        LayerSpec(nn.LayerNorm, hidden),
+        TiedLayerSpec("embed", Embed, hidden, forward_fn=head),
+    ]
+
+
+def build(a, pp: int):
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    return PipelineModule(
+        layers=specs(a.hidden, a.layers), num_stages=pp, loss_fn=loss_fn, partition_method="parameters"
+    )
+
+
+def config(a, pp: int, plain: bool) -> dict:
+    dp = int(os.environ["WORLD_SIZE"]) // pp
+    cfg = {
+        "train_batch_size": a.global_batch,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+    if plain:
+        cfg["gradient_accumulation_steps"] = a.global_batch // dp
+    else:
+        cfg["dynatrain"] = {}
+    return cfg
+
+
+def train_iteration(engine, step: int, a) -> tuple:
+    """One ``train_batch`` on the batch of ``step``: (wall seconds, the loss)."""
+    t0 = time.perf_counter()
+    dp, d = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    batch = torch.randint(0, VOCAB, (a.global_batch, a.seq_len), generator=torch.Generator().manual_seed(step))
+    rows = [batch[i * dp + d : i * dp + d + 1] for i in range(a.global_batch // dp)]
+    loss = engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows]))
+    return time.perf_counter() - t0, float(loss.item())
+
+
+def state_bytes(engine) -> int:
+    """This rank's ZeRO-1 partition of the fp32 master and both Adam moments, bytes."""
+    return 3 * sum(p.numel() * p.element_size() for p in engine.optimizer.single_partition_of_fp32_groups)
+
+
+def run_ours(a) -> None:
+    import torch.distributed as tdist
+
+    import ds_dynatrain
+
+    no_op_builds()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    module = build(a, a.pp_from)
+    engine, *_ = ds_dynatrain.initialize(
+        model=module, model_parameters=module.parameters(), config=config(a, a.pp_from, False)
+    )
+    del module
+    params = sum(p.numel for p in engine._dt.pp_layout.params)
+    world = tdist.get_world_size()
+    before = [train_iteration(engine, s, a) for s in range(a.steps_before)]
+    state_before = state_bytes(engine)
+    tdist.barrier()
+    rss_before = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+        f.write("5")
+    record = engine.resize(world, pipeline_parallel=a.pp_to)
+    hwm, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
+    state_after = state_bytes(engine)
+    after = [train_iteration(engine, s, a) for s in range(a.steps_before, a.steps_before + a.steps_after)]
+    mem = {
+        "rank": tdist.get_rank(),
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "hwm": hwm,
+        "state_bytes_before": state_before,
+        "state_bytes_after": state_after,
+    }
+    ranks = [None] * world
+    tdist.all_gather_object(ranks, mem)
+    if tdist.get_rank() == 0:
+        rest = statistics.median(t for t, _ in after[1:])
+        write_json(
+            a.out,
+            {
+                "mode": "ours",
+                "params": params,
+                "record": record,
+                "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
+                "new_iter_s": rest,
+                "first_step_excess_s": max(0.0, after[0][0] - rest),
+                "iterations_before": before,
+                "iterations_after": after,
+                "ranks": ranks,
+            },
+        )
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def plain_deepspeed(a, pp: int, load_universal: bool = False):
+    import deepspeed
+
+    no_op_builds()
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = config(a, pp, plain=True)
+    if load_universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    module = build(a, pp)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    return engine
+
+
+def run_ds_save(a) -> None:
+    import torch.distributed as tdist
+
+    engine = plain_deepspeed(a, a.pp_from)
+    iters = [train_iteration(engine, s, a) for s in range(a.steps)]
+    tdist.barrier()
+    t0 = time.perf_counter()
+    engine.save_checkpoint(a.dir, tag=a.tag)
+    tdist.barrier()
+    save_s = time.perf_counter() - t0
+    if engine.global_rank == 0:
+        write_json(
+            a.out,
+            {
+                "mode": "ds-save",
+                "save_s": save_s,
+                "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
+                "iterations": iters,
+            },
+        )
+    tdist.destroy_process_group()
+
+
+def run_ds_load(a) -> None:
+    import torch.distributed as tdist
+
+    engine = plain_deepspeed(a, a.pp_to, load_universal=True)
+    t_init = time.time()
+    path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r} in {a.dir}")
+    t_load = time.time()
+    iters = []
+    for s in range(a.first_step, a.first_step + a.steps):
+        iters.append(train_iteration(engine, s, a))
+        if len(iters) == 1:
+            t_first = time.time()
+    if engine.global_rank == 0:
+        write_json(
+            a.out,
+            {"mode": a.mode, "t_init": t_init, "t_load": t_load, "t_first_step": t_first, "iterations": iters},
+        )
+    tdist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load"], required=True)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=17)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--pp-from", type=int, default=1)
+    p.add_argument("--pp-to", type=int, default=1)
+    p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old PP")
+    p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new PP")
+    p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
+    p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
+    p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")
+    p.add_argument("--tag", help="checkpoint tag (ds-save, ds-load)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load}[a.mode](a)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results written, groups destroyed: no interpreter teardown (a stray gloo thread can abort it)
+
+
+if __name__ == "__main__":
+    main()

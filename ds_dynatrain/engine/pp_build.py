@@ -1,0 +1,69 @@
+"""Building a pipeline engine: ``PipelineEngine.__init__`` run on our object (at start, and again in
+place at a change of PP degree) as ``deepspeed.initialize`` runs it for a ``PipelineModule``, and
+the check that DeepSpeed's build is the job's pipeline layout."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..elastic.launch_env import local_rank
+from ..errors import LayoutMismatchError
+from ..zero.quiet import scheduler_start_quiet
+from ..zero.rebuild import light_rebuild
+from .device import bind_device, engine_args
+from .state import ElasticState
+
+
+def construct_pipeline(
+    engine, dt: ElasticState, module, optimizer, model_parameters, lr_scheduler, ds_config: dict, light: bool = False
+) -> None:
+    """Run ``PipelineEngine.__init__`` on ``engine`` (a new object or one being rebuilt), as
+    ``deepspeed.initialize`` does for a ``PipelineModule`` (its ``mpu`` is the module's grid).
+    ``light``: the optimizer state is installed right after (a layout change)."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    engine._dt = dt
+    mpu = module.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    deepspeed.set_optimizer_flags(config_class, module)
+    with light_rebuild((), True) if light else contextlib.nullcontext(), scheduler_start_quiet():
+        PipelineEngine.__init__(
+            engine,
+            args=engine_args(bind_device(get_accelerator(), local_rank())),
+            model=module,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=False,
+            config=ds_config,
+            config_class=config_class,
+        )
+    engine._configure_python_gc()
+    dt.rebuild_broadcast = None
+
+
+def check_pipeline_layout(engine) -> None:
+    """Raise :class:`LayoutMismatchError` when DeepSpeed's build is not the job's layout on this
+    rank: the stage's parameters (names, shapes, order) or its fp32 partitions' sizes."""
+    from ..zero.geometry import fp32_partitions, zero_optimizer_of
+
+    layout = engine._dt.pp_layout
+    rank = tdist.get_rank()
+    stage = layout.stage_of_rank(rank)
+    theirs = [(n, tuple(p.shape)) for n, p in engine.module.named_parameters()]
+    ours = [(p.key, tuple(p.shape)) for p in layout.stage_params(stage)]
+    if theirs != ours:
+        raise LayoutMismatchError(f"stage {stage} holds {theirs[:3]}..., the pipeline layout says {ours[:3]}...")
+    zl = layout.zero(stage)
+    sizes = [int(t.numel()) for t in fp32_partitions(zero_optimizer_of(engine))]
+    expected = [zl.partition_numel(b) for b in range(zl.num_partitions)]
+    if sizes != expected:
+        raise LayoutMismatchError(
+            f"this rank's fp32 partitions hold {sizes} elements, the pipeline layout says {expected}"
+        )
