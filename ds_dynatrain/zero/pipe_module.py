@@ -53,8 +53,13 @@ def check_rebuildable(module) -> None:
 
 def pipeline_module_at(old, pp: int, partition_method: str):
     """A new ``PipelineModule`` of ``old``'s layer list and settings at ``pp`` stages over the
-    same processes, split by ``partition_method``. Its layers are built (and initialised) for
-    real, PipelineModule has no meta build; the random generators are left as they were.
+    same processes, split by ``partition_method``; the random generators are left as they were.
+
+    Its parameters are left unwritten (their values are installed next) where no layer of the list
+    holds a buffer: the module is built on the meta device (DeepSpeed's count of every layer's
+    parameters and this stage's layers cost no memory and no initialisation) and moved to the CPU
+    empty, where ``PipelineModule.__init__`` moves it to the device. A layer list with buffers is
+    built for real (a buffer's value comes from its layer's constructor).
 
     Collective: every process of the world calls it (the module makes its groups). Call after
     :func:`reset_pipeline_globals`.
@@ -62,5 +67,42 @@ def pipeline_module_at(old, pp: int, partition_method: str):
     from deepspeed.pipe import PipelineModule
 
     kwargs = {k: getattr(old, k) for k in _KEPT}
+    specs = list(old._layer_specs)
     with torch.random.fork_rng(devices=[]):
-        return PipelineModule(layers=list(old._layer_specs), num_stages=pp, partition_method=partition_method, **kwargs)
+        if _any_buffer(specs):
+            return PipelineModule(layers=specs, num_stages=pp, partition_method=partition_method, **kwargs)
+        with torch.device("meta"):
+            module = _empty_built(PipelineModule)(
+                layers=specs, num_stages=pp, partition_method=partition_method, **kwargs
+            )
+    module.__class__ = PipelineModule
+    return module
+
+
+def _empty_built(base):
+    """``base`` (``PipelineModule``) whose constructor's move to the device allocates its meta
+    parameters there unwritten (``to_empty``)."""
+
+    class EmptyBuilt(base):
+        def to(self, *args, **kwargs):
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            return self.to_empty(device=device)
+
+    return EmptyBuilt
+
+
+def _any_buffer(specs) -> bool:
+    """Whether a layer of the list holds a buffer (each spec built on the meta device)."""
+    from deepspeed.pipe import LayerSpec
+
+    for spec in specs:
+        if isinstance(spec, LayerSpec):
+            with torch.device("meta"):
+                layer = spec.build()
+        elif isinstance(spec, torch.nn.Module):
+            layer = spec
+        else:
+            continue
+        if next(layer.buffers(), None) is not None:
+            return True
+    return False

@@ -43,11 +43,26 @@ from tests.workers.pipeline_layout_worker import VOCAB, loss_fn, specs  # noqa: 
 GLOBAL_BATCH, SEQ = 4, 8
 
 
-def module_at(pp: int, method: str):
-    from deepspeed.pipe import PipelineModule
+class Scale(torch.nn.Module):
+    """A layer with a non-persistent buffer (made by its constructor, in no checkpoint): a layer
+    list holding one is rebuilt for real at a switch, not on the meta device."""
 
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("factor", torch.linspace(0.5, 1.5, width), persistent=False)
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def module_at(pp: int, method: str, buffer: bool = False):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    layers = specs()
+    if buffer:  # before the norm, a layer without parameters
+        layers.insert(-2, LayerSpec(Scale, layers[-2].module_args[0]))
     return PipelineModule(
-        layers=specs(),
+        layers=layers,
         num_stages=pp,
         loss_fn=loss_fn,
         partition_method=method,
@@ -150,6 +165,7 @@ def main() -> None:
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
+    p.add_argument("--buffer", action="store_true", help="a layer with a non-persistent buffer in the list")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
@@ -164,7 +180,7 @@ def main() -> None:
     if a.mode == "switch":
         import ds_dynatrain
 
-        module = module_at(a.pp_from, a.method)
+        module = module_at(a.pp_from, a.method, a.buffer)
         engine, *_ = ds_dynatrain.initialize(
             model=module, model_parameters=module.parameters(), config=config(a, a.pp_from, False)
         )
@@ -180,7 +196,7 @@ def main() -> None:
             torch.save(before, os.path.join(a.out, "before.pt"))
             torch.save(after, os.path.join(a.out, "after.pt"))
     elif a.mode == "route-save":  # DeepSpeed's own route, first half: train at the old PP and save
-        module = module_at(a.pp_from, a.method)
+        module = module_at(a.pp_from, a.method, a.buffer)
         cfg = config(a, a.pp_from, True)
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
@@ -190,12 +206,12 @@ def main() -> None:
         tdist.destroy_process_group()
         exit_without_teardown(0)
     elif a.mode == "route-load":  # ... and after ds_to_universal: relaunch at the new PP, load_universal
-        module = module_at(a.pp_to, a.method)
+        module = module_at(a.pp_to, a.method, a.buffer)
         cfg = dict(config(a, a.pp_to, True), checkpoint={"load_universal": True})
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
         engine.load_checkpoint(os.path.join(a.out, "route_universal"), tag="t")
     else:
-        module = module_at(a.pp_to, a.method)
+        module = module_at(a.pp_to, a.method, a.buffer)
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, True)
         )
