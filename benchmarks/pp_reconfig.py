@@ -28,9 +28,10 @@ goes from world/A to world/B):
   ``ratio`` = ``deepspeed_route_s / ours_s``. ``same_loss``: the first step after the switch has
   bitwise the same loss on both routes.
 * memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize`` minus
-  the resident set right before it (the largest over the ranks); ``largest_stage_state_bytes``:
-  the largest ZeRO-1 partition of one rank of the fp32 master and both Adam moments, over the
-  ranks and both layouts; ``peak_ratio`` = ``peak_extra_bytes / largest_stage_state_bytes``.
+  the resident set right before it (the largest over the ranks); ``largest_shard_bytes``:
+  the largest ZeRO-1 partition of one rank of the fp32 master and both Adam moments (its stage's
+  state), over the ranks and both layouts; ``peak_ratio`` = ``peak_extra_bytes /
+  largest_shard_bytes``.
 
 Times in seconds, sizes in bytes. ``--json`` prints one JSON object per switch; otherwise a table,
 one line per switch. Checkpoints and logs go to a temporary directory under ``--dir`` that is
@@ -47,7 +48,8 @@ import sys
 import tempfile
 from typing import List
 
-from benchmarks.reconfig import JobFailed, fmt, parse_count, parse_transitions, read_json, run_job, run_plain
+from benchmarks.layout_switch import SwitchKind, print_switches, switch
+from benchmarks.reconfig import JobFailed, fmt, parse_count, parse_transitions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "pp_reconfig_worker.py")
@@ -74,100 +76,7 @@ def model_args(a) -> List[str]:
     ]
 
 
-def run_ours(pp_from: int, pp_to: int, a, work: str) -> dict:
-    """Our switch A -> B in one job of ``--world`` processes. Returns rank 0's result."""
-    name = f"ours_pp{pp_from}to{pp_to}"
-    out = os.path.join(work, f"{name}.json")
-    args = [
-        *("--mode", "ours", *model_args(a), "--pp-from", str(pp_from), "--pp-to", str(pp_to)),
-        *("--steps-before", str(a.steps_before), "--steps-after", str(a.steps_after), "--out", out),
-    ]
-    run_plain(a.world, args, work, name, a.timeout, worker=WORKER)
-    return read_json(out, os.path.join(work, f"{name}_rank0.log"))
-
-
-def run_deepspeed(pp_from: int, pp_to: int, a, work: str) -> dict:
-    """DeepSpeed's route A -> B: save at A, ds_to_universal, relaunch at B. Times in seconds."""
-    name = f"ds_pp{pp_from}to{pp_to}"
-    k = a.steps_before
-    ckpt = os.path.join(work, f"{name}_ckpt")
-    tag = f"global_step{k}"
-    common = [*model_args(a), "--pp-from", str(pp_from), "--pp-to", str(pp_to), "--dir", ckpt]
-    save_out = os.path.join(work, f"{name}_save.json")
-    args = ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out]
-    run_plain(a.world, args, work, f"{name}_save", a.timeout, worker=WORKER)
-    save = read_json(save_out, os.path.join(work, f"{name}_save_rank0.log"))
-    uni_tag = f"{tag}_universal"
-    convert_s = run_job(
-        [
-            *(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"),
-            *("--input_folder", os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, uni_tag)),
-            *("--num_extract_workers", str(a.convert_workers), "--num_merge_workers", str(a.convert_workers)),
-        ],
-        os.path.join(work, f"{name}_convert.log"),
-        a.timeout,
-        f"ds_to_universal PP {pp_from}->{pp_to}",
-    )
-    load_out = os.path.join(work, f"{name}_load.json")
-    args = ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--first-step", str(k), "--out", load_out]
-    t_start = run_plain(a.world, args, work, f"{name}_load", a.timeout, worker=WORKER)
-    load = read_json(load_out, os.path.join(work, f"{name}_load_rank0.log"))
-    shutil.rmtree(ckpt, ignore_errors=True)
-    return {
-        "save_s": save["save_s"],
-        "convert_s": convert_s,
-        "relaunch_startup_s": load["t_init"] - t_start,
-        "relaunch_load_s": load["t_load"] - load["t_init"],
-        "relaunch_first_step_s": load["t_first_step"] - load["t_load"],
-        "checkpoint_bytes": save["checkpoint_bytes"],
-        "first_loss": load["iterations"][0][1],
-    }
-
-
-def switch(pp_from: int, pp_to: int, a, work: str) -> dict:
-    """Both routes for PP A -> B and the figures derived from them (seconds, bytes)."""
-    ours = run_ours(pp_from, pp_to, a, work)
-    ds = run_deepspeed(pp_from, pp_to, a, work)
-    rec = ours["record"]
-    excess = ours["first_step_excess_s"]
-    ours_s = rec["seconds"] + excess
-    # as for ours, the route's downtime ends at the first *normal* step at B
-    ds["relaunch_first_step_excess_s"] = max(0.0, ds["relaunch_first_step_s"] - ours["new_iter_s"])
-    ds["relaunch_s"] = ds["relaunch_startup_s"] + ds["relaunch_load_s"] + ds["relaunch_first_step_excess_s"]
-    route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
-    ranks = ours["ranks"]
-    peak = max(r["hwm"] - r["rss_before"] for r in ranks)
-    stage_state = max(max(r["state_bytes_before"], r["state_bytes_after"]) for r in ranks)
-    first_loss_ours = ours["iterations_after"][0][1]
-    return {
-        "switch": f"PP {pp_from}->{pp_to}",
-        "world_size": a.world,
-        "pipeline_parallel_from": pp_from,
-        "pipeline_parallel_to": pp_to,
-        "params": ours["params"],
-        "train_batch_size": a.global_batch,
-        "ours_s": ours_s,
-        "resize_seconds": rec["seconds"],
-        "plan_s": rec["plan_s"],
-        "transfer_s": rec["transfer_s"],
-        "rebuild_s": rec["rebuild_s"],
-        "first_step_excess_s": excess,
-        "bytes_moved": rec["bytes_moved"],
-        "bytes_kept": rec["bytes_kept"],
-        "old_iter_s": ours["old_iter_s"],
-        "new_iter_s": ours["new_iter_s"],
-        "deepspeed_route_s": route,
-        **{k: v for k, v in ds.items() if k != "first_loss"},
-        "ratio": route / ours_s if ours_s > 0 else None,
-        "peak_extra_bytes": peak,
-        "largest_stage_state_bytes": stage_state,
-        "peak_ratio": peak / stage_state,
-        "ranks": ranks,
-        "first_loss_ours": first_loss_ours,
-        "first_loss_deepspeed": ds["first_loss"],
-        "same_loss": first_loss_ours == ds["first_loss"],
-        "record": rec,
-    }
+KIND = SwitchKind(WORKER, "pp", "PP", "pipeline_parallel")
 
 
 def print_table(results: List[dict], a) -> None:
@@ -177,26 +86,7 @@ def print_table(results: List[dict], a) -> None:
         f"of hidden {a.hidden}, a norm; vocabulary {VOCAB}, sequence {a.seq_len}), ZeRO-1 fp32 AdamW, {a.world} "
         f"processes, global batch {a.global_batch}, micro-batch 1; switch after step {a.steps_before}"
     )
-    mib = 2**20
-    print(
-        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} | "
-        f"{'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} | "
-        f"{'peak+ MiB':>9} {'stage MiB':>9} {'peak/stage':>10} | {'same loss':>9}"
-    )
-    for r in results:
-        print(
-            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
-            f"{r['first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
-            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} | "
-            f"{r['peak_extra_bytes'] / mib:>9.1f} {r['largest_stage_state_bytes'] / mib:>9.1f} "
-            f"{r['peak_ratio']:>10.2f} | {'yes' if r['same_loss'] else 'no':>9}"
-        )
-    print(
-        "\nseconds; ours = switch record + first step's excess; route = save + ds_to_universal + relaunch (start, "
-        "load, first step's excess over ours at the new PP); ratio = route / ours; peak+ = largest rise of a "
-        "rank's peak resident set during the switch over its resident set before; stage = largest fp32 master + "
-        "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
-    )
+    print_switches(results, "PP", fmt)
 
 
 def main(argv=None) -> int:
@@ -232,7 +122,7 @@ def main(argv=None) -> int:
     results = []
     try:
         for pp_from, pp_to in a.switches:
-            r = switch(pp_from, pp_to, a, work)
+            r = switch(KIND, pp_from, pp_to, a, work, model_args(a))
             results.append(r)
             if a.json:
                 print(json.dumps(r), flush=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
 import time
 
@@ -37,8 +36,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.reconfig_worker import dir_bytes, write_json  # noqa: E402
-from benchmarks.tp_reconfig_worker import no_op_builds, status_bytes  # noqa: E402
+from benchmarks.switch_worker import load_route, measure_switch, save_route  # noqa: E402
+from benchmarks.tp_reconfig_worker import no_op_builds  # noqa: E402
 
 VOCAB = 8192
 
@@ -107,14 +106,7 @@ def train_iteration(engine, step: int, a) -> tuple:
     return time.perf_counter() - t0, float(loss.item())
 
 
-def state_bytes(engine) -> int:
-    """This rank's ZeRO-1 partition of the fp32 master and both Adam moments, bytes."""
-    return 3 * sum(p.numel() * p.element_size() for p in engine.optimizer.single_partition_of_fp32_groups)
-
-
 def run_ours(a) -> None:
-    import torch.distributed as tdist
-
     import ds_dynatrain
 
     no_op_builds()
@@ -122,50 +114,13 @@ def run_ours(a) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     module = build(a, a.pp_from)
-    engine, *_ = ds_dynatrain.initialize(
-        model=module, model_parameters=module.parameters(), config=config(a, a.pp_from, False)
-    )
+    cfg = config(a, a.pp_from, False)
+    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     del module
     params = sum(p.numel for p in engine._dt.pp_layout.params)
-    world = tdist.get_world_size()
-    before = [train_iteration(engine, s, a) for s in range(a.steps_before)]
-    state_before = state_bytes(engine)
-    tdist.barrier()
-    rss_before = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-        f.write("5")
-    record = engine.resize(world, pipeline_parallel=a.pp_to)
-    hwm, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
-    state_after = state_bytes(engine)
-    after = [train_iteration(engine, s, a) for s in range(a.steps_before, a.steps_before + a.steps_after)]
-    mem = {
-        "rank": tdist.get_rank(),
-        "rss_before": rss_before,
-        "rss_after": rss_after,
-        "hwm": hwm,
-        "state_bytes_before": state_before,
-        "state_bytes_after": state_after,
-    }
-    ranks = [None] * world
-    tdist.all_gather_object(ranks, mem)
-    if tdist.get_rank() == 0:
-        rest = statistics.median(t for t, _ in after[1:])
-        write_json(
-            a.out,
-            {
-                "mode": "ours",
-                "params": params,
-                "record": record,
-                "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
-                "new_iter_s": rest,
-                "first_step_excess_s": max(0.0, after[0][0] - rest),
-                "iterations_before": before,
-                "iterations_after": after,
-                "ranks": ranks,
-            },
-        )
-    tdist.barrier()
-    tdist.destroy_process_group()
+    world = int(os.environ["WORLD_SIZE"])
+    train = lambda e, s: train_iteration(e, s, a)  # noqa: E731
+    measure_switch(engine, a, params, train, train, lambda: engine.resize(world, pipeline_parallel=a.pp_to))
 
 
 def plain_deepspeed(a, pp: int, load_universal: bool = False):
@@ -182,48 +137,11 @@ def plain_deepspeed(a, pp: int, load_universal: bool = False):
 
 
 def run_ds_save(a) -> None:
-    import torch.distributed as tdist
-
-    engine = plain_deepspeed(a, a.pp_from)
-    iters = [train_iteration(engine, s, a) for s in range(a.steps)]
-    tdist.barrier()
-    t0 = time.perf_counter()
-    engine.save_checkpoint(a.dir, tag=a.tag)
-    tdist.barrier()
-    save_s = time.perf_counter() - t0
-    if engine.global_rank == 0:
-        write_json(
-            a.out,
-            {
-                "mode": "ds-save",
-                "save_s": save_s,
-                "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
-                "iterations": iters,
-            },
-        )
-    tdist.destroy_process_group()
+    save_route(plain_deepspeed(a, a.pp_from), a, lambda e, s: train_iteration(e, s, a), {})
 
 
 def run_ds_load(a) -> None:
-    import torch.distributed as tdist
-
-    engine = plain_deepspeed(a, a.pp_to, load_universal=True)
-    t_init = time.time()
-    path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
-    if path is None:
-        raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r} in {a.dir}")
-    t_load = time.time()
-    iters = []
-    for s in range(a.first_step, a.first_step + a.steps):
-        iters.append(train_iteration(engine, s, a))
-        if len(iters) == 1:
-            t_first = time.time()
-    if engine.global_rank == 0:
-        write_json(
-            a.out,
-            {"mode": a.mode, "t_init": t_init, "t_load": t_load, "t_first_step": t_first, "iterations": iters},
-        )
-    tdist.destroy_process_group()
+    load_route(plain_deepspeed(a, a.pp_to, load_universal=True), a, lambda e, s: train_iteration(e, s, a))
 
 
 def main():

@@ -55,6 +55,7 @@ import sys
 import tempfile
 from typing import List, Tuple
 
+from benchmarks.layout_switch import SwitchKind, print_switches, switch
 from benchmarks.reconfig import (
     VOCAB,
     JobFailed,
@@ -62,9 +63,6 @@ from benchmarks.reconfig import (
     layers_for,
     parse_count,
     parse_transitions,
-    read_json,
-    run_job,
-    run_plain,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,115 +81,7 @@ def model_args(a) -> List[str]:
     ]
 
 
-def run_ours(tp_from: int, tp_to: int, a, work: str) -> dict:
-    """Our switch A -> B in one job of ``--world`` processes. Returns rank 0's result."""
-    name = f"ours_tp{tp_from}to{tp_to}"
-    out = os.path.join(work, f"{name}.json")
-    args = [
-        *("--mode", "ours", *model_args(a), "--tp-from", str(tp_from), "--tp-to", str(tp_to)),
-        *("--steps-before", str(a.steps_before), "--steps-after", str(a.steps_after), "--out", out),
-    ]
-    run_plain(a.world, args, work, name, a.timeout, worker=WORKER)
-    return read_json(out, os.path.join(work, f"{name}_rank0.log"))
-
-
-def run_deepspeed(tp_from: int, tp_to: int, a, work: str) -> dict:
-    """DeepSpeed's route A -> B: save at A, ds_to_universal, relaunch at B. Times in seconds."""
-    name = f"ds_tp{tp_from}to{tp_to}"
-    k = a.steps_before
-    ckpt = os.path.join(work, f"{name}_ckpt")
-    tag = f"global_step{k}"
-    common = [*model_args(a), "--tp-from", str(tp_from), "--tp-to", str(tp_to), "--dir", ckpt]
-    save_out = os.path.join(work, f"{name}_save.json")
-    args = ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out]
-    run_plain(a.world, args, work, f"{name}_save", a.timeout, worker=WORKER)
-    save = read_json(save_out, os.path.join(work, f"{name}_save_rank0.log"))
-    uni_tag = f"{tag}_universal"
-    convert_s = run_job(
-        [
-            *(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"),
-            *("--input_folder", os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, uni_tag)),
-            *("--num_extract_workers", str(a.convert_workers), "--num_merge_workers", str(a.convert_workers)),
-        ],
-        os.path.join(work, f"{name}_convert.log"),
-        a.timeout,
-        f"ds_to_universal TP {tp_from}->{tp_to}",
-    )
-    load_out = os.path.join(work, f"{name}_load.json")
-    args = ["--mode", "ds-load", *common, "--tag", uni_tag, "--steps", "1", "--first-step", str(k), "--out", load_out]
-    t_start = run_plain(a.world, args, work, f"{name}_load", a.timeout, worker=WORKER)
-    load = read_json(load_out, os.path.join(work, f"{name}_load_rank0.log"))
-    ours_out = os.path.join(work, f"{name}_ours_load.json")
-    args = ["--mode", "ours-load", *common, "--tag", tag, "--steps", "1", "--first-step", str(k), "--out", ours_out]
-    run_plain(a.world, args, work, f"{name}_ours_load", a.timeout, worker=WORKER)
-    ours_load = read_json(ours_out, os.path.join(work, f"{name}_ours_load_rank0.log"))
-    shutil.rmtree(ckpt, ignore_errors=True)
-    return {
-        "ours_load_s": ours_load["t_load"] - ours_load["t_init"],
-        "ours_load_first_loss": ours_load["iterations"][0][1],
-        "save_s": save["save_s"],
-        "convert_s": convert_s,
-        "relaunch_startup_s": load["t_init"] - t_start,
-        "relaunch_load_s": load["t_load"] - load["t_init"],
-        "relaunch_first_step_s": load["t_first_step"] - load["t_load"],
-        "checkpoint_bytes": save["checkpoint_bytes"],
-        "first_loss": load["iterations"][0][1],
-    }
-
-
-def switch(tp_from: int, tp_to: int, a, work: str) -> dict:
-    """Both routes for TP A -> B and the figures derived from them (seconds, bytes)."""
-    ours = run_ours(tp_from, tp_to, a, work)
-    ds = run_deepspeed(tp_from, tp_to, a, work)
-    rec = ours["record"]
-    excess = ours["first_step_excess_s"]
-    ours_s = rec["seconds"] + excess
-    # as for ours, the route's downtime ends at the first *normal* step at B: its first step counts
-    # only by its excess over a normal iteration at B
-    ds["relaunch_first_step_excess_s"] = max(0.0, ds["relaunch_first_step_s"] - ours["new_iter_s"])
-    ds["relaunch_s"] = ds["relaunch_startup_s"] + ds["relaunch_load_s"] + ds["relaunch_first_step_excess_s"]
-    route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
-    ranks = ours["ranks"]
-    peak = max(r["hwm"] - r["rss_before"] for r in ranks)
-    transient = max(r["hwm"] - max(r["rss_before"], r["rss_after"]) for r in ranks)
-    shard = max(max(r["state_bytes_before"], r["state_bytes_after"]) for r in ranks)
-    first_loss_ours = ours["iterations_after"][0][1]
-    return {
-        "switch": f"TP {tp_from}->{tp_to}",
-        "world_size": a.world,
-        "tensor_parallel_from": tp_from,
-        "tensor_parallel_to": tp_to,
-        "params": ours["params"],
-        "train_batch_size": a.global_batch,
-        "ours_s": ours_s,
-        "resize_seconds": rec["seconds"],
-        "plan_s": rec["plan_s"],
-        "transfer_s": rec["transfer_s"],
-        "keep_s": rec.get("keep_s"),
-        "rebuild_s": rec["rebuild_s"],
-        "first_step_excess_s": excess,
-        "bytes_moved": rec["bytes_moved"],
-        "bytes_kept": rec["bytes_kept"],
-        "bytes_sent": rec["bytes_sent"],
-        "bytes_received": rec["bytes_received"],
-        "old_iter_s": ours["old_iter_s"],
-        "new_iter_s": ours["new_iter_s"],
-        "deepspeed_route_s": route,
-        **{k: v for k, v in ds.items() if k != "first_loss"},
-        "ratio": route / ours_s if ours_s > 0 else None,
-        "peak_extra_bytes": peak,
-        "transient_bytes": transient,
-        "largest_shard_bytes": shard,
-        "peak_ratio": peak / shard,
-        "ranks": ranks,
-        "first_loss_ours": first_loss_ours,
-        "first_loss_deepspeed": ds["first_loss"],
-        "same_loss": first_loss_ours == ds["first_loss"],
-        "load_route_s": ds["convert_s"] + ds["relaunch_load_s"],
-        "load_ratio": (ds["convert_s"] + ds["relaunch_load_s"]) / ds["ours_load_s"] if ds["ours_load_s"] > 0 else None,
-        "same_loss_after_load": ds["ours_load_first_loss"] == ds["first_loss"],
-        "record": rec,
-    }
+KIND = SwitchKind(WORKER, "tp", "TP", "tensor_parallel", ours_load=True)
 
 
 def print_table(results: List[dict], a) -> None:
@@ -202,26 +92,7 @@ def print_table(results: List[dict], a) -> None:
         f"fp32 AdamW, {a.world} processes, global batch {a.global_batch}, micro-batch 1; switch after step "
         f"{a.steps_before}"
     )
-    mib = 2**20
-    print(
-        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} | "
-        f"{'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} | "
-        f"{'peak+ MiB':>9} {'shard MiB':>9} {'peak/shard':>10} | {'same loss':>9}"
-    )
-    for r in results:
-        print(
-            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
-            f"{r['first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
-            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} | "
-            f"{r['peak_extra_bytes'] / mib:>9.1f} {r['largest_shard_bytes'] / mib:>9.1f} {r['peak_ratio']:>10.2f} | "
-            f"{'yes' if r['same_loss'] else 'no':>9}"
-        )
-    print(
-        "\nseconds; ours = switch record + first step's excess; route = save + ds_to_universal + relaunch (start, "
-        "load, first step's excess over ours at the new TP); ratio = route / ours; peak+ = largest rise of a "
-        "rank's peak resident set during the switch over its resident set before; shard = largest fp32 master + "
-        "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
-    )
+    print_switches(results, "TP", fmt)
     print(f"\n{'load':<9} {'ours':>7} | {'route':>7} {'convert':>7} {'load':>6} | {'ratio':>6} | {'same loss':>9}")
     for r in results:
         print(
@@ -268,7 +139,7 @@ def main(argv=None) -> int:
     results = []
     try:
         for tp_from, tp_to in a.switches:
-            r = switch(tp_from, tp_to, a, work)
+            r = switch(KIND, tp_from, tp_to, a, work, model_args(a))
             results.append(r)
             if a.json:
                 print(json.dumps(r), flush=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
 import time
 
@@ -41,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.reconfig_worker import VOCAB, build_model, dir_bytes, write_json  # noqa: E402
+from benchmarks.reconfig_worker import VOCAB, build_model  # noqa: E402
+from benchmarks.switch_worker import load_route, measure_switch, save_route  # noqa: E402
 
 
 def step_batch(step: int, rows: int, seq_len: int) -> torch.Tensor:
@@ -96,23 +96,7 @@ def no_op_builds() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ op build on CPU
 
 
-def state_bytes(engine) -> int:
-    """This rank's ZeRO-1/2 partition of the fp32 master and both Adam moments, bytes."""
-    parts = engine.optimizer.single_partition_of_fp32_groups
-    return 3 * sum(p.numel() * p.element_size() for p in parts)
-
-
-def status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def run_ours(a) -> None:
-    import torch.distributed as tdist
-
     import ds_dynatrain
 
     no_op_builds()
@@ -122,48 +106,15 @@ def run_ours(a) -> None:
         model=model, model_parameters=model.parameters(), config=ds_config(a, a.tp_from, plain=False)
     )
     del model  # engine.module is the model; after the switch it is a new one
-    world = tdist.get_world_size()
-    before, after = [], []
-    for s in range(a.steps_before):
-        before.append(train_iteration(engine, s, a, a.tp_from))
-    state_before = state_bytes(engine)
-    tdist.barrier()
-    rss_before = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-        f.write("5")
-    record = engine.resize(world, tensor_parallel=a.tp_to)
-    hwm, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
-    state_after = state_bytes(engine)
-    for s in range(a.steps_before, a.steps_before + a.steps_after):
-        after.append(train_iteration(engine, s, a, a.tp_to))
-    mem = {
-        "rank": tdist.get_rank(),
-        "rss_before": rss_before,
-        "rss_after": rss_after,
-        "hwm": hwm,
-        "state_bytes_before": state_before,
-        "state_bytes_after": state_after,
-    }
-    ranks = [None] * world
-    tdist.all_gather_object(ranks, mem)
-    if tdist.get_rank() == 0:
-        rest = statistics.median(t for t, _ in after[1:])
-        write_json(
-            a.out,
-            {
-                "mode": "ours",
-                "params": params,
-                "record": record,
-                "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
-                "new_iter_s": rest,
-                "first_step_excess_s": max(0.0, after[0][0] - rest),
-                "iterations_before": before,
-                "iterations_after": after,
-                "ranks": ranks,
-            },
-        )
-    tdist.barrier()
-    tdist.destroy_process_group()
+    world = int(os.environ["WORLD_SIZE"])
+    measure_switch(
+        engine,
+        a,
+        params,
+        lambda e, s: train_iteration(e, s, a, a.tp_from),
+        lambda e, s: train_iteration(e, s, a, a.tp_to),
+        lambda: engine.resize(world, tensor_parallel=a.tp_to),
+    )
 
 
 def plain_deepspeed(a, tp: int, load_universal: bool = False):
@@ -180,33 +131,11 @@ def plain_deepspeed(a, tp: int, load_universal: bool = False):
 
 
 def run_ds_save(a) -> None:
-    import torch.distributed as tdist
-
     engine, params = plain_deepspeed(a, a.tp_from)
-    iters = [train_iteration(engine, s, a, a.tp_from) for s in range(a.steps)]
-    tdist.barrier()
-    t0 = time.perf_counter()
-    engine.save_checkpoint(a.dir, tag=a.tag)
-    tdist.barrier()
-    save_s = time.perf_counter() - t0
-    if engine.global_rank == 0:
-        write_json(
-            a.out,
-            {
-                "mode": "ds-save",
-                "params": params,
-                "save_s": save_s,
-                "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag)),
-                "iterations": iters,
-                "global_steps": engine.global_steps,
-            },
-        )
-    tdist.destroy_process_group()
+    save_route(engine, a, lambda e, s: train_iteration(e, s, a, a.tp_from), {"params": params})
 
 
 def run_ds_load(a) -> None:
-    import torch.distributed as tdist
-
     if a.mode == "ours-load":  # the unconverted checkpoint, through ds_dynatrain's load across TP
         import ds_dynatrain
 
@@ -218,29 +147,7 @@ def run_ds_load(a) -> None:
         del model
     else:
         engine, _params = plain_deepspeed(a, a.tp_to, load_universal=True)
-    t_init = time.time()
-    path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
-    if path is None:
-        raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r} in {a.dir}")
-    t_load = time.time()
-    iters = []
-    for s in range(a.first_step, a.first_step + a.steps):
-        iters.append(train_iteration(engine, s, a, a.tp_to))
-        if len(iters) == 1:
-            t_first = time.time()
-    if engine.global_rank == 0:
-        write_json(
-            a.out,
-            {
-                "mode": a.mode,
-                "t_init": t_init,
-                "t_load": t_load,
-                "t_first_step": t_first,
-                "iterations": iters,
-                "global_steps": engine.global_steps,
-            },
-        )
-    tdist.destroy_process_group()
+    load_route(engine, a, lambda e, s: train_iteration(e, s, a, a.tp_to))
 
 
 def main():

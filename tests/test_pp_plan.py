@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_tp_plan import execute
 
 from ds_dynatrain.errors import LayoutMismatchError
-from ds_dynatrain.planner.pp_plan import assign_pp_members_best, plan_pp_transition
-from ds_dynatrain.planner.tp_plan import kept_upper_bound
+from ds_dynatrain.planner.box_plan import assign_box_members_best, kept_upper_bound
+from ds_dynatrain.planner.pp_plan import plan_pp_transition
 from ds_dynatrain.vps.layout import ParamMeta
 from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout
 
@@ -75,7 +75,7 @@ def _run(old, new, joiners=()):
     full = {p.key: rng.standard_normal(math.prod(p.shape)) for p in old.params}
     members = [f"m{i}" for i in range(old.world_size)]
     joiners = list(joiners) or [f"j{i}" for i in range(max(0, new.world_size - old.world_size))]
-    new_members, k = assign_pp_members_best(old, new, members, joiners)
+    new_members, k = assign_box_members_best(old, new, members, joiners)
     plan = plan_pp_transition(old, new, members, new_members)
     got, writes = execute(plan, partitions(old, full))
     want = partitions(new, full)

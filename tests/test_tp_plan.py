@@ -20,11 +20,8 @@ from hypothesis import strategies as st
 from tp_oracle import partitions
 
 from ds_dynatrain.errors import LayoutMismatchError
-from ds_dynatrain.planner.tp_plan import (
-    assign_tp_members_best,
-    kept_upper_bound,
-    plan_tp_transition,
-)
+from ds_dynatrain.planner.box_plan import assign_box_members_best, kept_upper_bound
+from ds_dynatrain.planner.tp_plan import plan_tp_transition
 from ds_dynatrain.vps.layout import ParamMeta
 from ds_dynatrain.vps.tensor_parallel import TensorParallelLayout, TpSplit
 
@@ -90,7 +87,7 @@ def test_plan_moves_every_element_once(pair, rnd):
     members = [f"m{i}" for i in range(old.world_size)]
     n_join = max(0, new.world_size - old.world_size)
     joiners = [f"j{i}" for i in range(n_join)]
-    new_members, k = assign_tp_members_best(old, new, members, joiners)
+    new_members, k = assign_box_members_best(old, new, members, joiners)
     plan = plan_tp_transition(old, new, members, new_members)
     got, writes = execute(plan, partitions(old, full))
     want = partitions(new, full)
@@ -195,7 +192,7 @@ def test_messages_cut_by_rows_move_the_same_elements(pair, limit, rnd):
     full = {p.key: rng.standard_normal(math.prod(p.shape)) for p in old.params}
     members = [f"m{i}" for i in range(old.world_size)]
     joiners = [f"j{i}" for i in range(max(0, new.world_size - old.world_size))]
-    new_members, _ = assign_tp_members_best(old, new, members, joiners)
+    new_members, _ = assign_box_members_best(old, new, members, joiners)
     plan = plan_tp_transition(old, new, members, new_members)
     t = plan.table
     pieces = []

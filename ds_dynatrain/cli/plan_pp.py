@@ -10,16 +10,11 @@ from functools import lru_cache
 from typing import Tuple
 
 from ..errors import ConfigError, LayoutMismatchError
-from ..planner.assignment import assign_members
-from ..planner.pp_plan import assign_pp_members_best, plan_pp_transition
-from ..planner.tp_plan import kept_upper_bound
+from ..planner.pp_plan import plan_pp_transition
 from ..vps.layout import ParamMeta
 from ..vps.pipeline import TIED_PREFIX, PipelineLayer, PipelineLayout
-from .plan import MAX_INFLIGHT_BYTES, meta_model, rank_rows
-
-# a layer that changes stage moves its fp32 master with the two Adam moments; its working
-# parameters are made from the master on the new stage
-PP_STATE_BYTES_PER_ELEMENT = 12
+from .plan import meta_model
+from .plan_tp import box_plan_report
 
 
 @lru_cache(maxsize=4)
@@ -89,12 +84,9 @@ def pp_plan_report(
     assignment: str = "best",
     method: str = "parameters",
 ) -> dict:
-    """Per-rank and total bytes of the change (fp32 master and two Adam moments, 12 bytes per
-    element), the kept bytes beside :func:`~ds_dynatrain.planner.tp_plan.kept_upper_bound`, and
-    the planning time in seconds (new layout, assignment and plan; the old layout is given).
-
-    ``peak_extra_bytes`` of a rank: its new partitions of that state (allocated beside the old
-    ones) plus the staging of at most the default ``max_inflight_bytes``.
+    """:func:`~ds_dynatrain.cli.plan_tp.box_plan_report` of the change (a layer that changes stage
+    moves its fp32 master with the two Adam moments, 12 bytes per element; its working parameters
+    are made from the master), with both layouts' stage bounds.
 
     Raises:
         ConfigError: as :func:`pp_layout`.
@@ -102,36 +94,7 @@ def pp_plan_report(
     old = pp_layout(model_config, old_ws, pp_from, dtype, method)
     t0 = time.perf_counter()
     new = pp_layout(model_config, new_ws, pp_to, dtype, method)
-    members = [f"m{i}" for i in range(old_ws)]
-    joiners = [f"j{i}" for i in range(max(0, new_ws - old_ws))]
-    new_members, k = assign_pp_members_best(old, new, members, joiners)
-    if assignment != "best":
-        new_members = assign_members(members, new_ws, joiners)
-    plan = plan_pp_transition(old, new, members, new_members)
-    seconds = time.perf_counter() - t0
-    b = PP_STATE_BYTES_PER_ELEMENT
-
-    def peak_of(r: int, moved: int) -> int:
-        zl = new.zero_of(r)
-        return sum(zl.partition_numel(g) for g in range(zl.num_partitions)) * b + min(moved, MAX_INFLIGHT_BYTES)
-
-    return {
-        "model_config": model_config,
-        "zero_stage": 1,
-        "from": old_ws,
-        "to": new_ws,
-        "pipeline_parallel_from": pp_from,
-        "pipeline_parallel_to": pp_to,
-        "stage_bounds_from": list(old.parts),
-        "stage_bounds_to": list(new.parts),
-        "assignment": assignment,
-        "dtype": dtype,
-        "bytes_per_element": b,
-        "parameters": sum(p.numel for p in old.params),
-        "bytes_moved": plan.numel_moved * b,
-        "bytes_kept": plan.numel_kept * b,
-        "bytes_kept_upper_bound": kept_upper_bound(k) * b,
-        "plan_seconds": seconds,
-        "transfers": len(plan.table),
-        "ranks": rank_rows(members, new_members, plan.per_rank(), b, peak_of),
-    }
+    head = {"model_config": model_config, "zero_stage": 1, "from": old_ws, "to": new_ws}
+    head.update(pipeline_parallel_from=pp_from, pipeline_parallel_to=pp_to, dtype=dtype)
+    head.update(stage_bounds_from=list(old.parts), stage_bounds_to=list(new.parts))
+    return box_plan_report(old, new, plan_pp_transition, assignment, t0, head)

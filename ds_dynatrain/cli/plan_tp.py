@@ -8,12 +8,14 @@ import time
 
 from ..errors import ConfigError, LayoutMismatchError
 from ..planner.assignment import assign_members
-from ..planner.tp_plan import assign_tp_members_best, kept_upper_bound, plan_tp_transition
+from ..planner.box_plan import assign_box_members_best, kept_upper_bound
+from ..planner.tp_plan import plan_tp_transition
 from ..vps.tensor_parallel import TensorParallelLayout
 from .plan import MAX_INFLIGHT_BYTES, meta_model, model_metas, rank_rows
 
-# a TP change moves the fp32 master with the two Adam moments whatever the working dtype: the new
-# TP shard's working parameters are not on the new rank, so they are made from its master
+# a TP (or PP) change moves the fp32 master with the two Adam moments whatever the working dtype:
+# the new shard's (or stage's) working parameters are not on the new rank, so they are made from
+# its master
 TP_STATE_BYTES_PER_ELEMENT = 12
 
 
@@ -54,7 +56,7 @@ def tp_plan_report(
     assignment: str = "best",
 ) -> dict:
     """Per-rank and total bytes of the change (fp32 master and two Adam moments, 12 bytes per
-    element), the kept bytes beside :func:`~ds_dynatrain.planner.tp_plan.kept_upper_bound`, and
+    element), the kept bytes beside :func:`~ds_dynatrain.planner.box_plan.kept_upper_bound`, and
     the planning time in seconds (new layout, assignment and plan; the old layout is given).
 
     ``peak_extra_bytes`` of a rank: its new partitions of that state (allocated beside the old
@@ -67,29 +69,32 @@ def tp_plan_report(
     tp_layout(model_config, new_ws, tp_to, stage, dtype)  # warm the caches: the model, its splits
     t0 = time.perf_counter()
     new = tp_layout(model_config, new_ws, tp_to, stage, dtype)
-    members = [f"m{i}" for i in range(old_ws)]
-    joiners = [f"j{i}" for i in range(max(0, new_ws - old_ws))]
-    new_members, k = assign_tp_members_best(old, new, members, joiners)
+    head = {"model_config": model_config, "zero_stage": stage, "from": old_ws, "to": new_ws}
+    head.update(tensor_parallel_from=tp_from, tensor_parallel_to=tp_to, dtype=dtype)
+    return box_plan_report(old, new, plan_tp_transition, assignment, t0, head)
+
+
+def box_plan_report(old, new, plan_of, assignment: str, t0: float, head: dict) -> dict:
+    """The report of a change between band layouts ``old`` and ``new`` (TP or pipeline) planned
+    by ``plan_of(old, new, old_members, new_members)``: ``head``'s fields, then the bytes (12 per
+    element), the kept bytes beside their upper bound, the per-rank rows and the planning time
+    since ``t0`` (``time.perf_counter()``, taken before the new layout was built), seconds."""
+    members = [f"m{i}" for i in range(old.world_size)]
+    joiners = [f"j{i}" for i in range(max(0, new.world_size - old.world_size))]
+    new_members, k = assign_box_members_best(old, new, members, joiners)
     if assignment != "best":
-        new_members = assign_members(members, new_ws, joiners)
-    plan = plan_tp_transition(old, new, members, new_members)
+        new_members = assign_members(members, new.world_size, joiners)
+    plan = plan_of(old, new, members, new_members)
     seconds = time.perf_counter() - t0
     b = TP_STATE_BYTES_PER_ELEMENT
 
     def peak_of(r: int, moved: int) -> int:
-        zl = new.zero(r % new.tp)
+        zl = new.zero_of(r)
         return sum(zl.partition_numel(g) for g in range(zl.num_partitions)) * b + min(moved, MAX_INFLIGHT_BYTES)
 
-    ranks = rank_rows(members, new_members, plan.per_rank(), b, peak_of)
     return {
-        "model_config": model_config,
-        "zero_stage": stage,
-        "from": old_ws,
-        "to": new_ws,
-        "tensor_parallel_from": tp_from,
-        "tensor_parallel_to": tp_to,
+        **head,
         "assignment": assignment,
-        "dtype": dtype,
         "bytes_per_element": b,
         "parameters": sum(p.numel for p in old.params),
         "bytes_moved": plan.numel_moved * b,
@@ -97,5 +102,5 @@ def tp_plan_report(
         "bytes_kept_upper_bound": kept_upper_bound(k) * b,
         "plan_seconds": seconds,
         "transfers": len(plan.table),
-        "ranks": ranks,
+        "ranks": rank_rows(members, new_members, plan.per_rank(), b, peak_of),
     }

@@ -140,6 +140,22 @@ def close_snapshots(engine) -> None:
         engine.checkpoint_engine.close()
 
 
+@contextlib.contextmanager
+def counters_kept(engine):
+    """Around an in-place rebuild: the engine's step counters and loss scaler state carried over
+    (the rebuilt engine counts from zero and has a fresh loss scaler), and the optimizer object
+    handed out at start kept (:func:`keep_returned_optimizer`)."""
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler_state = None if scaler is None else dict(vars(scaler))
+    yield
+    keep_returned_optimizer(engine)
+    engine.global_steps, engine.global_samples, engine.skipped_steps = counters
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if scaler_state is not None:
+        engine.optimizer.loss_scaler.__dict__.update(scaler_state)
+
+
 def keep_returned_optimizer(engine) -> None:
     """After a rebuild: the optimizer object handed out at start shares the rebuilt one's state
     (the caller's reference stays valid)."""

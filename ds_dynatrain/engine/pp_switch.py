@@ -31,7 +31,7 @@ from ..zero.pipeline import layer_type_names, pipeline_parts
 from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
 from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
-from .construct import ds_config_for, keep_returned_optimizer
+from .construct import counters_kept, ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .records import ResizeRecord
 
@@ -108,17 +108,10 @@ def rebuild_pipeline_at(engine, pp: int, split) -> None:
     :func:`~ds_dynatrain.engine.box_state.install_moved_state`."""
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    scaler_state = None if scaler is None else dict(vars(scaler))
-    teardown(engine)
-    reset_pipeline_globals()
-    module = pipeline_module_at(old_module, pp, dt.config.pipeline_partition_method)
-    basic.param_groups[0]["params"] = list(module.parameters())
-    dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
-    construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)
-    keep_returned_optimizer(engine)
-    engine.global_steps, engine.global_samples, engine.skipped_steps = counters
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if scaler_state is not None:
-        engine.optimizer.loss_scaler.__dict__.update(scaler_state)
+    with counters_kept(engine):
+        teardown(engine)
+        reset_pipeline_globals()
+        module = pipeline_module_at(old_module, pp, dt.config.pipeline_partition_method)
+        basic.param_groups[0]["params"] = list(module.parameters())
+        dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
+        construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)

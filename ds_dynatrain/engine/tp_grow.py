@@ -36,8 +36,8 @@ from ..batch import BatchSplit
 from ..elastic.launch_env import member_id
 from ..elastic.membership import GenerationRecord
 from ..errors import ResizeRefusedError
-from ..planner.box_plan import BoxPlan
-from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
+from ..planner.box_plan import BoxPlan, assign_box_members_best
+from ..planner.tp_plan import plan_tp_transition
 from ..transition.boxes import BoxTransferStats, execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.state import extract_partitions
@@ -68,10 +68,10 @@ def grow_members(
     old: TensorParallelLayout, new: TensorParallelLayout, members: Sequence[str], generation: int
 ) -> Tuple[str, ...]:
     """The processes of ``new``'s ranks: every old member at the rank that keeps the most of its
-    state in place (:func:`~ds_dynatrain.planner.tp_plan.assign_tp_members_best`), a joiner named
+    state in place (:func:`~ds_dynatrain.planner.box_plan.assign_box_members_best`), a joiner named
     ``member_id(generation, rank)`` at each other rank. In rank order."""
     placeholders = tuple(f"{_JOINER}{i}" for i in range(new.world_size - len(members)))
-    drafted, _ = assign_tp_members_best(old, new, members, placeholders)
+    drafted, _ = assign_box_members_best(old, new, members, placeholders)
     return tuple(member_id(generation, r) if m.startswith(_JOINER) else m for r, m in enumerate(drafted))
 
 

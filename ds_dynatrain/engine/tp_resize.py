@@ -22,7 +22,8 @@ import torch.distributed as tdist
 from ..batch import split_global_batch
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..log import logger
-from ..planner.tp_plan import assign_tp_members_best, plan_tp_transition
+from ..planner.box_plan import assign_box_members_best
+from ..planner.tp_plan import plan_tp_transition
 from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
 from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
@@ -75,7 +76,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     split = dt.split(world_size // tp)
     old = dt.tp_layout
     new = new_layout(engine, tp, world_size)
-    new_members, _ = assign_tp_members_best(old, new, members, (), tuple(must_leave))
+    new_members, _ = assign_box_members_best(old, new, members, (), tuple(must_leave))
     g = dt.generation + 1
     dt.assigned[(g, world_size, tuple(must_leave))] = new_members
     request_joiners(engine, world_size, tuple(must_leave))  # publishes generation g (no joiner)

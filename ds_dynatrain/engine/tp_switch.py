@@ -36,7 +36,7 @@ from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups, tp_module
 from ..zero.zero3 import forget_zero3_module
 from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
-from .construct import close_snapshots, construct, ds_config_for, keep_returned_optimizer, own_layout
+from .construct import close_snapshots, construct, counters_kept, ds_config_for, own_layout
 from .pending import publish
 from .records import ResizeRecord
 
@@ -183,37 +183,30 @@ def check_layout(engine) -> None:
 
 def rebuild_at(engine, tp: int, split, before_groups=None, same_world: bool = True) -> None:
     """Rebuild ``engine`` in place on a model cut at ``tp``, with the torch optimizer and scheduler
-    it had (their parameters re-pointed, by name, to the new model's); its working parameters are
+    it had (its groups re-pointed, by name, to the new model's parameters of the job's
+    layout); its working parameters are
     neither filled nor broadcast: :func:`install_moved_state` writes them. ``before_groups``: called
     after the old engine is torn down and before DeepSpeed's groups are made for ``tp`` (a shrink
     forms the new world there); ``same_world``: the processes are those DeepSpeed's cached groups
     were made over (False after a shrink or a grow)."""
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    scaler_state = None if scaler is None else dict(vars(scaler))
-    zero_optimizer_of(engine)
-    names = {id(p): n for n, p in old_module.named_parameters()}
     zero3 = is_zero3(zero_optimizer_of(engine))
-    close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
-    teardown(engine)  # the torch optimizer holds the old model's parameters again
-    if zero3:  # the old model goes; DeepSpeed's process-wide ZeRO-3 state must not carry it on
-        forget_zero3_module(old_module)
-    dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
-    if before_groups is not None:
-        before_groups()
-    reset_tp_groups(tp, same_world=same_world)
-    model = tp_module(old_module, tp, dt.ds_config)
-    params = dict(model.named_parameters())
-    for g in basic.param_groups:
-        g["params"] = [params[names[id(p)]] for p in g["params"]]
-    dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
-    cfg = ds_config_for(dt, split, client_objects=True)
-    construct(engine, dt, model, basic, None, scheduler, cfg, light=True, values_follow=True)
-    keep_returned_optimizer(engine)
-    # the rebuilt engine counts from zero and has a fresh loss scaler: this process's own go on
-    engine.global_steps, engine.global_samples, engine.skipped_steps = counters
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if scaler_state is not None:
-        engine.optimizer.loss_scaler.__dict__.update(scaler_state)
+    with counters_kept(engine):
+        close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
+        teardown(engine)  # the torch optimizer holds the old model's parameters again
+        if zero3:  # the old model goes; DeepSpeed's process-wide ZeRO-3 state must not carry it on
+            forget_zero3_module(old_module)
+        dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = tp  # 1: uncut, still switchable
+        if before_groups is not None:
+            before_groups()
+        reset_tp_groups(tp, same_world=same_world)
+        model = tp_module(old_module, tp, dt.ds_config)
+        params = dict(model.named_parameters())
+        # the optimizer's groups by the job's layout, not by DeepSpeed's: its groups leave out the
+        # empty shards (a TP degree above the KV heads), which the new degree may fill
+        for g, metas in zip(basic.param_groups, dt.tp_layout.groups):
+            g["params"] = [params[m.key] for m in metas]
+        dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
+        cfg = ds_config_for(dt, split, client_objects=True)
+        construct(engine, dt, model, basic, None, scheduler, cfg, light=True, values_follow=True)

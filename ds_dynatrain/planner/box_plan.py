@@ -1,5 +1,6 @@
 """A plan between two band layouts (pure): every box an old rank sends a new rank, or keeps, as
-the rows of one table (:mod:`~ds_dynatrain.planner.boxes`), with its totals and digest."""
+the rows of one table (:mod:`~ds_dynatrain.planner.boxes`), with its totals and digest; the
+rank assignment that keeps the most in place, and a bound of what any assignment keeps."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Tuple
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 
-from .boxes import TP_COLUMNS, TP_WIDTH
+from .assignment import assign_by_overlap
+from .boxes import TP_COLUMNS, TP_WIDTH, box_overlap_matrix
 from .plan import check_members
 
 
@@ -81,3 +83,36 @@ class BoxPlan:
         h.update(json.dumps([head, self.old_members, self.new_members]).encode())
         h.update(np.ascontiguousarray(self.table.T).astype("<i8").tobytes())
         return h.hexdigest()
+
+
+def assign_box_members_best(
+    old,
+    new,
+    old_members: Sequence[str],
+    joiner_ids: Sequence[str],
+    must_leave: Sequence[str] = (),
+) -> Tuple[Tuple[str, ...], np.ndarray]:
+    """The processes of the new ranks of band layout ``new`` (TP or pipeline) that keep the most
+    elements in place, and the overlap matrix it was chosen on (``K[i, j]``, int64: elements old
+    rank ``i`` holds that new rank ``j`` needs; every copy of a replicated parameter counts).
+
+    Raises:
+        LayoutMismatchError: the layouts describe different models or ZeRO settings.
+        ValueError: the staying processes plus joiners cannot fill the new world exactly.
+    """
+    old.check_same_model(new)
+    k = box_overlap_matrix(old, new)
+    return assign_by_overlap(k, old_members, joiner_ids, must_leave), k
+
+
+def kept_upper_bound(k: np.ndarray, must_leave_rows: Sequence[int] = ()) -> int:
+    """An upper bound of the elements any assignment keeps in place, without trying them: each
+    new rank keeps at most its best overlap with one old rank, and each old rank at most its
+    best overlap with one new rank, so the kept elements are at most the smaller of
+    ``sum_j max_i K[i, j]`` and ``sum_i max_j K[i, j]`` (rows of processes that must leave
+    dropped)."""
+    keep_rows = np.setdiff1d(np.arange(k.shape[0]), np.asarray(must_leave_rows, dtype=np.int64))
+    k = k[keep_rows]
+    if k.size == 0:
+        return 0
+    return int(min(k.max(axis=0).sum(), k.max(axis=1).sum()))

@@ -11,14 +11,13 @@ process held where it held one (it stays in place), else from the lowest old sta
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Sequence
 
 import numpy as np
 
 from ..vps.pipeline import PipelineLayout
-from .assignment import assign_by_overlap
 from .box_plan import BoxPlan
-from .boxes import box_overlap_matrix, box_transfers
+from .boxes import box_transfers
 
 
 def source_stages(old: PipelineLayout, new: PipelineLayout, old_members, new_members) -> np.ndarray:
@@ -55,23 +54,3 @@ def plan_pp_transition(
     old.check_same_model(new, settings=same_settings)
     source = source_stages(old, new, old_members, new_members)
     return BoxPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, source))
-
-
-def assign_pp_members_best(
-    old: PipelineLayout,
-    new: PipelineLayout,
-    old_members: Sequence[str],
-    joiner_ids: Sequence[str],
-    must_leave: Sequence[str] = (),
-) -> Tuple[Tuple[str, ...], np.ndarray]:
-    """The processes of the new ranks that keep the most elements in place, and the overlap
-    matrix it was chosen on (``K[i, j]``, int64: elements old rank ``i`` holds that new rank
-    ``j`` needs; every copy of a tied parameter counts).
-
-    Raises:
-        LayoutMismatchError: the layouts describe different models or ZeRO settings.
-        ValueError: the staying processes plus joiners cannot fill the new world exactly.
-    """
-    old.check_same_model(new)
-    k = box_overlap_matrix(old, new)
-    return assign_by_overlap(k, old_members, joiner_ids, must_leave), k

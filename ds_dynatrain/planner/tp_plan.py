@@ -12,14 +12,13 @@ joiner from old TP rank ``new TP rank mod old TP``.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Sequence
 
 import numpy as np
 
 from ..vps.tensor_parallel import TensorParallelLayout
-from .assignment import assign_by_overlap
 from .box_plan import BoxPlan
-from .boxes import box_overlap_matrix, box_transfers
+from .boxes import box_transfers
 
 
 def source_bands(old: TensorParallelLayout, new: TensorParallelLayout, old_members, new_members) -> np.ndarray:
@@ -51,36 +50,3 @@ def plan_tp_transition(
     old.check_same_model(new, settings=same_settings)
     bands = source_bands(old, new, old_members, new_members)
     return BoxPlan(old, new, tuple(old_members), tuple(new_members), box_transfers(old, new, bands))
-
-
-def assign_tp_members_best(
-    old: TensorParallelLayout,
-    new: TensorParallelLayout,
-    old_members: Sequence[str],
-    joiner_ids: Sequence[str],
-    must_leave: Sequence[str] = (),
-) -> Tuple[Tuple[str, ...], np.ndarray]:
-    """The processes of the new ranks that keep the most elements in place, and the overlap
-    matrix it was chosen on (``K[i, j]``, int64: elements old rank ``i`` holds that new rank
-    ``j`` needs).
-
-    Raises:
-        LayoutMismatchError: the layouts describe different models or ZeRO settings.
-        ValueError: the staying processes plus joiners cannot fill the new world exactly.
-    """
-    old.check_same_model(new)
-    k = box_overlap_matrix(old, new)
-    return assign_by_overlap(k, old_members, joiner_ids, must_leave), k
-
-
-def kept_upper_bound(k: np.ndarray, must_leave_rows: Sequence[int] = ()) -> int:
-    """An upper bound of the elements any assignment keeps in place, without trying them: each
-    new rank keeps at most its best overlap with one old rank, and each old rank at most its
-    best overlap with one new rank, so the kept elements are at most the smaller of
-    ``sum_j max_i K[i, j]`` and ``sum_i max_j K[i, j]`` (rows of processes that must leave
-    dropped)."""
-    keep_rows = np.setdiff1d(np.arange(k.shape[0]), np.asarray(must_leave_rows, dtype=np.int64))
-    k = k[keep_rows]
-    if k.size == 0:
-        return 0
-    return int(min(k.max(axis=0).sum(), k.max(axis=1).sum()))

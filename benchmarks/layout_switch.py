@@ -1,0 +1,174 @@
+"""What ``benchmarks.tp_reconfig`` and ``benchmarks.pp_reconfig`` share: one layout switch A -> B
+run both ways (ours in one job; DeepSpeed's route: save at A, ``ds_to_universal``, relaunch at B
+with ``load_universal``) and the figures derived from them. Times in seconds, sizes in bytes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Callable, List
+
+from benchmarks.reconfig import read_json, run_job, run_plain
+
+
+@dataclass(frozen=True)
+class SwitchKind:
+    """Which degree a benchmark switches.
+
+    Attributes:
+        worker: the worker script (modes ``ours``, ``ds-save``, ``ds-load`` and, with
+            ``ours_load``, ``ours-load``).
+        flag: the worker's degree flags are ``--<flag>-from``/``--<flag>-to`` (``tp``, ``pp``).
+        label: the degree's name in tables (``TP``, ``PP``).
+        key: the result's keys ``<key>_from``/``<key>_to`` (``tensor_parallel``, ``pipeline_parallel``).
+        ours_load: also load the route's unconverted checkpoint at B with ``ds_dynatrain``.
+    """
+
+    worker: str
+    flag: str
+    label: str
+    key: str
+    ours_load: bool = False
+
+
+def run_ours(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
+    """Our switch A -> B in one job of ``--world`` processes. Returns rank 0's result."""
+    name = f"ours_{kind.flag}{a_from}to{b_to}"
+    out = os.path.join(work, f"{name}.json")
+    args = [
+        *("--mode", "ours", *model_args, f"--{kind.flag}-from", str(a_from), f"--{kind.flag}-to", str(b_to)),
+        *("--steps-before", str(a.steps_before), "--steps-after", str(a.steps_after), "--out", out),
+    ]
+    run_plain(a.world, args, work, name, a.timeout, worker=kind.worker)
+    return read_json(out, os.path.join(work, f"{name}_rank0.log"))
+
+
+def run_deepspeed(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
+    """DeepSpeed's route A -> B: save at A, ds_to_universal, relaunch at B (and, with
+    ``kind.ours_load``, our load of the unconverted checkpoint at B)."""
+    name = f"ds_{kind.flag}{a_from}to{b_to}"
+    k = a.steps_before
+    ckpt = os.path.join(work, f"{name}_ckpt")
+    tag = f"global_step{k}"
+    common = [*model_args, f"--{kind.flag}-from", str(a_from), f"--{kind.flag}-to", str(b_to), "--dir", ckpt]
+    save_out = os.path.join(work, f"{name}_save.json")
+    args = ["--mode", "ds-save", *common, "--tag", tag, "--steps", str(k), "--out", save_out]
+    run_plain(a.world, args, work, f"{name}_save", a.timeout, worker=kind.worker)
+    save = read_json(save_out, os.path.join(work, f"{name}_save_rank0.log"))
+    uni_tag = f"{tag}_universal"
+    convert_s = run_job(
+        [
+            *(sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"),
+            *("--input_folder", os.path.join(ckpt, tag), "--output_folder", os.path.join(ckpt, uni_tag)),
+            *("--num_extract_workers", str(a.convert_workers), "--num_merge_workers", str(a.convert_workers)),
+        ],
+        os.path.join(work, f"{name}_convert.log"),
+        a.timeout,
+        f"ds_to_universal {kind.label} {a_from}->{b_to}",
+    )
+
+    def load(mode: str, load_tag: str) -> tuple:
+        out = os.path.join(work, f"{name}_{mode}.json")
+        args = ["--mode", mode, *common, "--tag", load_tag, "--steps", "1", "--first-step", str(k), "--out", out]
+        t_start = run_plain(a.world, args, work, f"{name}_{mode}", a.timeout, worker=kind.worker)
+        return t_start, read_json(out, os.path.join(work, f"{name}_{mode}_rank0.log"))
+
+    t_start, loaded = load("ds-load", uni_tag)
+    out = {
+        "save_s": save["save_s"],
+        "convert_s": convert_s,
+        "relaunch_startup_s": loaded["t_init"] - t_start,
+        "relaunch_load_s": loaded["t_load"] - loaded["t_init"],
+        "relaunch_first_step_s": loaded["t_first_step"] - loaded["t_load"],
+        "checkpoint_bytes": save["checkpoint_bytes"],
+        "first_loss": loaded["iterations"][0][1],
+    }
+    if kind.ours_load:
+        _, ours = load("ours-load", tag)
+        out.update(ours_load_s=ours["t_load"] - ours["t_init"], ours_load_first_loss=ours["iterations"][0][1])
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
+    """Both routes for A -> B and the figures derived from them (seconds, bytes)."""
+    ours = run_ours(kind, a_from, b_to, a, work, model_args)
+    ds = run_deepspeed(kind, a_from, b_to, a, work, model_args)
+    rec = ours["record"]
+    excess = ours["first_step_excess_s"]
+    ours_s = rec["seconds"] + excess
+    # as for ours, the route's downtime ends at the first *normal* step at B: its first step counts
+    # only by its excess over a normal iteration at B
+    ds["relaunch_first_step_excess_s"] = max(0.0, ds["relaunch_first_step_s"] - ours["new_iter_s"])
+    ds["relaunch_s"] = ds["relaunch_startup_s"] + ds["relaunch_load_s"] + ds["relaunch_first_step_excess_s"]
+    route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
+    ranks = ours["ranks"]
+    peak = max(r["hwm"] - r["rss_before"] for r in ranks)
+    transient = max(r["hwm"] - max(r["rss_before"], r["rss_after"]) for r in ranks)
+    shard = max(max(r["state_bytes_before"], r["state_bytes_after"]) for r in ranks)
+    first_loss_ours = ours["iterations_after"][0][1]
+    out = {
+        "switch": f"{kind.label} {a_from}->{b_to}",
+        "world_size": a.world,
+        f"{kind.key}_from": a_from,
+        f"{kind.key}_to": b_to,
+        "params": ours["params"],
+        "train_batch_size": a.global_batch,
+        "ours_s": ours_s,
+        "resize_seconds": rec["seconds"],
+        "plan_s": rec["plan_s"],
+        "transfer_s": rec["transfer_s"],
+        "keep_s": rec.get("keep_s"),
+        "rebuild_s": rec["rebuild_s"],
+        "first_step_excess_s": excess,
+        "bytes_moved": rec["bytes_moved"],
+        "bytes_kept": rec["bytes_kept"],
+        "bytes_sent": rec["bytes_sent"],
+        "bytes_received": rec["bytes_received"],
+        "old_iter_s": ours["old_iter_s"],
+        "new_iter_s": ours["new_iter_s"],
+        "deepspeed_route_s": route,
+        **{k: v for k, v in ds.items() if k != "first_loss"},
+        "ratio": route / ours_s if ours_s > 0 else None,
+        "peak_extra_bytes": peak,
+        "transient_bytes": transient,
+        "largest_shard_bytes": shard,
+        "peak_ratio": peak / shard,
+        "ranks": ranks,
+        "first_loss_ours": first_loss_ours,
+        "first_loss_deepspeed": ds["first_loss"],
+        "same_loss": first_loss_ours == ds["first_loss"],
+        "record": rec,
+    }
+    if kind.ours_load:
+        load_route_s = ds["convert_s"] + ds["relaunch_load_s"]
+        out["load_route_s"] = load_route_s
+        out["load_ratio"] = load_route_s / ds["ours_load_s"] if ds["ours_load_s"] > 0 else None
+        out["same_loss_after_load"] = ds["ours_load_first_loss"] == ds["first_loss"]
+    return out
+
+
+def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
+    """The table of switches, one line each, and its legend."""
+    mib = 2**20
+    print(
+        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} | "
+        f"{'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} | "
+        f"{'peak+ MiB':>9} {'shard MiB':>9} {'peak/shard':>10} | {'same loss':>9}"
+    )
+    for r in results:
+        print(
+            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
+            f"{r['first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
+            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} | "
+            f"{r['peak_extra_bytes'] / mib:>9.1f} {r['largest_shard_bytes'] / mib:>9.1f} {r['peak_ratio']:>10.2f} | "
+            f"{'yes' if r['same_loss'] else 'no':>9}"
+        )
+    print(
+        "\nseconds; ours = switch record + first step's excess; route = save + ds_to_universal + relaunch (start, "
+        f"load, first step's excess over ours at the new {label}); ratio = route / ours; peak+ = largest rise of a "
+        "rank's peak resident set during the switch over its resident set before; shard = largest fp32 master + "
+        "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
+    )

@@ -1,0 +1,123 @@
+"""What the workers of ``benchmarks.tp_reconfig`` and ``benchmarks.pp_reconfig`` share: our switch
+measured in one job (iterations, record, memory), and the two halves of DeepSpeed's route (save;
+relaunch and load). ``train(engine, step) -> (seconds, loss)`` runs one optimizer step on the
+batch of ``step``; times in seconds, sizes in bytes."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from benchmarks.reconfig_worker import dir_bytes, write_json
+
+
+def status_bytes(key: str) -> int:
+    """A size of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), bytes."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def state_bytes(engine) -> int:
+    """This rank's ZeRO-1/2 partition of the fp32 master and both Adam moments, bytes."""
+    return 3 * sum(p.numel() * p.element_size() for p in engine.optimizer.single_partition_of_fp32_groups)
+
+
+def measure_switch(engine, a, params: int, train_before, train_after, switch) -> None:
+    """``--steps-before`` steps, ``switch()`` (the resize, returning its record), ``--steps-after``
+    steps; rank 0 writes ``a.out``: the record, every iteration, ``first_step_excess_s`` (the
+    first iteration after minus the median of the later ones, at least 0), and per rank the
+    resident set before and after the switch, its peak during it (``VmHWM`` after writing 5 to
+    ``/proc/self/clear_refs``) and :func:`state_bytes` before and after. Collective."""
+    import torch.distributed as tdist
+
+    before = [train_before(engine, s) for s in range(a.steps_before)]
+    state_before = state_bytes(engine)
+    tdist.barrier()
+    rss_before = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+        f.write("5")
+    record = switch()
+    hwm, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
+    state_after = state_bytes(engine)
+    after = [train_after(engine, s) for s in range(a.steps_before, a.steps_before + a.steps_after)]
+    mem = {
+        "rank": tdist.get_rank(),
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "hwm": hwm,
+        "state_bytes_before": state_before,
+        "state_bytes_after": state_after,
+    }
+    ranks = [None] * tdist.get_world_size()
+    tdist.all_gather_object(ranks, mem)
+    if tdist.get_rank() == 0:
+        rest = statistics.median(t for t, _ in after[1:])
+        write_json(
+            a.out,
+            {
+                "mode": "ours",
+                "params": params,
+                "record": record,
+                "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
+                "new_iter_s": rest,
+                "first_step_excess_s": max(0.0, after[0][0] - rest),
+                "iterations_before": before,
+                "iterations_after": after,
+                "ranks": ranks,
+            },
+        )
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def save_route(engine, a, train, extra: dict) -> None:
+    """The route's first half: ``--steps`` steps, ``save_checkpoint`` to ``--dir``/``--tag``
+    (``save_s`` barrier to barrier); rank 0 writes ``a.out`` (with ``extra``). Collective."""
+    import torch.distributed as tdist
+
+    iters = [train(engine, s) for s in range(a.steps)]
+    tdist.barrier()
+    t0 = time.perf_counter()
+    engine.save_checkpoint(a.dir, tag=a.tag)
+    tdist.barrier()
+    save_s = time.perf_counter() - t0
+    if engine.global_rank == 0:
+        out = {"mode": "ds-save", "save_s": save_s, "checkpoint_bytes": dir_bytes(os.path.join(a.dir, a.tag))}
+        write_json(a.out, {**out, "iterations": iters, "global_steps": engine.global_steps, **extra})
+    tdist.destroy_process_group()
+
+
+def load_route(engine, a, train) -> None:
+    """The route's second half (or our load): ``load_checkpoint`` of ``--dir``/``--tag``, then
+    ``--steps`` steps from ``--first-step``; rank 0 writes ``a.out``: wall-clock timestamps
+    (``time.time()``) of the end of start-up, of the load and of the first step, and the
+    iterations. Collective."""
+    import torch.distributed as tdist
+
+    t_init = time.time()
+    path, _client = engine.load_checkpoint(a.dir, tag=a.tag)
+    if path is None:
+        raise RuntimeError(f"load_checkpoint found no checkpoint {a.tag!r} in {a.dir}")
+    t_load = time.time()
+    iters = []
+    for s in range(a.first_step, a.first_step + a.steps):
+        iters.append(train(engine, s))
+        if len(iters) == 1:
+            t_first = time.time()
+    if engine.global_rank == 0:
+        write_json(
+            a.out,
+            {
+                "mode": a.mode,
+                "t_init": t_init,
+                "t_load": t_load,
+                "t_first_step": t_first,
+                "iterations": iters,
+                "global_steps": engine.global_steps,
+            },
+        )
+    tdist.destroy_process_group()
