@@ -131,13 +131,22 @@ def _cmd_plan(a) -> int:
                 a.model_config, a.from_ws, a.to_ws, pp_from, pp_to, dtype, a.assignment, a.partition_method
             )
         elif a.tp_from is None and a.tp_to is None:
-            rep = plan_report(a.model_config, a.zero_stage or 2, a.from_ws, a.to_ws, dtype, a.assignment)
+            rep = plan_report(
+                a.model_config, 2 if a.zero_stage is None else a.zero_stage, a.from_ws, a.to_ws, dtype, a.assignment
+            )
         else:
             from .plan_tp import tp_plan_report
 
             tp_from, tp_to = (1 if t is None else t for t in (a.tp_from, a.tp_to))
             rep = tp_plan_report(
-                a.model_config, a.zero_stage or 2, a.from_ws, a.to_ws, tp_from, tp_to, dtype, a.assignment
+                a.model_config,
+                2 if a.zero_stage is None else a.zero_stage,
+                a.from_ws,
+                a.to_ws,
+                tp_from,
+                tp_to,
+                dtype,
+                a.assignment,
             )
     except ConfigError as err:
         print(f"dynatrain plan: {err}", file=sys.stderr)
