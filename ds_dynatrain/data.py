@@ -12,7 +12,7 @@ job stands: no sample is seen twice or skipped, whatever the world sizes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
@@ -30,12 +30,24 @@ def tokens_per_sample(batch) -> Optional[int]:
     return None
 
 
+def data_parallel_position(engine) -> Tuple[int, int]:
+    """``(DP rank, DP size)`` of this process: in a pipeline job its stage's DP group (every stage
+    of a DP rank alike), in an AutoTP job every TP rank of a DP rank alike."""
+    dt = getattr(engine, "_dt", None)
+    if dt is not None and dt.pp_layout is not None:
+        return engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size()
+    tp = getattr(dt, "tp", 1)
+    return engine.global_rank // tp, engine.dp_world_size
+
+
 class ElasticDataLoader:
     """Iterates this rank's micro-batches of the current epoch.
 
     Args:
         dataset: a map-style dataset (``__len__``, ``__getitem__``).
-        engine: the :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine` (its step counter is the position).
+        engine: the :class:`~ds_dynatrain.engine.elastic_engine.ElasticEngine` or
+            :class:`~ds_dynatrain.engine.pp_engine.ElasticPipelineEngine` (its step counter is the
+            position).
         global_batch: samples per optimizer step (``train_batch_size``).
         seed: seed of the sample order.
         shuffle: False keeps dataset order.
@@ -107,14 +119,8 @@ class ElasticDataLoader:
                     f"the training loop asked for micro-batch {self._micro + 1} of step {step}, "
                     f"which has {accum}; call engine.step() after every backward()"
                 )
-            tp = getattr(getattr(engine, "_dt", None), "tp", 1)  # an AutoTP job: every TP rank of a DP rank alike
-            idx = self.indices_for(
-                step,
-                self._micro,
-                engine.global_rank // tp,
-                engine.dp_world_size,
-                engine.train_micro_batch_size_per_gpu(),
-            )
+            dp_rank, dp_size = data_parallel_position(engine)
+            idx = self.indices_for(step, self._micro, dp_rank, dp_size, engine.train_micro_batch_size_per_gpu())
             self._micro += 1
             batch = self.collate_fn([self.dataset[int(i)] for i in idx])
             dt = getattr(engine, "_dt", None)

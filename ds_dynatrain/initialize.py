@@ -57,18 +57,29 @@ def _refuse_model_parallel(mpu) -> None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
 
 
-def _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, frontend):
+def _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, kw):
     """``initialize`` of a ``deepspeed.pipe.PipelineModule``: an
-    :class:`~ds_dynatrain.engine.pp_engine.ElasticPipelineEngine` (``train_batch`` takes the
-    caller's ``data_iter``). Raises ConfigError: training data handed over, or a front-end's engine."""
+    :class:`~ds_dynatrain.engine.pp_engine.ElasticPipelineEngine`. ``training_data`` is served
+    by an :class:`~ds_dynatrain.data.ElasticDataLoader` that ``train_batch()`` reads (repeated
+    over epochs, as DeepSpeed's own), following the global sample order across PP changes; else
+    the caller passes ``data_iter``. Raises ConfigError: a front-end's engine."""
+    from deepspeed.runtime.dataloader import RepeatingLoader
+
     from .engine.pp_engine import start_pipeline_engine
 
-    if training_data is not None:
-        raise ConfigError("training_data with a PipelineModule job: pass a data_iter to engine.train_batch instead")
-    if frontend is not None:
-        raise ConfigError(f"a PipelineModule job through {frontend}: DeepSpeed's pipeline engine trains by train_batch")
+    if kw["frontend"] is not None:
+        raise ConfigError(
+            f"a PipelineModule job through {kw['frontend']}: DeepSpeed's pipeline engine trains by train_batch"
+        )
     engine = start_pipeline_engine(model, optimizer, model_parameters, lr_scheduler, ds_config, dt_cfg)
-    return engine, engine.optimizer, None, engine.lr_scheduler
+    loader = None
+    if training_data is not None:
+        loader = ElasticDataLoader(
+            training_data, engine, engine._dt.global_batch, kw["seed"], kw["shuffle"], kw["collate_fn"]
+        )
+        engine._dt.pipeline_data = RepeatingLoader(loader)
+        engine.set_dataiterator(engine._dt.pipeline_data)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def initialize(
@@ -128,9 +139,8 @@ def initialize(
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
-        return _start_pipeline(
-            model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, frontend
-        )
+        kw = dict(frontend=frontend, seed=seed, shuffle=shuffle, collate_fn=collate_fn)
+        return _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, kw)
     _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(

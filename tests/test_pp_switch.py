@@ -111,3 +111,25 @@ def test_pp_switch_equals_the_universal_checkpoint_route(tmp_path, case):
     assert saved["before"] == switch["before"]  # the same training up to the change on both routes
     assert route["after"] == switch["after"], (route["after"], switch["after"])
     _equal(torch.load(tmp_path / "final_route-load.pt"), torch.load(tmp_path / "final_switch.pt"))
+
+
+def test_training_data_follows_the_global_sample_order_across_a_switch(tmp_path):
+    """The training data handed to ``initialize`` (16 samples, 4 a step), read by ``train_batch()``
+    on the first and last stages: every step, at PP 2 and after the switch to PP 1 x DP 2, and
+    into the second epoch, trains on exactly the samples of the global order (torch's
+    ``randperm`` seeded with ``seed + epoch``, seed 0) for that step, and on no other."""
+    args = ["--mode", "data", "--pp-from", "2", "--pp-to", "1", "--steps-before", "2", "--steps-after", "4"]
+    jobs = run_plain(tmp_path, WORKER, 2, [*args, "--out", str(tmp_path)], timeout=240, name="data")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    ranks = [json.loads((tmp_path / f"data_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["loader"] == "ElasticDataLoader" and ranks[0]["steps"] == 6
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for step in range(6):
+        epoch, k = divmod(step, 4)
+        want = torch.randperm(16, generator=torch.Generator().manual_seed(epoch))[4 * k : 4 * k + 4].tolist()
+        fetched = [sorted(i for s, i in r["log"] if s == step) for r in ranks]
+        assert sorted(set(fetched[0]) | set(fetched[1])) == sorted(want), (step, fetched, want)
+        if step < 2:  # PP 2: stage 0 reads the inputs, stage 1 the labels, of the same 4 samples
+            assert fetched[0] == fetched[1] == sorted(want)
+        else:  # PP 1 x DP 2: each DP rank 2 of them
+            assert len(fetched[0]) == len(fetched[1]) == 2 and not set(fetched[0]) & set(fetched[1])

@@ -1,7 +1,8 @@
 """The elastic pipeline engine: a real DeepSpeed ``PipelineEngine`` whose PP and DP degrees change
 in memory at an unchanged world size, and its first build by ``ds_dynatrain.initialize``.
 
-What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed, and
+What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed (over the training
+data handed to ``initialize``, in the global sample order across changes, or a ``data_iter``), and
 ``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`). Snapshots, the resize
 schedule, requests, ``dynatrain launch`` and a change of the number of processes are refused at
 start with the reason.
@@ -36,6 +37,11 @@ class ElasticPipelineEngine(PipelineEngine):
     """
 
     _dt: ElasticState
+
+    @property
+    def is_member(self) -> bool:
+        """Always True: a pipeline job keeps its processes."""
+        return True
 
     @property
     def resize_records(self) -> List[dict]:

@@ -115,3 +115,5 @@ def rebuild_pipeline_at(engine, pp: int, split) -> None:
         basic.param_groups[0]["params"] = list(module.parameters())
         dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
         construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)
+    if dt.pipeline_data is not None:  # the first and last stages read it (new ones among them)
+        engine.set_dataiterator(dt.pipeline_data)

@@ -87,6 +87,7 @@ class ElasticState:
     held: list = field(default_factory=list)  # memory a joiner holds touched until the survivors switch
     tp_layout: Any = None  # an AutoTP job's layout (vps.tensor_parallel.TensorParallelLayout); None: DP only
     pp_layout: Any = None  # a PipelineModule job's layout (vps.pipeline.PipelineLayout); None: no pipeline
+    pipeline_data: Any = None  # a PipelineModule job's iterator over the training data it was handed
 
     @property
     def tp(self) -> int:

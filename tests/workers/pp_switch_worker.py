@@ -21,6 +21,10 @@ route): plain DeepSpeed at PP ``--pp-from`` trains ``--steps-before`` steps and 
 DeepSpeed at PP ``--pp-to`` with ``checkpoint.load_universal`` loads it and trains the same
 ``--steps-after`` steps: ``final_route-load.pt`` and ``route-load_rank<r>.json``.
 
+``--mode data``: the training data handed to ``ds_dynatrain.initialize`` (16 numbered samples),
+``train_batch()`` without a ``data_iter``, the switch between: every sample each rank fetched,
+with the step it was fetched in, to ``data_rank<r>.json``.
+
 The global batch is 4 sequences every step, micro-batch 1: DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i``. Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
 """
@@ -145,6 +149,46 @@ def set_logical(engine, state: dict) -> None:
         safe_set_full_optimizer_state(p, state[name]["exp_avg_sq"], "exp_avg_sq")
 
 
+class Numbered(torch.utils.data.Dataset):
+    """Sample ``i``: ``SEQ`` tokens starting with ``i``, the labels those tokens rolled by one;
+    every fetch logged as ``(the engine's step, i)``."""
+
+    def __init__(self, n: int):
+        self.n, self.engine, self.log = n, None, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1000 + i))
+        x[0] = i
+        self.log.append((self.engine.global_steps, int(i)))
+        return x, torch.roll(x, -1, 0)
+
+
+def data_job(a) -> None:
+    """The training data handed to ``initialize``: ``--steps-before`` steps of ``train_batch()``,
+    the switch, ``--steps-after`` steps; each rank writes the samples it fetched per step."""
+    import ds_dynatrain
+
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    data = Numbered(4 * GLOBAL_BATCH)
+    module = module_at(a.pp_from, a.method)
+    cfg = config(a, a.pp_from, False)
+    engine, _, loader, _ = ds_dynatrain.initialize(
+        model=module, model_parameters=module.parameters(), training_data=data, config=cfg
+    )
+    data.engine = engine
+    losses = [float(engine.train_batch().item()) for _ in range(a.steps_before)]
+    engine.resize(world, pipeline_parallel=a.pp_to)
+    losses += [float(engine.train_batch().item()) for _ in range(a.steps_after)]
+    out = {"log": data.log, "losses": losses, "loader": type(loader).__name__, "steps": engine.global_steps}
+    with open(os.path.join(a.out, f"data_rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    tdist.destroy_process_group()
+    exit_without_teardown(0)
+
+
 def refusals(engine, world: int) -> list:
     """What ``engine.resize`` says of layouts it cannot take (each must change nothing)."""
     from ds_dynatrain.errors import ResizeRefusedError
@@ -161,7 +205,7 @@ def refusals(engine, world: int) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load"], required=True)
+    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load", "data"], required=True)
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
@@ -177,6 +221,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = tdist.get_rank(), tdist.get_world_size()
     out = {}
+    if a.mode == "data":
+        data_job(a)
     if a.mode == "switch":
         import ds_dynatrain
 
