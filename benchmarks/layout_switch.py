@@ -4,13 +4,16 @@ with ``load_universal``) and the figures derived from them. Times in seconds, si
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Callable, List
 
-from benchmarks.reconfig import read_json, run_job, run_plain
+from benchmarks.reconfig import JobFailed, parse_transitions, read_json, run_job, run_plain
 
 
 @dataclass(frozen=True)
@@ -172,3 +175,56 @@ def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
         "rank's peak resident set during the switch over its resident set before; shard = largest fp32 master + "
         "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
     )
+
+
+def common_arguments(ap: argparse.ArgumentParser, label: str) -> None:
+    """The arguments both benchmarks take (the model's own are each benchmark's)."""
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--world", type=int, default=2, help="processes (unchanged by the switch)")
+    ap.add_argument(
+        "--switches", type=parse_transitions, default=parse_transitions("2:1,1:2"), help=f"A:B,... {label} degrees"
+    )
+    ap.add_argument("--global-batch", type=int, default=4, help="global batch, sequences (a multiple of every DP size)")
+    ap.add_argument(
+        "--steps-before", type=int, default=3, help=f"optimizer steps at the old {label} before the switch (K)"
+    )
+    ap.add_argument("--steps-after", type=int, default=4, help=f"optimizer steps at the new {label}")
+    ap.add_argument("--convert-workers", type=int, default=2, help="ds_to_universal extract and merge workers")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="limit of each job, seconds")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
+    ap.add_argument("--json", action="store_true", help="one JSON object per switch")
+
+
+def check_arguments(ap: argparse.ArgumentParser, a, label: str) -> None:
+    """Refuse step counts and degrees the benchmark cannot run (``ap.error``)."""
+    if a.steps_before < 1 or a.steps_after < 2:
+        ap.error("--steps-before must be >= 1 and --steps-after >= 2")
+    for pair in a.switches:
+        for d in pair:
+            if a.world % d or a.global_batch % (a.world // d):
+                ap.error(
+                    f"{label} {d} must divide --world {a.world} and its DP size the --global-batch {a.global_batch}"
+                )
+
+
+def run_switches(kind: SwitchKind, a, model_args: List[str], print_table: Callable) -> int:
+    """Every switch of ``--switches`` both ways, in a temporary directory under ``--dir``; one JSON
+    object per switch with ``--json``, else ``print_table(results, a)``. Returns the exit status
+    (1: a job failed, the tail of its log printed)."""
+    os.makedirs(a.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f"dynatrain-{kind.flag}-reconfig-", dir=a.dir)
+    results = []
+    try:
+        for a_from, b_to in a.switches:
+            r = switch(kind, a_from, b_to, a, work, model_args)
+            results.append(r)
+            if a.json:
+                print(json.dumps(r), flush=True)
+    except JobFailed as err:
+        print(f"benchmarks.{kind.flag}_reconfig: {err}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not a.json:
+        print_table(results, a)
+    return 0

@@ -41,15 +41,12 @@ removed at the end. A failed job stops the run with the tail of its log.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 from typing import List
 
-from benchmarks.layout_switch import SwitchKind, print_switches, switch
-from benchmarks.reconfig import JobFailed, fmt, parse_count, parse_transitions
+from benchmarks.layout_switch import SwitchKind, check_arguments, common_arguments, print_switches, run_switches
+from benchmarks.reconfig import fmt, parse_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "pp_reconfig_worker.py")
@@ -94,46 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--params", type=parse_count, default=parse_count("100M"), help="model size to aim at")
     ap.add_argument("--hidden", type=int, default=768, help="hidden size (a multiple of 64)")
     ap.add_argument("--layers", type=int, default=None, help="number of transformer layers (overrides --params)")
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--world", type=int, default=2, help="processes (unchanged by the switch)")
-    ap.add_argument(
-        "--switches", type=parse_transitions, default=parse_transitions("2:1,1:2"), help="A:B,... PP degrees"
-    )
-    ap.add_argument("--global-batch", type=int, default=4, help="global batch, sequences (a multiple of every DP size)")
-    ap.add_argument("--steps-before", type=int, default=3, help="optimizer steps at the old PP before the switch (K)")
-    ap.add_argument("--steps-after", type=int, default=4, help="optimizer steps at the new PP")
-    ap.add_argument("--convert-workers", type=int, default=2, help="ds_to_universal extract and merge workers")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="limit of each job, seconds")
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
-    ap.add_argument("--json", action="store_true", help="one JSON object per switch")
+    common_arguments(ap, "PP")
     a = ap.parse_args(argv)
     if a.hidden % 64:
         ap.error("--hidden must be a multiple of 64")
-    if a.steps_before < 1 or a.steps_after < 2:
-        ap.error("--steps-before must be >= 1 and --steps-after >= 2")
-    for pair in a.switches:
-        for pp in pair:
-            if a.world % pp or a.global_batch % (a.world // pp):
-                ap.error(f"PP {pp} must divide --world {a.world} and its DP size the --global-batch {a.global_batch}")
+    check_arguments(ap, a, "PP")
     if a.layers is None:
         a.layers = layers_for(a.params, a.hidden)
-    os.makedirs(a.dir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="dynatrain-pp-reconfig-", dir=a.dir)
-    results = []
-    try:
-        for pp_from, pp_to in a.switches:
-            r = switch(KIND, pp_from, pp_to, a, work, model_args(a))
-            results.append(r)
-            if a.json:
-                print(json.dumps(r), flush=True)
-    except JobFailed as err:
-        print(f"benchmarks.pp_reconfig: {err}", file=sys.stderr)
-        return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not a.json:
-        print_table(results, a)
-    return 0
+    return run_switches(KIND, a, model_args(a), print_table)
 
 
 if __name__ == "__main__":
