@@ -57,7 +57,20 @@ def _refuse_model_parallel(mpu) -> None:
         raise ConfigError("ds_dynatrain resizes data-parallel-only jobs; a model-parallel mpu is not supported")
 
 
-def _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, kw):
+def _start_pipeline(
+    model,
+    optimizer,
+    model_parameters,
+    training_data,
+    lr_scheduler,
+    ds_config,
+    dt_cfg,
+    *,
+    frontend,
+    seed,
+    shuffle,
+    collate_fn,
+):
     """``initialize`` of a ``deepspeed.pipe.PipelineModule``: an
     :class:`~ds_dynatrain.engine.pp_engine.ElasticPipelineEngine`. ``training_data`` is served
     by an :class:`~ds_dynatrain.data.ElasticDataLoader` that ``train_batch()`` reads (repeated
@@ -67,16 +80,12 @@ def _start_pipeline(model, optimizer, model_parameters, training_data, lr_schedu
 
     from .engine.pp_engine import start_pipeline_engine
 
-    if kw["frontend"] is not None:
-        raise ConfigError(
-            f"a PipelineModule job through {kw['frontend']}: DeepSpeed's pipeline engine trains by train_batch"
-        )
+    if frontend is not None:
+        raise ConfigError(f"a PipelineModule job through {frontend}: DeepSpeed's pipeline engine trains by train_batch")
     engine = start_pipeline_engine(model, optimizer, model_parameters, lr_scheduler, ds_config, dt_cfg)
     loader = None
     if training_data is not None:
-        loader = ElasticDataLoader(
-            training_data, engine, engine._dt.global_batch, kw["seed"], kw["shuffle"], kw["collate_fn"]
-        )
+        loader = ElasticDataLoader(training_data, engine, engine._dt.global_batch, seed, shuffle, collate_fn)
         engine._dt.pipeline_data = RepeatingLoader(loader)
         engine.set_dataiterator(engine._dt.pipeline_data)
     return engine, engine.optimizer, loader, engine.lr_scheduler
@@ -139,8 +148,9 @@ def initialize(
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
-        kw = dict(frontend=frontend, seed=seed, shuffle=shuffle, collate_fn=collate_fn)
-        return _start_pipeline(model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg, kw)
+        data = dict(seed=seed, shuffle=shuffle, collate_fn=collate_fn)
+        args = (model, optimizer, model_parameters, training_data, lr_scheduler, ds_config, dt_cfg)
+        return _start_pipeline(*args, frontend=frontend, **data)
     _refuse_frontend_under_launch(frontend, in_place_loop)
     _check_storage(dt_cfg)  # bad storage found before anything trains
     engine = start_engine(

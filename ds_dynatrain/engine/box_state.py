@@ -1,17 +1,20 @@
 """The optimizer state of a change of band layout (AutoTP or pipeline, with ZeRO), shared by every
 such change: this rank's new partitions, their scalars, the box transfer between the two, its
-figures in the resize record, and the install into the rebuilt engine."""
+figures in the resize record, the install into the rebuilt engine, and the switch over the same
+processes that strings them together."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as tdist
 
 from ..planner.plan import scalars_between
 from ..transition.boxes import execute_box_plan
-from ..zero.state import MASTER, install_master, install_optimizer_state, working_from_master
+from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
+from .pending import publish
 from .records import ResizeRecord
 
 
@@ -101,3 +104,28 @@ def install_moved_state(engine, dests, scalars) -> None:
     install_master(engine, [d[MASTER] for d in dests])
     install_optimizer_state(engine, [{k: v for k, v in d.items() if k != MASTER} for d in dests], scalars)
     working_from_master(engine)
+
+
+def switch_in_place(engine, plan, rec: ResizeRecord, t0: float, rebuild: Callable[[], None]) -> ResizeRecord:
+    """A change of band layout over the same processes, once ``plan`` is made (a TP or a PP
+    switch): this rank's fp32 master and moments moved by ``plan`` into new partitions,
+    ``rebuild()`` (the engine rebuilt at the new layout, which it makes the job's), the moved
+    state installed; ``rec`` completed (``t0``: ``time.perf_counter()`` at the decision) and
+    published. Collective: every rank calls it.
+
+    Raises:
+        TransitionAbortedError: a peer failed during the transfer.
+    """
+    dt, rank = engine._dt, tdist.get_rank()
+    state = extract_partitions(engine)
+    dests = new_partitions(plan.new_layout, rank, kinds_of(state))
+    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
+    scalars = new_scalars(plan.old_layout, rank, plan.new_layout, rank, state.scalars)
+    state = None  # the old partitions go with the old engine
+    t = time.perf_counter()
+    rebuild()
+    install_moved_state(engine, dests, scalars)
+    rec.rebuild_s = time.perf_counter() - t
+    rec.seconds = time.perf_counter() - t0
+    publish(engine, rec)
+    return rec

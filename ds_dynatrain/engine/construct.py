@@ -7,7 +7,6 @@ import contextlib
 import copy
 from typing import Tuple
 
-import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -21,7 +20,7 @@ from ..elastic.launch_env import local_rank
 from ..elastic.threads import share_cpus
 from ..vps.layout import ZeroLayout
 from ..zero.comm import start_deepspeed_comm
-from ..zero.geometry import layout_for_model, layout_of
+from ..zero.geometry import layout_for_model, layout_of, working_dtype
 from ..zero.quiet import scheduler_start_quiet, use_current_collectives
 from ..zero.rebuild import light_rebuild
 from ..zero.zero3 import client_attrs
@@ -178,12 +177,5 @@ def store_address(dt: ElasticState) -> Tuple[str, int]:
 def own_layout(dt: ElasticState, model, groups, world_size: int) -> ZeroLayout:
     """The layout this process's model (parameter ``groups`` as the optimizer holds them) has at
     ``world_size`` (what a joiner checks rank 0's layout against)."""
-    ds = dt.ds_config
-    dtype = (
-        torch.bfloat16
-        if ds.get("bf16", {}).get("enabled")
-        else torch.float16
-        if ds.get("fp16", {}).get("enabled")
-        else next(model.parameters()).dtype
-    )
-    return layout_for_model(list(model.named_parameters()), groups, world_size, ds, dtype)
+    dtype = working_dtype(dt.ds_config, model)
+    return layout_for_model(list(model.named_parameters()), groups, world_size, dt.ds_config, dtype)

@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.launch_env import LaunchContext, member_id
 from ..errors import ResizeRefusedError
+from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import pipeline_layout
 from .construct import ds_config_for
@@ -127,8 +128,8 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     check_rebuildable(module)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("a PipelineModule job takes a torch optimizer object or the config's optimizer section")
-    groups = optimizer.param_groups if optimizer is not None else model_parameters
-    if groups is not None and len(groups) and isinstance(list(groups)[0], dict) and len(groups) > 1:
+    groups = optimizer.param_groups if optimizer is not None else (model_parameters or [])
+    if len(groups) > 1 and isinstance(groups[0], dict):
         raise ConfigError("a PipelineModule job with several parameter groups: ds_dynatrain needs one group")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     pp = module.num_stages
@@ -162,21 +163,6 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
 
 def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int):
     """The job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` at ``pp`` stages."""
-    dtype = (
-        "bfloat16"
-        if ds_config.get("bf16", {}).get("enabled")
-        else "float16"
-        if ds_config.get("fp16", {}).get("enabled")
-        else str(next(module.parameters()).dtype).replace("torch.", "")
-    )
-    z = ds_config.get("zero_optimization", {})
-    return pipeline_layout(
-        module,
-        pp,
-        world,
-        dtype,
-        dt_cfg.pipeline_partition_method,
-        stage=1,
-        round_robin=bool(z.get("round_robin_gradients", False)),
-        parameter_alignment=bool(z.get("parameter_alignment", False)),
-    )
+    dtype = str(working_dtype(ds_config, module)).replace("torch.", "")
+    method = dt_cfg.pipeline_partition_method
+    return pipeline_layout(module, pp, world, dtype, method, stage=1, **zero12_settings(ds_config))

@@ -9,9 +9,10 @@ boundary on every rank (``engine.resize(world_size, pipeline_parallel=P)``).
 2. **transfer**: every rank's fp32 master and Adam moments move by the plan into new partitions
    (:func:`~ds_dynatrain.transition.boxes.execute_box_plan`, point-to-point on the world group);
 3. **rebuild**: DeepSpeed's cached groups and pipeline globals are forgotten, a new
-   ``PipelineModule`` of the same layer list is built at ``P`` stages (its layers initialised,
-   then overwritten), and ``PipelineEngine.__init__`` runs again on the same engine object with
-   the batch split over the new DP size;
+   ``PipelineModule`` of the same layer list is built at ``P`` stages (on the meta device, then
+   allocated empty: :func:`~ds_dynatrain.zero.pipe_module.pipeline_module_at`), and
+   ``PipelineEngine.__init__`` runs again on the same engine object with the batch split over the
+   new DP size;
 4. **install**: the moved partitions become the optimizer's master and moments, and the working
    parameters are made from the master (an all-gather over each stage's DP group).
 
@@ -29,8 +30,7 @@ from ..planner.pp_plan import plan_pp_transition
 from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
 from ..zero.pipeline import layer_type_names, pipeline_parts
 from ..zero.rebuild import teardown
-from ..zero.state import extract_partitions
-from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
+from .box_state import switch_in_place
 from .construct import counters_kept, ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .records import ResizeRecord
@@ -70,13 +70,11 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
     """
     dt = engine._dt
     t0 = time.perf_counter()
-    world, rank = tdist.get_world_size(), tdist.get_rank()
+    world = tdist.get_world_size()
     old = dt.pp_layout
     new = new_pipeline_layout(engine, pp)
     split = dt.split(world // pp)  # ResizeRefusedError: the global batch cannot be kept
     plan = plan_pp_transition(old, new, dt.members, dt.members)
-    state = extract_partitions(engine)
-    dests = new_partitions(new, rank, kinds_of(state))
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=world,
@@ -86,19 +84,13 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
         pipeline_parallel_from=old.pp,
         pipeline_parallel_to=pp,
     )
-    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
-    scalars = new_scalars(old, rank, new, rank, state.scalars)
-    state = None
-    t = time.perf_counter()
-    rebuild_pipeline_at(engine, pp, split)
-    dt.pp_layout = new
-    check_pipeline_layout(engine)
-    install_moved_state(engine, dests, scalars)
-    rec.rebuild_s = time.perf_counter() - t
-    rec.seconds = time.perf_counter() - t0
-    dt.resizes.append(rec)
-    dt.metrics.write(rec)
-    return rec
+
+    def rebuild():
+        rebuild_pipeline_at(engine, pp, split)
+        dt.pp_layout = new
+        check_pipeline_layout(engine)
+
+    return switch_in_place(engine, plan, rec, t0, rebuild)
 
 
 def rebuild_pipeline_at(engine, pp: int, split) -> None:

@@ -32,12 +32,10 @@ from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.autotp import autotp_splits
 from ..zero.geometry import is_zero3, zero_optimizer_of
 from ..zero.rebuild import teardown
-from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups, tp_module
 from ..zero.zero3 import forget_zero3_module
-from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
+from .box_state import switch_in_place
 from .construct import close_snapshots, construct, counters_kept, ds_config_for, own_layout
-from .pending import publish
 from .records import ResizeRecord
 
 
@@ -81,7 +79,7 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     """
     dt = engine._dt
     t0 = time.perf_counter()
-    world, rank = tdist.get_world_size(), tdist.get_rank()
+    world = tdist.get_world_size()
     if tp < 1:
         raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
     if world % tp:
@@ -90,20 +88,13 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
     old: TensorParallelLayout = dt.tp_layout
     new = new_layout(engine, tp, world)
     plan = plan_tp_transition(old, new, dt.members, dt.members)
-    state = extract_partitions(engine)
-    dests = new_partitions(new, rank, kinds_of(state))
     rec = tp_record(engine, world, world, dt.generation, old.tp, tp, t0)
-    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
-    scalars = new_scalars(old, rank, new, rank, state.scalars)
-    state = None
-    t = time.perf_counter()
-    rebuild_at(engine, tp, split)
-    install_moved_state(engine, dests, scalars)
-    dt.tp_layout = new
-    rec.rebuild_s = time.perf_counter() - t
-    rec.seconds = time.perf_counter() - t0
-    publish(engine, rec)
-    return rec
+
+    def rebuild():
+        rebuild_at(engine, tp, split)
+        dt.tp_layout = new
+
+    return switch_in_place(engine, plan, rec, t0, rebuild)
 
 
 def tp_degree_for(dt, world_size: int, tensor_parallel: Optional[int]) -> int:

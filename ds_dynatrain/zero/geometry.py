@@ -93,6 +93,26 @@ def layout_of(engine) -> ZeroLayout:
     return layout
 
 
+def working_dtype(ds_config: dict, model: torch.nn.Module) -> torch.dtype:
+    """The dtype DeepSpeed's engine trains ``model``'s parameters in: bf16 or fp16 where the config
+    enables it, else the model's own."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return next(model.parameters()).dtype
+
+
+def zero12_settings(ds_config: dict) -> dict:
+    """The ZeRO-1/2 partitioning settings of a DeepSpeed config, as layouts take them
+    (``round_robin``, ``parameter_alignment``)."""
+    z = ds_config.get("zero_optimization", {})
+    return {
+        "round_robin": bool(z.get("round_robin_gradients", False)),
+        "parameter_alignment": bool(z.get("parameter_alignment", False)),
+    }
+
+
 def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dtype: torch.dtype) -> ZeroLayout:
     """The layout DeepSpeed will build for ``groups`` of a model not yet wrapped by an engine.
 
@@ -105,9 +125,7 @@ def layout_for_model(named_params, groups, world_size: int, ds_config: dict, dty
     stage = int(z.get("stage", 0))
     if stage == 3:
         return ZeroLayout(world_size, metas, stage=3, sub_group_size=int(z.get("sub_group_size", 10**9)))
-    return ZeroLayout(
-        world_size, metas, bool(z.get("round_robin_gradients", False)), bool(z.get("parameter_alignment", False)), stage
-    )
+    return ZeroLayout(world_size, metas, stage=stage, **zero12_settings(ds_config))
 
 
 def engine_fragments(engine) -> Tuple[Fragment, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LayoutMismatchError
+from .pipeline import meta_build
 
 # what PipelineModule keeps of its constructor's arguments, under the same names
 _KEPT = (
@@ -97,8 +98,7 @@ def _any_buffer(specs) -> bool:
 
     for spec in specs:
         if isinstance(spec, LayerSpec):
-            with torch.device("meta"):
-                layer = spec.build()
+            layer = meta_build(spec)
         elif isinstance(spec, torch.nn.Module):
             layer = spec
         else:

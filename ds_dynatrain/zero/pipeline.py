@@ -23,7 +23,7 @@ from ..vps.pipeline import TIED_PREFIX, PipelineLayer, PipelineLayout
 PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
 
 
-def _meta_build(spec) -> torch.nn.Module:
+def meta_build(spec) -> torch.nn.Module:
     """``spec.build()`` on the meta device, the random generators left as they were; built for
     real where the layer cannot be made on meta (a layer that fills itself from numpy)."""
     with torch.random.fork_rng(devices=[]):
@@ -46,11 +46,11 @@ def pipeline_layers(module, dtype: str) -> Tuple[PipelineLayer, ...]:
     for idx, spec in enumerate(module._layer_specs):
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in tied:
-                built = _meta_build(spec)
+                built = meta_build(spec)
                 tied[spec.key] = _metas(built, f"{TIED_PREFIX}{spec.key}.", dtype)
             out.append(PipelineLayer(tied[spec.key], spec.key))
         elif isinstance(spec, LayerSpec):
-            out.append(PipelineLayer(_metas(_meta_build(spec), f"{idx}.", dtype)))
+            out.append(PipelineLayer(_metas(meta_build(spec), f"{idx}.", dtype)))
         elif isinstance(spec, torch.nn.Module):
             out.append(PipelineLayer(_metas(spec, f"{idx}.", dtype)))
         else:  # a function: no parameters
