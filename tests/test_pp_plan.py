@@ -24,7 +24,7 @@ from ds_dynatrain.errors import LayoutMismatchError
 from ds_dynatrain.planner.box_plan import assign_box_members_best, kept_upper_bound
 from ds_dynatrain.planner.pp_plan import plan_pp_transition
 from ds_dynatrain.vps.layout import ParamMeta
-from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout
+from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout, stage_bounds
 
 
 def _bounds(n: int, pp: int, draw) -> tuple:
@@ -132,6 +132,49 @@ def test_tied_weight_goes_only_to_newly_owning_stages():
     new = PipelineLayout(2, 1, layers, (0, 3, 7))
     plan, _, _, _ = _run(old, new)
     assert old.replicated().sum() == 0 and new.replicated().sum() == 1
+
+
+@st.composite
+def with_empty_layers(draw):
+    """A layout of :func:`pipelines` with parameterless layers inserted anywhere (the bounds
+    moved with the layers they held)."""
+    layout, _ = draw(pipelines())
+    at = draw(st.lists(st.integers(0, len(layout.layers)), max_size=4))
+    layers, bounds = [], [0]
+    for i, layer in enumerate(layout.layers):
+        layers += [PipelineLayer(())] * at.count(i)
+        if i in layout.parts[1:-1]:  # the empty layers just before a bound: some on either side
+            bounds.append(len(layers) - draw(st.integers(0, at.count(i))))
+        layers.append(layer)
+    layers += [PipelineLayer(())] * at.count(len(layout.layers))
+    return PipelineLayout(layout.pp, layout.dp, tuple(layers), (*bounds, len(layers)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(with_empty_layers())
+def test_stage_bounds_read_back_from_the_stages_parameters(layout):
+    """The split a saved pipeline's stages record (each stage's parameter names, in order) gives
+    back stage bounds under which every stage holds exactly those parameters; bounds that differ
+    only where parameterless layers lie give the same stages."""
+    keys = [[p.key for p in layout.stage_params(s)] for s in range(layout.pp)]
+    parts = stage_bounds(layout.layers, keys)
+    found = layout.with_degrees(layout.pp, layout.dp, parts)
+    assert [[p.key for p in found.stage_params(s)] for s in range(layout.pp)] == keys
+    assert parts[0] == 0 and parts[-1] == len(layout.layers)
+    assert all(parts[s] <= layout.parts[s] for s in range(layout.pp))  # the earliest split
+
+
+def test_stage_bounds_refuse_what_no_split_gives():
+    layers = tuple(PipelineLayer((ParamMeta(f"{i}.w", (2, 2), "float32"),)) for i in range(4))
+    assert stage_bounds(layers, [["0.w", "1.w"], ["2.w", "3.w"]]) == (0, 2, 4)
+    with pytest.raises(LayoutMismatchError, match="stage 1's parameter 9.w is not a parameter"):
+        stage_bounds(layers, [["0.w", "1.w"], ["2.w", "9.w"]])
+    with pytest.raises(LayoutMismatchError, match="parameter 3.w of the model is in no stage"):
+        stage_bounds(layers, [["0.w", "1.w"], ["2.w"]])
+    with pytest.raises(LayoutMismatchError, match="no split of the 4 layers into 2 stages gives stage 0"):
+        stage_bounds(layers, [["2.w", "3.w"], ["0.w", "1.w"]])
+    with pytest.raises(LayoutMismatchError, match="gives stage 1"):
+        stage_bounds(layers, [["0.w"], ["2.w", "1.w", "3.w"]])
 
 
 def test_bad_bounds_and_models_are_refused():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -28,10 +28,9 @@ from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..planner.plan import Transfer, plan_transition, scalars_for
 from ..transition.buffers import allocate_partitions
-from ..vps.tensor_parallel import TensorParallelLayout, TpSplit
 from ..zero.geometry import fp32_partitions, layout_of, zero_optimizer_of
 from ..zero.state import install_master, install_optimizer_state, working_from_master
-from . import resharded_tp
+from . import resharded_bands
 from .fit import check_frozen, check_model, check_param_groups, check_partition_order
 from .saved import MOMENTS, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
 
@@ -55,6 +54,23 @@ class LoadStats:
     stage: int
     saved_tp: int = 1
     tp: int = 1
+    saved_pp: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True)
+class BandLoad:
+    """A load through the box planner (the checkpoint or the engine AutoTP's or a pipeline's).
+
+    Attributes:
+        live: the engine's band layout (:class:`~ds_dynatrain.vps.tensor_parallel.
+            TensorParallelLayout` or :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`).
+        saved_layout: ``saved -> layout`` the checkpoint was written in, of the same kind, checked
+            against its files (raises ``LayoutMismatchError``).
+    """
+
+    live: Any
+    saved_layout: Callable[[SavedCheckpoint], Any]
 
 
 def load_resharded(
@@ -64,13 +80,12 @@ def load_resharded(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     saved: Optional["SavedCheckpoint"] = None,
-    tp: Optional[Tuple[TensorParallelLayout, Mapping[str, TpSplit]]] = None,
+    bands: Optional[BandLoad] = None,
 ) -> Tuple[str, dict, LoadStats]:
     """Load a ZeRO checkpoint saved at any world size and ZeRO stage into ``engine``.
 
-    ``tp``: a load across TP degrees (the checkpoint or the engine AutoTP's): the engine's TP
-    layout and AutoTP's cut of the model at the saved TP degree; the reads then come from
-    :mod:`~ds_dynatrain.checkpoint.resharded_tp`.
+    ``bands``: a load across TP or PP degrees (:class:`BandLoad`); the reads then come from
+    :mod:`~ds_dynatrain.checkpoint.resharded_bands`.
 
     Collective (the agreement on the reads, the final parameter all-gather at ZeRO-1/2): every
     rank of the engine calls it, right after the engine is built. Each rank reads only its new
@@ -98,7 +113,7 @@ def load_resharded(
         kinds = ("fp32",) + (MOMENTS if load_optimizer_states else ())
         problem, nbytes, plan_s, read_s = None, 0, 0.0, 0.0
         try:
-            if tp is None:
+            if bands is None:
                 live = layout_of(engine)
                 plan, dests = _plan(engine, saved, live, kinds, load_optimizer_states)
                 plan_s = time.perf_counter() - t0
@@ -106,7 +121,7 @@ def load_resharded(
                 nbytes, scalars0 = _read_fragments(saved, plan, rank, kinds, dests)
                 dests, scalars = [dests[b] for b in sorted(dests)], scalars_for(plan, scalars0)
             else:
-                dests, scalars, nbytes, plan_s = _read_across_tp(engine, saved, tp, rank, kinds, load_optimizer_states)
+                dests, scalars, nbytes, plan_s = _read_boxes(engine, saved, bands, rank, kinds, load_optimizer_states)
                 t = t0 + plan_s
             frozen = _read_frozen(engine, saved)
             state = _read_model_state(saved)
@@ -142,7 +157,9 @@ def load_resharded(
         world_size=ws,
         stage=engine.zero_optimization_stage(),
         saved_tp=saved.tp,
-        tp=1 if tp is None else tp[0].tp,
+        tp=getattr(bands.live, "tp", 1) if bands else 1,
+        saved_pp=saved.pp,
+        pp=getattr(bands.live, "pp", 1) if bands else 1,
     )
     # as DeepSpeed's load_checkpoint: the path of the model-state file it loaded
     return saved.model_file.path, client, stats
@@ -168,25 +185,25 @@ def _plan(engine, saved: SavedCheckpoint, live, kinds, optimizer: bool):
     return plan, allocate_partitions(plan, dst_ids[rank], kinds, torch.float32, device)
 
 
-def _read_across_tp(engine, saved: SavedCheckpoint, tp, rank: int, kinds, optimizer: bool):
-    """Check the checkpoint against the model at the saved TP degree, plan and read this rank's
-    boxes. Returns ``(new partitions in order, their scalars, bytes read, seconds planning)``.
+def _read_boxes(engine, saved: SavedCheckpoint, bands: BandLoad, rank: int, kinds, optimizer: bool):
+    """Check the checkpoint against the model at the saved TP or PP degree, plan and read this
+    rank's boxes. Returns ``(new partitions in order, their scalars, bytes read, seconds planning)``.
 
     Raises:
         LayoutMismatchError: the checkpoint does not fit the model.
         CheckpointIncompleteError: a damaged file or a partition without a state kind.
     """
     t0 = time.perf_counter()
-    live, splits = tp
+    live = bands.live
     check_frozen(engine, saved, {p.key for p in live.params}, from_module=True)
     check_param_groups(engine, saved, optimizer)
-    old = resharded_tp.saved_tp_layout(saved, live, splits)
-    plan = resharded_tp.plan_reads(old, live)
+    old = bands.saved_layout(saved)
+    plan = resharded_bands.plan_reads(old, live)
     device = fp32_partitions(zero_optimizer_of(engine))[0].device
-    dests = resharded_tp.new_partitions(live, rank, kinds, device)
+    dests = resharded_bands.new_partitions(live, rank, kinds, device)
     plan_s = time.perf_counter() - t0
-    nbytes = resharded_tp.read_boxes(saved, plan, rank, kinds, dests)
-    return dests, resharded_tp.new_scalars(saved, old, live, rank), nbytes, plan_s
+    nbytes = resharded_bands.read_boxes(saved, plan, rank, kinds, dests)
+    return dests, resharded_bands.new_scalars(saved, old, live, rank), nbytes, plan_s
 
 
 def _read_fragments(saved: SavedCheckpoint, plan, rank: int, kinds, dests) -> Tuple[int, list]:

@@ -156,8 +156,11 @@ class SavedCheckpoint:
     """A checkpoint directory at one tag, checked complete, with its saved layout.
 
     Attributes:
-        dir: ``load_dir/tag``.  world_size: the saving data-parallel world size.  tp: the saving
-        AutoTP degree (``mp_world_size``; 1 without TP): the files of every TP rank are checked.
+        dir: ``load_dir/tag``.  world_size: the saving data-parallel world size.  mp: the saving
+        model-parallel size (``mp_world_size``: one set of files per TP rank or pipeline stage,
+        ``mp_rank_XX`` in their names; the files of every one are checked).  pp: the saving
+        pipeline degree (``checkpoint_parallel_dimensions``; 1 when not recorded).  tp: the saving
+        AutoTP degree (``mp // pp``; 1 without TP).
         stage: ZeRO stage.  step: ``global_steps`` at the save.  model_state: rank 0's model-state dict
         (large tensors of this project's files left unread, see :class:`SavedFile`).
 
@@ -190,7 +193,9 @@ class SavedCheckpoint:
         self.model_state = self.model_file.tree
         try:
             self.world_size = int(self.model_state["dp_world_size"])
-            self.tp = max(int(self.model_state.get("mp_world_size") or 1), 1)
+            self.mp = max(int(self.model_state.get("mp_world_size") or 1), 1)
+            dims = self.model_state.get("checkpoint_parallel_dimensions") or {}
+            self.pp = max(int(dims.get("pp_degree") or 1), 1) if isinstance(dims, dict) else 1
             self.ds_config = dict(self.model_state.get("ds_config") or {})
             self.stage = int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
             self.step = int(self.model_state.get("global_steps", 0))
@@ -201,13 +206,18 @@ class SavedCheckpoint:
                 f"{self.dir}: saved at ZeRO stage {self.stage}; only ZeRO-1/2/3 "
                 "partitions can be loaded onto another world size"
             )
+        if self.mp % self.pp:
+            raise CheckpointIncompleteError(
+                f"{first}: {self.mp} model-parallel ranks cannot hold {self.pp} pipeline stages"
+            )
+        self.tp = self.mp // self.pp
         self.files = self.expected_files()
         self.check_complete()
 
     def expected_files(self) -> List[str]:
         """Every file the saving world wrote (paths)."""
         names = []
-        for t in range(self.tp):
+        for t in range(self.mp):
             names += [self.optim_name(r, t) for r in range(self.world_size)]
             if self.stage == 3:
                 names += [MODEL_FILE_ZERO3_TP.format(r, t) for r in range(self.world_size)]
@@ -262,15 +272,23 @@ class SavedCheckpoint:
         place is refused. Files that record neither are not checked."""
         out = []
         ws, rank = attrs.get("world_size"), attrs.get("rank")
-        if ws is not None and ws != self.world_size * self.tp:
-            out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size * self.tp}")
+        if ws is not None and ws != self.world_size * self.mp:
+            out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size * self.mp}")
         bare = name.removeprefix("bf16_")
         dp_rank = int(bare[len("zero_pp_rank_") :].split("_", 1)[0]) if bare.startswith("zero_pp_rank_") else 0
-        tp_rank = int(name.rsplit("mp_rank_", 1)[1].split("_", 1)[0]) if "mp_rank_" in name else 0
-        want = dp_rank * self.tp + tp_rank  # AutoTP's global rank: TP groups are consecutive ranks
+        mp_rank = int(name.rsplit("mp_rank_", 1)[1].split("_", 1)[0]) if "mp_rank_" in name else 0
+        want = self.global_rank(dp_rank, mp_rank)
         if rank is not None and rank != want:
             out.append(f"written by rank {rank}, its name is rank {want}'s")
         return out
+
+    def global_rank(self, dp_rank: int, mp_rank: int) -> int:
+        """The saving global rank of the files of ``(dp_rank, mp_rank)``: stage-major in a
+        pipeline (``PipeDataParallelTopology``: ``stage * DP + dp_rank``), TP groups consecutive
+        under AutoTP (``dp_rank * TP + tp_rank``)."""
+        if self.pp > 1:
+            return mp_rank * self.world_size + dp_rank
+        return dp_rank * self.mp + mp_rank
 
     def optim_name(self, rank: int, tp_rank: int = 0) -> str:
         """The name of the optimizer-state file of data-parallel rank ``rank`` of TP rank
@@ -285,9 +303,15 @@ class SavedCheckpoint:
         return name
 
     def _saving_world(self) -> str:
-        if self.tp == 1:
-            return f"{self.world_size} ranks"
-        return f"{self.world_size * self.tp} ranks, TP {self.tp} x DP {self.world_size}"
+        return f"{self.world_size * self.mp} ranks" + ("" if self.mp == 1 else f", {self.degrees()}")
+
+    def degrees(self) -> str:
+        """The saving layout in words: ``"TP 2 x DP 4"``, ``"PP 2 x DP 1"``, or ``"DP 4"``."""
+        if self.pp > 1:
+            return f"PP {self.pp} x DP {self.world_size}"
+        if self.tp > 1:
+            return f"TP {self.tp} x DP {self.world_size}"
+        return f"DP {self.world_size}"
 
     def optim(self, rank: int, tp_rank: int = 0) -> SavedFile:
         """The optimizer-state file of saving data-parallel rank ``rank`` of TP rank ``tp_rank``
@@ -401,7 +425,7 @@ class SavedCheckpoint:
                             f"{name}: partition {b} ({kind}) has {numel_of(t)} "
                             f"elements; the model's layout needs {ends[b]} to {n}"
                         )
-            if self.optim(r, tp_rank).ours and tp_rank == 0 and self.tp == 1:
+            if self.optim(r, tp_rank).ours and tp_rank == 0 and self.mp == 1:
                 self._check_footer_fragments(r, layout)
 
     def _check_footer_fragments(self, rank: int, layout: ZeroLayout) -> None:

@@ -1,15 +1,15 @@
-"""An AutoTP checkpoint's TP layout from its metadata alone: where AutoTP cut each parameter, read
+"""An AutoTP checkpoint's TP layout: from its metadata alone, where AutoTP cut each parameter, read
 from the affine maps DeepSpeed writes into every model-state file
 (``universal_checkpoint_info.affine_map``, ``deepspeed/checkpoint/affine.py``, deepspeed 0.19.8),
-checked against every TP rank's ``param_shapes``. What ``verify``, ``inspect`` and ``export`` use
-without a model; a load checks the checkpoint against the model's own cut instead
-(:mod:`~ds_dynatrain.checkpoint.resharded_tp`)."""
+checked against every TP rank's ``param_shapes`` (what ``verify``, ``inspect`` and ``export`` use
+without a model); for a load, the live model's parameters cut as AutoTP cuts them at the saved
+degree (:func:`saved_tp_layout`, read by :mod:`~ds_dynatrain.checkpoint.resharded_bands`)."""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Dict, Tuple
+from typing import Dict, Mapping, Tuple
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import ParamMeta
@@ -114,13 +114,47 @@ def _logical(p: ParamMeta, split) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def check_shards(saved: SavedCheckpoint, layout: TensorParallelLayout, tp_rank: int) -> None:
-    """TP rank ``tp_rank``'s model-state file lists the layout's parameters of that rank, in the
-    order they lie in its partitions, with its shards' shapes (``param_shapes``; parameters without
-    elements left out, as DeepSpeed keeps them out of its partitions).
+def saved_tp_layout(
+    saved: SavedCheckpoint, live: TensorParallelLayout, splits: Mapping[str, TpSplit]
+) -> TensorParallelLayout:
+    """The layout ``saved`` was written in: ``live``'s parameters (full shapes, the saved working
+    dtype) at the saved TP degree (``saved.tp``, cut as ``splits`` say) and DP degree, with the
+    saved ZeRO settings.
 
     Raises:
-        LayoutMismatchError: naming the TP rank and the first parameter that differs.
+        LayoutMismatchError: AutoTP's cut at the saved degree does not fit the model, or a saved TP
+            rank's parameters, their order or shard shapes, or a partition's size differ from the
+            layout's (naming the TP rank, the first parameter or the file).
+    """
+    dtype = saved.working_dtype()
+    groups = tuple(tuple(ParamMeta(p.key, p.shape, dtype) for p in g) for g in live.groups)
+    keys = {p.key for p in live.params}
+    cut = tuple(sorted((k, s) for k, s in splits.items() if k in keys))
+    try:
+        old = TensorParallelLayout(saved.tp, saved.world_size, groups, cut, *_settings(saved))
+    except (LayoutMismatchError, ValueError) as err:
+        raise LayoutMismatchError(f"{saved.dir}: AutoTP's cut at TP {saved.tp} does not fit the model: {err}") from None
+    for t in range(saved.tp):
+        check_shards(saved, old, t)
+        saved.check_sizes(old.zero(t), t)
+    return old
+
+
+def _settings(saved: SavedCheckpoint) -> Tuple[int, bool, bool, int]:
+    """``(stage, round_robin, parameter_alignment, sub_group_size)`` of the saving config, in
+    :class:`TensorParallelLayout`'s order."""
+    rr, align, stage, sub_group_size = saved.zero_settings()
+    return stage, rr, align, sub_group_size
+
+
+def check_shards(saved: SavedCheckpoint, layout, tp_rank: int) -> None:
+    """Band ``tp_rank``'s model-state file (a TP rank's, or a pipeline stage's) lists the band
+    layout's parameters of that band, in the order they lie in its partitions, with its shards'
+    shapes (``param_shapes``; parameters without elements left out, as DeepSpeed keeps them out of
+    its partitions).
+
+    Raises:
+        LayoutMismatchError: naming the band and the first parameter that differs.
     """
     zl = layout.zero(tp_rank)
     shapes = {p.key: tuple(p.shape) for g in zl.groups for p in g}
@@ -135,8 +169,8 @@ def check_shards(saved: SavedCheckpoint, layout: TensorParallelLayout, tp_rank: 
         here, there = (got[i] if i < len(got) else None), (want[i] if i < len(want) else None)
         if here != there:
             raise LayoutMismatchError(
-                f"{saved.dir}: TP rank {tp_rank} of {saved.tp}: parameter {i} of the saved partitions is "
-                f"{_named(here)} in the checkpoint and {_named(there)} in the layout at TP {layout.tp}"
+                f"{saved.dir}: {layout.band_name} {tp_rank} of {saved.degrees()}: parameter {i} of the saved "
+                f"partitions is {_named(here)} in the checkpoint and {_named(there)} in the model's layout"
             )
 
 

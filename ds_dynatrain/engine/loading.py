@@ -10,14 +10,17 @@ from typing import Callable, Optional, Tuple
 from io_engine.errors import IOEngineError
 
 from ..checkpoint.fit import check_model, saved_partition_keys
-from ..checkpoint.resharded import load_resharded
+from ..checkpoint.resharded import BandLoad, load_resharded
 from ..checkpoint.saved import SavedCheckpoint
+from ..checkpoint.saved_pp import saved_pp_layout
+from ..checkpoint.saved_tp import saved_tp_layout
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..checkpoint.state_file import files_loaded_by
 from ..config import tensor_parallel_grain
 from ..elastic.collective import raise_on_every_rank
 from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
 from ..log import logger, plural
+from ..vps.pipeline import PipelineLayout
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.geometry import layout_of
 from ..zero.state import relink_optimizer_state
@@ -49,11 +52,11 @@ def load_checkpoint(
         Either on every rank, each distinct problem named once.
     """
     # DeepSpeed's load_module_only reads the module state by name and no partition: its own load
-    saved, tp = (None, None) if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
+    saved, bands = (None, None) if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
     if saved is not None:
         _warn_global_batch(engine, saved)
-    if saved is not None and (tp is not None or not _same_partitions(engine, saved)):
-        return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, tp)
+    if saved is not None and (bands is not None or not _same_partitions(engine, saved)):
+        return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, bands)
     if saved is not None:
         _read_ahead(engine, saved)  # the same layout: DeepSpeed's own load reads the files
     problem, out = None, (None, None)
@@ -92,11 +95,12 @@ def _warn_global_batch(engine, saved: SavedCheckpoint) -> None:
 
 
 def _open_checked(engine, load_dir: str, tag):
-    """``(checkpoint, TP route)``: the checkpoint opened and checked against the model on every
+    """``(checkpoint, band route)``: the checkpoint opened and checked against the model on every
     rank (one agreement), or ``(None, None)`` when there is nothing of ours to check (no tag and no
-    ``latest``: DeepSpeed's own load reports that; an engine without ZeRO partitions). The TP
-    route is None unless the checkpoint or the engine is AutoTP's (:func:`_across_tp`); such a
-    checkpoint is checked against the model by the load itself, before anything is installed.
+    ``latest``: DeepSpeed's own load reports that; an engine without ZeRO partitions). The band
+    route is None unless the checkpoint or the engine is AutoTP's or a pipeline's
+    (:func:`_band_load`); such a checkpoint is checked against the model by the load itself,
+    before anything is installed.
 
     Raises:
         CheckpointIncompleteError, LayoutMismatchError: on every rank, before anything is read.
@@ -105,29 +109,38 @@ def _open_checked(engine, load_dir: str, tag):
         return None, None
     if tag is None and not os.path.lexists(os.path.join(load_dir, "latest")):
         return None, None
-    saved, tp, problem = None, None, None
+    saved, bands, problem = None, None, None
     try:
         saved = SavedCheckpoint(load_dir, tag)  # refuses an incomplete checkpoint before anything loads
-        tp = _across_tp(engine, saved)
-        if tp is None:
+        bands = _band_load(engine, saved)
+        if bands is None:
             check_model(engine, saved, layout_of(engine))
     except (DynatrainError, IOEngineError, OSError) as err:
         problem = err
     if problem is not None and saved is not None:
         saved.close()
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
-    return saved, tp
+    return saved, bands
 
 
-def _across_tp(engine, saved: SavedCheckpoint):
-    """``(the engine's TP layout, AutoTP's cut of the model at the saved TP degree)`` when the
-    checkpoint or the engine is AutoTP's (the load goes through the box planner, even at the
-    saving layout), else None. An engine without AutoTP is a TP 1 layout of its own ZeRO layout.
+def _band_load(engine, saved: SavedCheckpoint) -> Optional[BandLoad]:
+    """The load through the box planner (even at the saving layout) when the engine is a
+    pipeline's (the saved layout split where the saved stages' files say) or the checkpoint or
+    the engine is AutoTP's (the model cut as AutoTP cuts it at the saved degree; an engine without
+    AutoTP is a TP 1 layout of its own ZeRO layout), else None.
 
     Raises:
-        LayoutMismatchError: AutoTP cannot cut the model at the saved degree.
+        LayoutMismatchError: a pipeline checkpoint into a job without a pipeline, or AutoTP cannot
+            cut the model at the saved degree.
     """
     dt = engine._dt
+    if dt.pp_layout is not None:
+        live = dt.pp_layout
+        return BandLoad(live, lambda s: saved_pp_layout(s, live))
+    if saved.pp > 1:
+        raise LayoutMismatchError(
+            f"{saved.dir} was saved by a pipeline at {saved.degrees()}: it loads into a PipelineModule job"
+        )
     if saved.tp == 1 and dt.tp_layout is None:
         return None
     live = dt.tp_layout
@@ -136,14 +149,15 @@ def _across_tp(engine, saved: SavedCheckpoint):
         live = TensorParallelLayout(
             1, zl.world_size, zl.groups, (), zl.stage, zl.round_robin, zl.parameter_alignment, zl.sub_group_size
         )
-    if saved.tp == 1:
-        return live, {}
-    try:
-        return live, skeleton_splits(engine.module, saved.tp, tensor_parallel_grain(saved.ds_config))
-    except (ValueError, AssertionError, AttributeError, TypeError, LayoutMismatchError) as err:
-        raise LayoutMismatchError(
-            f"{saved.dir} was saved by AutoTP at TP {saved.tp}; this model cannot be cut at it ({err})"
-        ) from None
+    splits = {}
+    if saved.tp > 1:
+        try:
+            splits = skeleton_splits(engine.module, saved.tp, tensor_parallel_grain(saved.ds_config))
+        except (ValueError, AssertionError, AttributeError, TypeError, LayoutMismatchError) as err:
+            raise LayoutMismatchError(
+                f"{saved.dir} was saved by AutoTP at TP {saved.tp}; this model cannot be cut at it ({err})"
+            ) from None
+    return BandLoad(live, lambda s: saved_tp_layout(s, live, splits))
 
 
 def _read_ahead(engine, saved: SavedCheckpoint) -> None:
@@ -189,10 +203,12 @@ def _as_ours(err: Exception) -> Exception:
     return err
 
 
-def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, tp=None):
+def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, bands=None):
     path, client, stats = load_resharded(
-        engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved, tp=tp
+        engine, load_dir, saved.tag, load_optimizer_states, load_lr_scheduler_states, saved=saved, bands=bands
     )
+    tp = bands is not None and not isinstance(bands.live, PipelineLayout)
+    pp = bands is not None and not tp
     if engine.global_rank == 0:
         engine._dt.metrics.write(
             LoadRecord(
@@ -206,15 +222,20 @@ def _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_sche
                 plan_s=stats.plan_s,
                 read_s=stats.read_s,
                 dir=path,
-                tensor_parallel_from=None if tp is None else stats.saved_tp,
-                tensor_parallel_to=None if tp is None else stats.tp,
+                tensor_parallel_from=stats.saved_tp if tp else None,
+                tensor_parallel_to=stats.tp if tp else None,
+                pipeline_parallel_from=stats.saved_pp if pp else None,
+                pipeline_parallel_to=stats.pp if pp else None,
             )
         )
-        if tp is None:
-            was, now = plural(stats.saved_world_size, "rank"), plural(stats.world_size, "rank")
-        else:
+        if tp:
             was = f"TP {stats.saved_tp} x DP {stats.saved_world_size}"
             now = f"TP {stats.tp} x DP {stats.world_size}"
+        elif pp:
+            was = f"PP {stats.saved_pp} x DP {stats.saved_world_size}"
+            now = f"PP {stats.pp} x DP {stats.world_size}"
+        else:
+            was, now = plural(stats.saved_world_size, "rank"), plural(stats.world_size, "rank")
         logger.info(
             f"loaded {path} (ZeRO-{stats.saved_stage}, {was}) onto {now} (ZeRO-{stats.stage}): "
             f"{stats.bytes_read / 2**20:.2f} MiB read on rank 0 in {stats.seconds:.2f} s"

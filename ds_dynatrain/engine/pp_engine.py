@@ -22,6 +22,7 @@ from ..errors import ResizeRefusedError
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import pipeline_layout
+from . import loading
 from .construct import ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .pp_switch import switch_pipeline_parallel
@@ -77,6 +78,45 @@ class ElasticPipelineEngine(PipelineEngine):
         if pp == self._dt.pp_layout.pp:
             return None
         return switch_pipeline_parallel(self, pp).to_dict()
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        **kwargs,
+    ):
+        """Load a pipeline checkpoint (DeepSpeed's own: ``layer_XX-model_states.pt``, one
+        ``mp_rank_XX`` model-state file per stage, ZeRO-1 ``zero_pp_rank_*`` files) saved at this or
+        any other PP and DP degree, with any partition method.
+
+        The saved stage split is read from each stage's ``param_shapes``; every file of the saving
+        world is checked against the model before anything is read; each rank then reads only the
+        boxes of its new partitions (:mod:`~ds_dynatrain.checkpoint.resharded_bands`) and the
+        working parameters are made from the loaded fp32 master. ``load_module_only=True`` is
+        DeepSpeed's own load (each layer's file, by layer index). Collective.
+
+        Returns:
+            ``(load path, client state)`` as DeepSpeed's; ``(None, None)`` when nothing is found.
+
+        Raises:
+            CheckpointIncompleteError: missing or damaged files of the saving world.
+            LayoutMismatchError: the checkpoint holds another model or was saved with AutoTP
+                (names the stage and parameter).
+            Either on every rank, before anything is installed.
+        """
+        return loading.load_checkpoint(
+            self,
+            super().load_checkpoint,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
+            **kwargs,
+        )
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, skipped in a rebuild whose

@@ -227,7 +227,7 @@ class JoinRecord(TransferTotals):
 
 @dataclass
 class LoadRecord(Record):
-    """A checkpoint loaded at another world size, ZeRO stage or TP degree (rank 0)."""
+    """A checkpoint loaded at another world size, ZeRO stage, TP or PP degree (rank 0)."""
 
     EVENT: ClassVar[str] = "load"
     step: int = _f("step of the checkpoint")
@@ -244,6 +244,10 @@ class LoadRecord(Record):
         "AutoTP degree it was saved at (a load across TP; `from`/`to` are then DP sizes)", None, optional=True
     )
     tensor_parallel_to: Optional[int] = _f("AutoTP degree it was loaded at", None, optional=True)
+    pipeline_parallel_from: Optional[int] = _f(
+        "pipeline degree it was saved at (a load across PP; `from`/`to` are then DP sizes)", None, optional=True
+    )
+    pipeline_parallel_to: Optional[int] = _f("pipeline degree it was loaded at", None, optional=True)
 
 
 @dataclass

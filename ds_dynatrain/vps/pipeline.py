@@ -17,6 +17,7 @@ replicated one, held by every stage that owns its key (any copy is a source).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -44,6 +45,20 @@ class PipelineLayer:
     tie: Optional[str] = None
 
 
+def held_params(layers: Sequence[PipelineLayer]) -> Tuple[ParamMeta, ...]:
+    """The parameters of a stage holding ``layers``, in ``PipelineModule`` order: every tied
+    key's parameters (in the order the stage first meets the keys), then its other layers' in
+    layer order."""
+    tied, own, seen = [], [], set()
+    for layer in layers:
+        if layer.tie is None:
+            own.extend(layer.params)
+        elif layer.tie not in seen:
+            seen.add(layer.tie)
+            tied.extend(layer.params)
+    return tuple(tied + own)
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """The layout of a pipeline model at ``pp`` stages of ``dp`` ZeRO ranks each.
@@ -63,6 +78,8 @@ class PipelineLayout:
             different shapes.
         ValueError: ``pp`` or ``dp`` below 1 (and as :class:`ZeroLayout`).
     """
+
+    band_name = "stage"  # what a message calls a band
 
     pp: int
     dp: int
@@ -124,16 +141,8 @@ class PipelineLayout:
         return ("pp", self.pp, self.dp)
 
     def stage_params(self, s: int) -> Tuple[ParamMeta, ...]:
-        """Stage ``s``'s parameters in ``PipelineModule`` order: every tied key's parameters (in
-        the order the stage first meets the keys), then its other layers' in layer order."""
-        tied, own, seen = [], [], set()
-        for layer in self.layers[self.parts[s] : self.parts[s + 1]]:
-            if layer.tie is None:
-                own.extend(layer.params)
-            elif layer.tie not in seen:
-                seen.add(layer.tie)
-                tied.extend(layer.params)
-        return tuple(tied + own)
+        """Stage ``s``'s parameters in ``PipelineModule`` order (:func:`held_params`)."""
+        return held_params(self.layers[self.parts[s] : self.parts[s + 1]])
 
     def stage_of_rank(self, rank: int) -> int:
         """The stage of global ``rank``."""
@@ -142,6 +151,11 @@ class PipelineLayout:
     def dp_rank_of(self, rank: int) -> int:
         """The DP rank of global ``rank`` in its stage's data-parallel group."""
         return rank % self.dp
+
+    def band_of(self, rank: int) -> int:
+        """The band (stage) of global ``rank``: DeepSpeed's ``mp_rank`` in its checkpoint files'
+        names."""
+        return rank // self.dp
 
     def rank(self, stage: int, dp_rank: int) -> int:
         """The global rank of ``(stage, dp_rank)``: ``stage * dp + dp_rank``."""
@@ -228,3 +242,62 @@ class PipelineLayout:
             self.parameter_alignment,
             self.sub_group_size,
         )
+
+
+def stage_bounds(layers: Sequence[PipelineLayer], stage_keys: Sequence[Sequence[str]]) -> Tuple[int, ...]:
+    """The stage bounds (``parts``, :class:`PipelineLayout`) under which stage ``s`` holds exactly
+    the parameters ``stage_keys[s]``, in that order: the split of a saved pipeline read back from
+    the parameter names each stage recorded (DeepSpeed keeps no record of its partition method).
+    Parameters without elements are left out of the comparison, as DeepSpeed leaves them out of
+    its partitions. Where layers without parameters let several splits fit, the one whose stages
+    start earliest is returned: the saved state is the same under each.
+
+    Raises:
+        LayoutMismatchError: a recorded name that is no parameter of ``layers``, a parameter no
+            stage recorded, or no split giving every stage its names (naming the first stage that
+            cannot be matched).
+    """
+    want = [tuple(stage_keys[s]) for s in range(len(stage_keys))]
+    pp, n = len(want), len(layers)
+    known = {p.key for layer in layers for p in layer.params}
+    for s, keys in enumerate(want):
+        for k in keys:
+            if k not in known:
+                raise LayoutMismatchError(f"stage {s}'s parameter {k} is not a parameter of the model's layers")
+    seen = {k for keys in want for k in keys}
+    sized = {p.key for layer in layers for p in layer.params if math.prod(p.shape) > 0}
+    for k in sorted(sized - seen):
+        raise LayoutMismatchError(f"parameter {k} of the model is in no stage")
+    if pp < 1 or pp > n:
+        raise LayoutMismatchError(f"{pp} stages cannot split {n} layers")
+
+    def held(lo: int, hi: int) -> Tuple[str, ...]:
+        return tuple(p.key for p in held_params(layers[lo:hi]) if math.prod(p.shape) > 0)
+
+    failed = set()
+    deepest = [0]
+
+    def search(s: int, lo: int):
+        if s == pp:
+            return () if lo == n else None
+        if (s, lo) in failed:
+            return None
+        deepest[0] = max(deepest[0], s)
+        for hi in range(lo + 1, n - (pp - s - 1) + 1):
+            keys = held(lo, hi)
+            if not set(keys) <= set(want[s]):
+                break  # a layer of another stage: later bounds only add more
+            if keys == want[s]:
+                rest = search(s + 1, hi)
+                if rest is not None:
+                    return (lo, *rest)
+        failed.add((s, lo))
+        return None
+
+    found = search(0, 0)
+    if found is None:
+        raise LayoutMismatchError(
+            f"no split of the {n} layers into {pp} stages gives stage {deepest[0]} the parameters it recorded "
+            f"({', '.join(want[deepest[0]][:3])}{', ...' if len(want[deepest[0]]) > 3 else ''})"
+        )
+    return (*found, n)

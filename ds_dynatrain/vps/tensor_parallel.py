@@ -105,6 +105,8 @@ class TensorParallelLayout:
         ValueError: ``tp`` or ``dp`` below 1 (and as :class:`ZeroLayout`).
     """
 
+    band_name = "TP rank"  # what a message calls a band
+
     tp: int
     dp: int
     groups: Tuple[Tuple[ParamMeta, ...], ...]
@@ -209,6 +211,11 @@ class TensorParallelLayout:
     def dp_rank_of(self, rank: int) -> int:
         """The DP rank of global ``rank`` in its data-parallel group."""
         return rank // self.tp
+
+    def band_of(self, rank: int) -> int:
+        """The band (TP rank) of global ``rank``: DeepSpeed's ``mp_rank`` in its checkpoint files'
+        names."""
+        return rank % self.tp
 
     def rank(self, tp_rank: int, dp_rank: int) -> int:
         """The global rank of ``(tp_rank, dp_rank)``: ``dp_rank * tp + tp_rank``."""

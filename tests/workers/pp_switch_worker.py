@@ -21,6 +21,14 @@ route): plain DeepSpeed at PP ``--pp-from`` trains ``--steps-before`` steps and 
 DeepSpeed at PP ``--pp-to`` with ``checkpoint.load_universal`` loads it and trains the same
 ``--steps-after`` steps: ``final_route-load.pt`` and ``route-load_rank<r>.json``.
 
+``--mode load``: ``ds_dynatrain.initialize`` at PP ``--pp-to`` loads the checkpoint ``route-save``
+wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; ``route-save`` also writes the
+state it saved to ``before.pt``); the gathered state to ``after.pt``, then the same
+``--steps-after`` steps as ``static``: ``final_load.pt`` and ``load_rank<r>.json``. With
+``--refuse`` it first loads a copy missing stage 1's optimizer-state file: the error in
+``refusal``, every rank's fp32 master and working parameters before and after it in
+``refused<r>.pt``.
+
 ``--mode data``: the training data handed to ``ds_dynatrain.initialize`` (16 numbered samples),
 ``train_batch()`` without a ``data_iter``, the switch between: every sample each rank fetched,
 with the step it was fetched in, to ``data_rank<r>.json``.
@@ -90,7 +98,7 @@ def config(a, pp: int, plain: bool) -> dict:
     if plain:
         cfg["gradient_accumulation_steps"] = GLOBAL_BATCH // dp
     else:
-        cfg["dynatrain"] = {"pipeline_partition_method": a.method}
+        cfg["dynatrain"] = {"pipeline_partition_method": a.method_to if pp == a.pp_to else a.method}
     return cfg
 
 
@@ -189,6 +197,46 @@ def data_job(a) -> None:
     exit_without_teardown(0)
 
 
+def load_job(a, out: dict):
+    """``ds_dynatrain.initialize`` at PP ``--pp-to``, then (``--refuse``) a refused load of an
+    incomplete copy, then the load of ``route/t``; the loaded state to ``after.pt``."""
+    import shutil
+
+    import ds_dynatrain
+    from ds_dynatrain.errors import CheckpointIncompleteError
+
+    rank = tdist.get_rank()
+    ds_dynatrain.log_to_console()  # the plugin's [dynatrain] load line in the rank's log
+    module = module_at(a.pp_to, a.method_to, a.buffer)
+    engine, *_ = ds_dynatrain.initialize(
+        model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, False)
+    )
+    if a.refuse:
+        broken = os.path.join(a.out, "broken")
+        if rank == 0:
+            shutil.copytree(os.path.join(a.out, "route"), broken)
+            os.remove(os.path.join(broken, "t", "zero_pp_rank_0_mp_rank_01_optim_states.pt"))
+        tdist.barrier()
+
+        def mine():
+            master = engine.optimizer.single_partition_of_fp32_groups
+            return [t.detach().clone() for t in [*master, *engine.module.parameters()]]
+
+        held = mine()
+        try:
+            engine.load_checkpoint(broken, tag="t")
+            out["refusal"] = None
+        except CheckpointIncompleteError as err:
+            out["refusal"] = str(err)
+        torch.save({"before": held, "after": mine()}, os.path.join(a.out, f"refused{rank}.pt"))
+    path, _client = engine.load_checkpoint(os.path.join(a.out, "route"), tag="t")
+    out["path"], out["steps_loaded"] = path, engine.global_steps
+    after = gather_logical(engine)
+    if rank == 0:
+        torch.save(after, os.path.join(a.out, "after.pt"))
+    return engine
+
+
 def refusals(engine, world: int) -> list:
     """What ``engine.resize`` says of layouts it cannot take (each must change nothing)."""
     from ds_dynatrain.errors import ResizeRefusedError
@@ -205,16 +253,19 @@ def refusals(engine, world: int) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load", "data"], required=True)
+    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load", "load", "data"], required=True)
+    p.add_argument("--refuse", action="store_true", help="load: first a copy missing a stage's file")
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
+    p.add_argument("--method-to", default=None, help="the partition method at --pp-to (default: --method)")
     p.add_argument("--buffer", action="store_true", help="a layer with a non-persistent buffer in the list")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps-before", type=int, default=2)
     p.add_argument("--steps-after", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    a.method_to = a.method_to or a.method
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
@@ -246,18 +297,23 @@ def main() -> None:
         cfg = config(a, a.pp_from, True)
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
+        before = gather_logical(engine)
+        if rank == 0:
+            torch.save(before, os.path.join(a.out, "before.pt"))
         engine.save_checkpoint(os.path.join(a.out, "route"), tag="t")
         with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
             json.dump(out, f)
         tdist.destroy_process_group()
         exit_without_teardown(0)
     elif a.mode == "route-load":  # ... and after ds_to_universal: relaunch at the new PP, load_universal
-        module = module_at(a.pp_to, a.method, a.buffer)
+        module = module_at(a.pp_to, a.method_to, a.buffer)
         cfg = dict(config(a, a.pp_to, True), checkpoint={"load_universal": True})
         engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
         engine.load_checkpoint(os.path.join(a.out, "route_universal"), tag="t")
+    elif a.mode == "load":
+        engine = load_job(a, out)
     else:
-        module = module_at(a.pp_to, a.method, a.buffer)
+        module = module_at(a.pp_to, a.method_to, a.buffer)
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, True)
         )
