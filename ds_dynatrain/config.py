@@ -36,13 +36,25 @@ class _Strict(BaseModel):
 
 
 class ResizeEvent(_Strict):
-    """Change the data-parallel world size after optimizer step ``step`` (an AutoTP job: its TP degree)."""
+    """Change the data-parallel world size after optimizer step ``step`` (an AutoTP job: its TP
+    degree; a PipelineModule job: its PP degree)."""
 
     step: int = Field(ge=1, description="global step (optimizer steps) after which the resize happens")
-    world_size: int = Field(ge=1, description="data-parallel world size from then on (AutoTP job: TP x DP)")
+    world_size: int = Field(
+        ge=1, description="data-parallel world size from then on (AutoTP job: TP x DP; PipelineModule job: PP x DP)"
+    )
     tensor_parallel: Optional[int] = Field(
         None, ge=1, description="an AutoTP job's TP degree from then on, at an unchanged world size"
     )
+    pipeline_parallel: Optional[int] = Field(
+        None, ge=1, description="a PipelineModule job's PP degree from then on, at an unchanged world size"
+    )
+
+    @model_validator(mode="after")
+    def _one_degree(self):
+        if self.tensor_parallel is not None and self.pipeline_parallel is not None:
+            raise ValueError(f"resize_schedule step {self.step}: tensor_parallel and pipeline_parallel both given")
+        return self
 
 
 class SnapshotConfig(_Strict):
@@ -346,6 +358,12 @@ def check_tensor_parallel(ds_config: dict, dt_cfg, world_size: int, launched: bo
         ConfigError: naming the key and the problem.
     """
     tp = tensor_parallel_degree(ds_config)
+    for e in dt_cfg.resize_schedule:
+        if e.pipeline_parallel is not None:
+            raise ConfigError(
+                f"invalid DeepSpeed config: dynatrain.resize_schedule (step {e.step}) gives pipeline_parallel, "
+                "but the model is no PipelineModule"
+            )
     if not is_tensor_parallel_job(ds_config):
         for e in dt_cfg.resize_schedule:
             if e.tensor_parallel is not None:
@@ -412,6 +430,8 @@ def check_elastic_config(ds_config: dict, dt_cfg, world_size: int, elastic: bool
     global_batch, micro = resolve_global_batch(ds_config, world_size)
     checks, degree = [(world_size, "the launch world size")], tensor_parallel_degree(ds_config)
     for e in dt_cfg.resize_schedule:  # an AutoTP job's entries split the batch over world / TP degree
+        if e.pipeline_parallel is not None:
+            continue  # a PipelineModule job's: split over world / PP degree, checked against its layout
         if e.tensor_parallel is None and e.world_size % degree:  # as at run time: the largest smaller degree
             degree = max(t for t in range(1, degree + 1) if e.world_size % t == 0)
         degree = e.tensor_parallel or degree

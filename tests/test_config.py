@@ -284,11 +284,11 @@ def test_resolve_global_batch_refuses(keys, ws, message):
         ({"zero_optimization": {"stage": 1}}, {"snapshot": {"dir": "snaps"}}, "snapshots of a PipelineModule job"),
         (
             {"zero_optimization": {"stage": 1}},
-            {"resize_schedule": [{"step": 3, "world_size": 2}]},
-            "a PipelineModule job changes its layout by engine.resize only",
+            {"resize_schedule": [{"step": 3, "world_size": 2, "pipeline_parallel": 1, "tensor_parallel": 1}]},
+            "resize_schedule step 3: tensor_parallel and pipeline_parallel both given",
         ),
     ],
-    ids=["zero0", "zero2", "snapshots", "schedule"],
+    ids=["zero0", "zero2", "snapshots", "schedule_both_degrees"],
 )
 def test_initialize_refuses_what_a_pipeline_job_cannot_have(extra, section, message):
     """What a pipeline job cannot have yet is refused by ``ds_dynatrain.initialize`` before any
@@ -347,6 +347,13 @@ def test_initialize_refuses_what_a_pipeline_job_cannot_have(extra, section, mess
             2,
             False,
             "gives tensor_parallel, but the job is no AutoTP job",
+        ),
+        (
+            {"autotp_size": 2},
+            {"resize_schedule": [{"step": 3, "world_size": 2, "pipeline_parallel": 2}]},
+            2,
+            False,
+            "(step 3) gives pipeline_parallel, but the model is no PipelineModule",
         ),
     ],
 )

@@ -4,7 +4,8 @@ model-state file per stage, ZeRO-1 files) into a pipeline job at another PP and 
 ``PipelineModule``), on real gloo groups (``tests/workers/pp_switch_worker.py``: modes
 ``route-save``, plain DeepSpeed training and saving at the old PP; ``load``; ``static``).
 
-Oracles:
+Oracles (``verify``, ``inspect`` and ``export`` of the saved checkpoint are checked too: the
+exported weights equal the saving job's fp32 master bitwise):
 
 * the gathered logical state (every parameter's fp32 master and both Adam moments whole, from
   every stage, the tied copies equal; the optimizer step) right after the load equals, bitwise,
@@ -26,6 +27,7 @@ import os
 import pytest
 import torch
 from conftest import WORKERS, run_plain
+from offline_tools import check_offline_tools
 from test_pp_switch import _equal
 
 pytestmark = pytest.mark.multiprocess
@@ -56,6 +58,7 @@ def test_pipeline_checkpoint_loads_at_another_pp_as_saved_and_trains_as_the_stat
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     before, after = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt")
     _equal(before, after)  # the loaded state is the saved one, bitwise
+    check_offline_tools(str(tmp_path / "route"), before, world, pp=a)
     loaded = json.loads((tmp_path / "load_rank0.json").read_text())
     static = json.loads((tmp_path / "static_rank0.json").read_text())
     assert loaded["after"] == static["after"], (loaded["after"], static["after"])

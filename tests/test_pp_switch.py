@@ -8,7 +8,9 @@
   and the copies of the tied embedding/head on different stages are equal;
 * the losses of the steps after the switch and the final state equal, bitwise, a plain DeepSpeed
   run at the new PP degree started from the state before the switch (set with DeepSpeed's own
-  ``safe_set_full_*``), and DeepSpeed's universal-checkpoint route for the same change.
+  ``safe_set_full_*``), and DeepSpeed's universal-checkpoint route for the same change;
+* the same change made by the config's ``resize_schedule`` (inside ``train_batch``) trains the
+  same, bitwise, and schedules the job cannot take are refused at ``initialize``, naming the entry.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     world, a, b, method, dtype, buffer = case
     common = ["--pp-from", str(a), "--pp-to", str(b), "--method", method, "--dtype", dtype, "--out", str(tmp_path)]
     common += ["--buffer"] if buffer else []
-    for mode in ("switch", "static"):
+    for mode in ("switch", "schedule", "static"):
         jobs = run_plain(tmp_path, WORKER, world, ["--mode", mode, *common], timeout=240, name=mode)
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     switch = [json.loads((tmp_path / f"switch_rank{r}.json").read_text()) for r in range(world)]
@@ -70,6 +72,15 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     # training went on: the state changed after the switch
     before, final = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "final_switch.pt")
     assert not torch.equal(before["1.fc1.weight"]["fp32"], final["1.fc1.weight"]["fp32"])
+    # the same change by the config's resize_schedule, inside train_batch: the same training
+    scheduled = [json.loads((tmp_path / f"schedule_rank{r}.json").read_text()) for r in range(world)]
+    assert scheduled[0]["record"]["pipeline_parallel_to"] == b and scheduled[0]["record"]["step"] == 2
+    assert all(s["before"] == switch[0]["before"] and s["after"] == static["after"] for s in scheduled)
+    _equal(torch.load(tmp_path / "final_schedule.pt"), torch.load(tmp_path / "final_static.pt"))
+    said = scheduled[0]["refused"]
+    assert f"(step 2): world size {world + 1}: a PipelineModule job changes its PP degree over its {world}" in said[0]
+    assert "(step 2) gives no pipeline_parallel" in said[1]
+    assert f"(step 2): PP degree {world + 1} refused: it must be >= 1 and divide the world size {world}" in said[2]
 
 
 @pytest.mark.slow  # the static oracle of test_pp_switch_equals_the_static_run is the one in make test

@@ -27,6 +27,7 @@ import os
 import pytest
 import torch
 from conftest import WORKERS, run_plain
+from offline_tools import check_offline_tools
 from test_tp_switch import _equal
 
 pytestmark = pytest.mark.multiprocess
@@ -86,8 +87,8 @@ def test_load_across_tp_equals_the_saved_state_and_the_static_run(tmp_path, case
     for mode in ("save", "load", "static"):
         jobs = run_plain(tmp_path, SCRIPT, nproc, [*common, "--mode", mode], timeout=200, name=mode)
         assert all(j.returncode == 0 for j in jobs), "\n".join(j.output[-3000:] for j in jobs)
-    _check_offline_tools(tmp_path, int(args[args.index("--tp-from") + 1]), nproc)
     before, after = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt")
+    check_offline_tools(str(tmp_path / "ckpt"), before, nproc, tp=int(args[args.index("--tp-from") + 1]))
     assert not _equal(before, after), "the load did not restore the saved logical state"
     final_load, final_static = torch.load(tmp_path / "final_switch.pt"), torch.load(tmp_path / "final_static.pt")
     assert not _equal(final_load, final_static), "training after the load differs from the static run"
@@ -105,30 +106,3 @@ def test_load_across_tp_equals_the_saved_state_and_the_static_run(tmp_path, case
             assert len(refused["before"]) == len(refused["after"]) > 0
             for x, y in zip(refused["before"], refused["after"]):
                 assert torch.equal(x, y), f"a refused load changed rank {r}'s master or parameters"
-
-
-def _check_offline_tools(tmp_path, tp: int, nproc: int) -> None:
-    """``verify``, ``inspect`` and ``export`` of the saved checkpoint, without a model: intact, its
-    TP layout and whole shapes reported, and the exported weights equal, bitwise, the saving job's
-    fp32 master gathered with DeepSpeed's own affine maps (``before.pt``)."""
-    from safetensors.torch import load_file
-
-    from ds_dynatrain.checkpoint.consolidate import export_safetensors
-    from ds_dynatrain.checkpoint.inspect import inspect_report, verify_checkpoint
-
-    ckpt = str(tmp_path / "ckpt")
-    rep = verify_checkpoint(ckpt)
-    assert rep.ok, rep.problems
-    before = torch.load(tmp_path / "before.pt")
-    info = inspect_report(ckpt)
-    assert (info["world_size"], info["tensor_parallel"]) == (nproc, tp)
-    assert len(info["ranks"]) == nproc
-    shapes = {p["name"]: p["shape"] for p in info["parameters"] if p["trainable"]}
-    assert shapes == {n: list(v["fp32"].shape) for n, v in before.items() if not n.startswith("__")}
-    out = tmp_path / "export" / "model.safetensors"
-    out.parent.mkdir()
-    export_safetensors(ckpt, str(out))
-    weights = load_file(str(out))
-    for name, v in before.items():
-        if not name.startswith("__"):
-            assert torch.equal(weights[name], v["fp32"]), f"exported {name} differs from the saved master"

@@ -50,11 +50,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointIncompleteError, LayoutMismatchError
-from ..vps.tensor_parallel import TensorParallelLayout
 from .model_config import write_config_json
 from .saved import MODEL_FILE_ZERO3, SavedCheckpoint, SavedFile, partitions_of
 from .saved_layout import coverage_problems, saved_layout
-from .saved_tp import full_runs, tp_layout_from_metadata
+from .saved_pp import band_layout_from_metadata
+from .saved_tp import full_runs
 from .verify import refuse_damaged
 
 CHUNK_ELEMENTS = 1 << 24  # elements read and written at a time (64 MiB of fp32)
@@ -115,8 +115,8 @@ def _out_dtype(src: torch.dtype, dtype: torch.dtype) -> torch.dtype:
 def plan_entries(saved: SavedCheckpoint, layout, dtype: torch.dtype) -> List[ExportEntry]:
     """The tensors of the export of ``saved`` in ``dtype`` (floating-point ones), in the order of
     the model's state dict (the saved ``module``'s keys), names not in it last. ``layout``: the
-    saved layout (a :class:`ZeroLayout` or a :class:`TensorParallelLayout`, whose ``groups`` give
-    the trainable parameters' whole shapes).
+    saved layout (a :class:`ZeroLayout`, a :class:`TensorParallelLayout` or a
+    :class:`PipelineLayout`, whose ``groups`` give the trainable parameters' whole shapes).
 
     Raises:
         CheckpointIncompleteError: a frozen parameter at ZeRO-3 without saved fragments.
@@ -279,14 +279,15 @@ def _copy_whole(f: SavedFile, src, writer: SafetensorsWriter, names: List[str]) 
             writer.write(name, c, buf)
 
 
-def _write_trainable(
-    saved: SavedCheckpoint, layout: TensorParallelLayout, writer: SafetensorsWriter, targets: Dict[str, List[str]]
-) -> None:
-    """Every rank's fp32 master fragments, one optimizer file at a time; a TP shard's elements go
-    to their place in the whole parameter (:func:`~ds_dynatrain.checkpoint.saved_tp.full_runs`), a
-    parameter every TP rank holds whole is written from TP rank 0's copy."""
+def _write_trainable(saved: SavedCheckpoint, layout, writer: SafetensorsWriter, targets: Dict[str, List[str]]) -> None:
+    """Every rank's fp32 master fragments, one optimizer file at a time, band by band (``layout``:
+    a TP or pipeline layout); a TP shard's elements go to their place in the whole parameter
+    (:func:`~ds_dynatrain.checkpoint.saved_tp.full_runs`), a parameter several bands hold whole
+    (not cut by AutoTP; tied across stages) is written from the lowest band's copy."""
     metas = {p.key: p for p in layout.params}
-    for t in range(layout.tp):
+    replicated, first = layout.replicated(), layout.first_holders()
+    writer_band = {p.key: int(first[i]) if replicated[i] else None for i, p in enumerate(layout.params)}
+    for t in range(layout.num_bands):
         zl = layout.zero(t)
         for r in range(saved.world_size):
             path = os.path.join(saved.dir, saved.optim_name(r, t))
@@ -298,7 +299,7 @@ def _write_trainable(
                         f"{path}: {len(parts.tensors)} partitions, the saved layout has {zl.num_partitions}"
                     )
                 for fr in zl.fragments(r):
-                    if t and layout.split(fr.key).dim is None:
+                    if writer_band[fr.key] not in (None, t):
                         continue
                     src = parts.tensors[fr.group].get("fp32")
                     if src is None:
@@ -348,7 +349,7 @@ def _write_zero3_frozen(
 class ExportStats:
     """What an export wrote: ``path``, ``tensors``, ``elements``, ``bytes`` (the file's size),
     ``dtype`` (name), ``seconds`` (wall), the saved (data-parallel) ``world_size``, ``stage``,
-    ``step`` and AutoTP degree ``tp``;
+    ``step``, AutoTP degree ``tp`` and pipeline degree ``pp``;
     ``config``: the ``config.json`` written beside it (None: the checkpoint holds no model config)."""
 
     path: str
@@ -362,6 +363,7 @@ class ExportStats:
     step: int
     config: Optional[str] = None
     tp: int = 1
+    pp: int = 1
 
 
 def export_safetensors(
@@ -386,8 +388,8 @@ def export_safetensors(
     writer = None
     try:
         refuse_damaged(saved)  # every byte checked first, the ones export does not use included
-        layout = tp_layout_from_metadata(saved)  # TP 1: the ZeRO layout of param_shapes
-        problems = [q for t in range(layout.tp) for q in coverage_problems(layout.zero(t))]
+        layout = band_layout_from_metadata(saved)  # TP 1: the ZeRO layout of param_shapes
+        problems = [q for t in range(layout.num_bands) for q in coverage_problems(layout.zero(t))]
         if problems:
             raise LayoutMismatchError(f"{saved.dir}: the saved layout does not cover the parameters: {problems[0]}")
         entries = plan_entries(saved, layout, dtype)
@@ -400,6 +402,7 @@ def export_safetensors(
             "step": str(saved.step),
             "saved_world_size": str(saved.world_size),
             "saved_tensor_parallel": str(saved.tp),
+            "saved_pipeline_parallel": str(saved.pp),
             "zero_stage": str(saved.stage),
         }
         writer = SafetensorsWriter(out_path, entries, meta)
@@ -430,6 +433,7 @@ def export_safetensors(
         saved.step,
         config,
         saved.tp,
+        saved.pp,
     )
 
 

@@ -27,13 +27,15 @@ Every problem is collected and reported (file, item, parameter), not only the fi
 from __future__ import annotations
 
 import os
+import re
 from typing import List, Optional
 
 from .consolidate import plan_entries
 from .saved import MODEL_FILE_TP, MODEL_FILE_ZERO3_TP, SavedCheckpoint, is_snapshot_file
-from .saved_tp import tp_layout_from_metadata
+from .saved_pp import band_layout_from_metadata
 from .verify import VerifyReport, refuse_damaged, verify_checkpoint  # noqa: F401 - verify's names, here too
 
+LAYER_FILE = re.compile(r"layer_\d+-model_states\.pt")  # PipelineModule.save_state_dict's, one per layer
 FORMAT_OURS = "dynatrain"  # this project's snapshot format
 FORMAT_DEEPSPEED = "deepspeed"  # DeepSpeed's torch.save format
 
@@ -51,14 +53,18 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
     """What the checkpoint ``load_dir/tag`` (``tag`` None: ``latest``) holds, as a JSON-ready dict:
 
     ``dir``, ``tag``, ``format`` (``"dynatrain"``, ``"deepspeed"`` or ``"mixed"``),
-    ``world_size`` (every process: TP x DP), ``tensor_parallel`` (AutoTP degree; 1 without),
-    ``zero_stage``, ``step``, ``global_samples``, ``working_dtype``, ``ds_version``;
+    ``world_size`` (every process: TP x DP or PP x DP), ``tensor_parallel`` (AutoTP degree; 1
+    without), ``pipeline_parallel`` (stages; 1 without), ``zero_stage``, ``step``,
+    ``global_samples``, ``working_dtype``, ``ds_version``;
     ``parameters``: ``[{"name", "shape", "numel", "trainable"}]`` (trainable ones in the
-    optimizer's order with their whole shapes, TP shards joined, then frozen ones),
+    optimizer's order with their whole shapes, TP shards joined; a pipeline's by name, a tied one
+    once; then frozen ones),
     ``num_parameters`` (elements, all of them), ``num_trainable``; ``tied``: ``{alias: name}``;
     ``buffers``: names; ``ranks``:
-    ``[{"rank", "bytes", "files"}]`` (global ranks, DP rank x TP + TP rank; file sizes in bytes;
-    ZeRO-1/2's model-state file of each TP rank counts for its DP rank 0); ``total_bytes``.
+    ``[{"rank", "bytes", "files"}]`` (global ranks, DP rank x TP + TP rank, or stage x DP + DP
+    rank; file sizes in bytes; ZeRO-1/2's model-state file of each TP rank or stage counts for its
+    DP rank 0); ``layer_files``: a pipeline's ``layer_XX-model_states.pt`` names; ``total_bytes``
+    (the layer files included).
 
     With ``checksums`` every item of this project's files is read and its checksum checked
     first (as ``verify`` does); without, only what the report is made of is read.
@@ -74,7 +80,7 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
         if checksums:
             refuse_damaged(saved)
         ms = saved.model_state
-        layout = tp_layout_from_metadata(saved)  # whole shapes (TP 1: the ZeRO layout of param_shapes)
+        layout = band_layout_from_metadata(saved)  # whole shapes (TP 1: the ZeRO layout of param_shapes)
         params = [
             {"name": p.key, "shape": list(p.shape), "numel": p.numel, "trainable": True}
             for g in layout.groups
@@ -86,9 +92,10 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
             if e.source == "zero3_frozen" or (e.source == "module" and e.name not in buffers):
                 params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel, "trainable": False})
         formats = {is_snapshot_file(p) for p in saved.files}
+        layers = sorted(n for n in os.listdir(saved.dir) if LAYER_FILE.fullmatch(n))  # a pipeline's module
         ranks = []
-        for r in range(saved.world_size * saved.tp):
-            files = _files_of_rank(saved, *divmod(r, saved.tp))  # global rank = DP rank x TP + TP rank
+        for r in range(saved.world_size * saved.mp):
+            files = _files_of_rank(saved, *saved.coords(r))
             ranks.append(
                 {
                     "rank": r,
@@ -100,8 +107,9 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
             "dir": saved.dir,
             "tag": saved.tag,
             "format": "mixed" if len(formats) > 1 else (FORMAT_OURS if formats.pop() else FORMAT_DEEPSPEED),
-            "world_size": saved.world_size * saved.tp,
+            "world_size": saved.world_size * saved.mp,
             "tensor_parallel": saved.tp,
+            "pipeline_parallel": saved.pp,
             "zero_stage": saved.stage,
             "step": saved.step,
             "global_samples": int(ms.get("global_samples", 0) or 0),
@@ -113,7 +121,9 @@ def inspect_report(load_dir: str, tag: Optional[str] = None, checksums: bool = T
             "tied": {str(a): str(s) for a, s in (ms.get("shared_params") or {}).items()},
             "buffers": [str(b) for b in (ms.get("buffer_names") or [])],
             "ranks": ranks,
-            "total_bytes": sum(r["bytes"] for r in ranks),
+            "layer_files": layers,
+            "total_bytes": sum(r["bytes"] for r in ranks)
+            + sum(os.path.getsize(os.path.join(saved.dir, n)) for n in layers),
         }
     finally:
         saved.close()

@@ -290,6 +290,12 @@ class SavedCheckpoint:
             return mp_rank * self.world_size + dp_rank
         return dp_rank * self.mp + mp_rank
 
+    def coords(self, rank: int) -> Tuple[int, int]:
+        """``(dp_rank, mp_rank)`` of saving global ``rank`` (:meth:`global_rank`'s inverse)."""
+        if self.pp > 1:
+            return rank % self.world_size, rank // self.world_size
+        return divmod(rank, self.mp)
+
     def optim_name(self, rank: int, tp_rank: int = 0) -> str:
         """The name of the optimizer-state file of data-parallel rank ``rank`` of TP rank
         ``tp_rank``: DeepSpeed prefixes it with ``bf16_`` when the saving job trained in bf16

@@ -1,18 +1,19 @@
-"""A pipeline checkpoint's layout for a load: the live model's layer list at the saved PP and DP
+"""A pipeline checkpoint's layout: for a load, the live model's layer list at the saved PP and DP
 degree, split where the saved stages' files say (each stage's ``mp_rank_XX`` model-state file
 lists the parameters it held, ``param_shapes``; DeepSpeed records no partition method), with the
 saved working dtype and ZeRO settings, checked against every saved stage's files before anything
-is read (read by :mod:`~ds_dynatrain.checkpoint.resharded_bands`)."""
+is read (read by :mod:`~ds_dynatrain.checkpoint.resharded_bands`); without a model, the stages'
+``param_shapes`` alone (what ``verify``, ``inspect`` and ``export`` use)."""
 
 from __future__ import annotations
 
 import math
 
-from ..errors import LayoutMismatchError
+from ..errors import CheckpointIncompleteError, LayoutMismatchError
 from ..vps.layout import ParamMeta
-from ..vps.pipeline import PipelineLayer, PipelineLayout, stage_bounds
+from ..vps.pipeline import TIED_PREFIX, PipelineLayer, PipelineLayout, stage_bounds
 from .saved import SavedCheckpoint
-from .saved_tp import check_shards
+from .saved_tp import check_shards, tp_layout_from_metadata
 
 
 def saved_pp_layout(saved: SavedCheckpoint, live: PipelineLayout) -> PipelineLayout:
@@ -53,3 +54,49 @@ def saved_pp_layout(saved: SavedCheckpoint, live: PipelineLayout) -> PipelineLay
         check_shards(saved, old, s)
         saved.check_sizes(old.zero(s), s)
     return old
+
+
+def pp_layout_from_metadata(saved: SavedCheckpoint) -> PipelineLayout:
+    """The :class:`PipelineLayout` ``saved`` (a pipeline checkpoint, ``saved.pp > 1``) was written
+    in, from its metadata alone (no model: what ``verify``, ``inspect`` and ``export`` use): each
+    stage's ``param_shapes`` (its model-state file) as the stage's layers, one per tied key
+    (``tied_modules.<key>.*``) and one per layer index (``<index>.*``), in the order the stage
+    lists them. Not checked against the partitions: the callers do that.
+
+    Raises:
+        CheckpointIncompleteError: a stage's model-state file without ``param_shapes``.
+        LayoutMismatchError: the stages do not describe one model (a parameter with two shapes,
+            a stage holding nothing), naming it.
+    """
+    dtype = saved.working_dtype()
+    layers, parts = [], [0]
+    for s in range(saved.pp):
+        shapes = [
+            (str(n), tuple(int(d) for d in shape))
+            for g in (saved.model_state_of(s).get("param_shapes") or [])
+            for n, shape in g.items()
+        ]
+        if not shapes:
+            raise CheckpointIncompleteError(f"{saved.dir}: stage {s}'s model-state file has no param_shapes")
+        owners = {}  # layer name -> its parameters, in the stage's order
+        for name, shape in shapes:
+            owner = ".".join(name.split(".", 2)[:2]) if name.startswith(TIED_PREFIX) else name.split(".", 1)[0]
+            owners.setdefault(owner, []).append(ParamMeta(name, shape, dtype))
+        for owner, params in owners.items():
+            tie = owner[len(TIED_PREFIX) :] if owner.startswith(TIED_PREFIX) else None
+            layers.append(PipelineLayer(tuple(params), tie))
+        parts.append(len(layers))
+    rr, align, stage, sub_group_size = saved.zero_settings()
+    try:
+        return PipelineLayout(saved.pp, saved.world_size, tuple(layers), tuple(parts), stage, rr, align, sub_group_size)
+    except (LayoutMismatchError, ValueError) as err:
+        raise LayoutMismatchError(f"{saved.dir}: the stages' param_shapes do not describe one model: {err}") from None
+
+
+def band_layout_from_metadata(saved: SavedCheckpoint):
+    """The saved band layout from metadata alone: :func:`pp_layout_from_metadata` for a pipeline
+    checkpoint, else :func:`~ds_dynatrain.checkpoint.saved_tp.tp_layout_from_metadata` (TP 1:
+    the ZeRO layout of ``param_shapes``)."""
+    if saved.pp > 1:
+        return pp_layout_from_metadata(saved)
+    return tp_layout_from_metadata(saved)

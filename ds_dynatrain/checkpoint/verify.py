@@ -23,12 +23,12 @@ from typing import List, Optional, Tuple
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, LayoutMismatchError
 from ..log import plural
 from ..vps.layout import ZeroLayout
-from ..vps.tensor_parallel import TensorParallelLayout
 from .footer import fragment_mismatches
 from .saved import SavedCheckpoint, partitions_of, resolve_tag
 from .saved_file import SavedFile, is_snapshot_file
 from .saved_layout import coverage_problems
-from .saved_tp import check_shards, tp_layout_from_metadata
+from .saved_pp import band_layout_from_metadata
+from .saved_tp import check_shards
 
 VERIFY_BATCH_BYTES = 256 << 20  # bytes of items read (and checksummed) at a time
 
@@ -125,7 +125,7 @@ def verify_checkpoint(load_dir: str, tag: Optional[str] = None) -> VerifyReport:
 
 def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
     try:
-        layout: Optional[TensorParallelLayout] = tp_layout_from_metadata(saved)  # TP 1: param_shapes' ZeRO layout
+        layout = band_layout_from_metadata(saved)  # TP 1: param_shapes' ZeRO layout
     except (CheckpointIncompleteError, LayoutMismatchError, ValueError) as err:  # no or impossible metadata
         rep.problems.append(
             f"{os.path.basename(saved.model_file.path)}: no usable parameter metadata ({err}); "
@@ -140,7 +140,7 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
         if not ours
         else "mixed dynatrain snapshot and DeepSpeed torch.save"
     )
-    world = plural(saved.world_size, "rank") if saved.tp == 1 else f"TP {saved.tp} x DP {saved.world_size}"
+    world = plural(saved.world_size, "rank") if saved.mp == 1 else saved.degrees()
     rep.notes.append(
         f"checkpoint {saved.dir}: {world}, ZeRO-{saved.stage}, step {saved.step}, "
         f"{fmt} format, {len(saved.files)} files"
@@ -188,13 +188,18 @@ def _verify_saved(saved: SavedCheckpoint, rep: VerifyReport) -> None:
             if f is not saved.model_file:
                 f.close()
     cover = []
-    for t in range(layout.tp if layout is not None else 0):  # each TP rank's shards, tiled by its DP ranks
-        cover += [(f"TP rank {t}: " if layout.tp > 1 else "") + q for q in coverage_problems(layout.zero(t))]
+    bands = layout.num_bands if layout is not None else 0
+    for t in range(bands):  # each band's (TP rank's shards, stage's parameters), tiled by its DP ranks
+        cover += [(f"{layout.band_name} {t}: " if bands > 1 else "") + q for q in coverage_problems(layout.zero(t))]
     rep.problems.extend(cover)
     if layout is not None and not cover:
-        nparams = sum(len(g) for g in layout.groups)
-        numel = sum(p.numel for g in layout.groups for p in g)
-        held = "" if layout.tp == 1 else f" of each of the {layout.tp} TP ranks' shards"
+        nparams = len(layout.params)
+        numel = sum(p.numel for p in layout.params)
+        held = (
+            ""
+            if bands == 1
+            else f" of each of the {bands} {layout.band_name}s' " + ("shards" if saved.tp > 1 else "parameters")
+        )
         rep.notes.append(
             f"coverage: {nparams} parameters, {numel:,} elements, every element{held} held exactly once by "
             f"the fragments of {plural(saved.world_size, 'rank')}"

@@ -183,7 +183,9 @@ def _cmd_verify(a) -> int:
     return 0 if rep.ok else 1
 
 
-def _world(dp: int, tp: int) -> str:
+def _world(dp: int, tp: int, pp: int = 1) -> str:
+    if pp > 1:
+        return f"{dp * pp} ranks (PP {pp} x DP {dp})"
     return plural(dp, "rank") if tp == 1 else f"{dp * tp} ranks (TP {tp} x DP {dp})"
 
 
@@ -207,7 +209,7 @@ def _cmd_export(a) -> int:
         return 1
     print(
         f"wrote {st.path}: {st.tensors} tensors, {st.elements:,} elements, {st.dtype}, {st.bytes:,} bytes "
-        f"(step {st.step}, saved by {_world(st.world_size, st.tp)} at ZeRO-{st.stage}) in {st.seconds:.2f} s"
+        f"(step {st.step}, saved by {_world(st.world_size, st.tp, st.pp)} at ZeRO-{st.stage}) in {st.seconds:.2f} s"
     )
     if st.config:
         print(f"wrote {st.config}: the model's Hugging Face config (from_pretrained loads the directory)")

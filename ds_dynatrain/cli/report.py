@@ -21,8 +21,10 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     }[rep["format"]]
     print(f"checkpoint   {rep['dir']}")
     print(f"format       {fmt}")
-    tp = rep.get("tensor_parallel", 1)
-    print(f"world size   {rep['world_size']}" + (f" (TP {tp} x DP {rep['world_size'] // tp})" if tp > 1 else ""))
+    tp, pp = rep.get("tensor_parallel", 1), rep.get("pipeline_parallel", 1)
+    shape = f" (TP {tp} x DP {rep['world_size'] // tp})" if tp > 1 else ""
+    shape = f" (PP {pp} x DP {rep['world_size'] // pp})" if pp > 1 else shape
+    print(f"world size   {rep['world_size']}{shape}")
     print(f"ZeRO stage   {rep['zero_stage']}")
     print(f"step         {rep['step']} ({rep['global_samples']:,} samples)")
     print(f"dtype        {rep['working_dtype']} (working), fp32 master")
@@ -43,6 +45,9 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     print("bytes per rank")
     for r in rep["ranks"]:
         print(f"  rank {r['rank']:<4} {r['bytes']:>14,}  {', '.join(r['files'])}")
+    if rep.get("layer_files"):
+        layers = rep["layer_files"]
+        print(f"  {len(layers)} layer files of the pipeline's module ({layers[0]} ... {layers[-1]})")
     print(f"  total      {rep['total_bytes']:>14,}")
 
 

@@ -21,11 +21,11 @@ from ..elastic.launch_env import LaunchContext, member_id
 from ..errors import ResizeRefusedError
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
-from ..zero.pipeline import pipeline_layout
+from ..zero.pipeline import layer_type_names, pipeline_layout
 from . import loading
 from .construct import ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
-from .pp_switch import switch_pipeline_parallel
+from .pp_switch import layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
 from .state import ElasticState
 
@@ -118,6 +118,15 @@ class ElasticPipelineEngine(PipelineEngine):
             **kwargs,
         )
 
+    def train_batch(self, data_iter=None):
+        """DeepSpeed's ``train_batch``; then, at a step the resize schedule names, the switch to
+        its PP degree (every process reaches the same step)."""
+        loss = super().train_batch(data_iter)
+        pp = self._dt.pp_schedule.get(self.global_steps)
+        if pp is not None and pp != self._dt.pp_layout.pp:
+            switch_pipeline_parallel(self, pp)
+        return loss
+
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, skipped in a rebuild whose
         working parameters are made from the installed master right after."""
@@ -132,8 +141,8 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
 
     Raises:
         ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
-            layout change moves ZeRO partitions), snapshots, a resize schedule, or a process
-            started by ``dynatrain launch``.
+            layout change moves ZeRO partitions), snapshots, or a process started by
+            ``dynatrain launch``.
     """
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage != 1:
@@ -143,8 +152,6 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
         )
     if dt_cfg.snapshot.interval_steps or dt_cfg.snapshot.dir:
         raise ConfigError("dynatrain.snapshot: snapshots of a PipelineModule job are not supported yet")
-    if dt_cfg.resize_schedule:
-        raise ConfigError("dynatrain.resize_schedule: a PipelineModule job changes its layout by engine.resize only")
     if LaunchContext.from_environ() is not None:
         raise ConfigError(
             "a PipelineModule job under `dynatrain launch`: not supported yet; start it with torchrun or "
@@ -193,12 +200,38 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
             f"{list(dt.pp_layout.parts)}, the PipelineModule was split at {[int(x) for x in module.parts]}: "
             "set it to the partition_method the module was built with"
         )
+    check_pipeline_schedule(dt, layer_type_names(module))
     engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
     split = dt.split(world // pp)
     construct_pipeline(engine, dt, module, optimizer, model_parameters, lr_scheduler, ds_config_for(dt, split, False))
     check_pipeline_layout(engine)
     dt.returned_optimizer = engine.optimizer
     return engine
+
+
+def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
+    """Every entry of the resize schedule is a PP degree the job can take, in order, at its world
+    size (``type_names``: each layer's class name, for ``type:`` partition methods).
+
+    Raises:
+        ConfigError: naming the entry: another world size, a TP degree, no PP degree, a PP degree
+            the layers or the world cannot take, or a DP size that cannot keep the global batch.
+    """
+    world = dt.pp_layout.world_size
+    for e in dt.config.resize_schedule:
+        entry = f"invalid DeepSpeed config: dynatrain.resize_schedule (step {e.step})"
+        if e.world_size != world:
+            raise ConfigError(
+                f"{entry}: world size {e.world_size}: a PipelineModule job changes its PP degree over its "
+                f"{world} processes; growing or shrinking it is not supported yet"
+            )
+        if e.pipeline_parallel is None:
+            raise ConfigError(f"{entry} gives no pipeline_parallel: a PipelineModule job changes its PP degree")
+        try:
+            layout_at(dt.pp_layout, type_names, e.pipeline_parallel, dt.config.pipeline_partition_method)
+            dt.split(world // e.pipeline_parallel)
+        except ResizeRefusedError as err:
+            raise ConfigError(f"{entry}: {err}") from None
 
 
 def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int):

@@ -37,21 +37,30 @@ from .records import ResizeRecord
 
 
 def new_pipeline_layout(engine, pp: int):
-    """The job's layout at ``pp`` stages over its processes.
+    """The job's layout at ``pp`` stages over its processes (:func:`layout_at`).
+
+    Raises:
+        ResizeRefusedError: as :func:`layout_at`.
+    """
+    dt = engine._dt
+    return layout_at(dt.pp_layout, layer_type_names(engine.module), pp, dt.config.pipeline_partition_method)
+
+
+def layout_at(old, type_names, pp: int, method: str):
+    """``old`` (a :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`) at ``pp`` stages of
+    ``world / pp`` ranks, the layers split by DeepSpeed's partition ``method`` (``type_names``:
+    each layer's class name, for ``type:`` methods).
 
     Raises:
         ResizeRefusedError: ``pp`` below 1, not dividing the world size, above the number of
             layers, or a split leaving a stage without a trainable parameter.
     """
-    dt = engine._dt
-    old = dt.pp_layout
     world = old.world_size
     if pp < 1 or world % pp:
         raise ResizeRefusedError(f"PP degree {pp} refused: it must be >= 1 and divide the world size {world}")
     if pp > len(old.layers):
         raise ResizeRefusedError(f"PP degree {pp} refused: the pipeline has {len(old.layers)} layers")
-    method = dt.config.pipeline_partition_method
-    parts = pipeline_parts(old.layers, layer_type_names(engine.module), pp, method)
+    parts = pipeline_parts(old.layers, type_names, pp, method)
     try:
         return old.with_degrees(pp, world // pp, parts)
     except LayoutMismatchError as err:

@@ -104,6 +104,11 @@ class ElasticState:
         """``{step: TP degree}`` of the schedule's entries that give one (an AutoTP job)."""
         return {e.step: e.tensor_parallel for e in self.config.resize_schedule if e.tensor_parallel is not None}
 
+    @property
+    def pp_schedule(self) -> Dict[int, int]:
+        """``{step: PP degree}`` of the schedule's entries that give one (a PipelineModule job)."""
+        return {e.step: e.pipeline_parallel for e in self.config.resize_schedule if e.pipeline_parallel is not None}
+
     def split(self, world_size: int) -> BatchSplit:
         """The global batch split over ``world_size`` ranks.
 

@@ -175,6 +175,23 @@ class PipelineLayout:
         :class:`~ds_dynatrain.vps.tensor_parallel.BoxTable`; the same at every degree)."""
         return self._params
 
+    @property
+    def groups(self) -> Tuple[Tuple[ParamMeta, ...], ...]:
+        """``(params,)``: the model's parameters as one group (each stage's optimizer group is a
+        part of it), as :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout` gives its
+        groups."""
+        return (self._params,)
+
+    def band(self, p: ParamMeta, stage: int) -> Tuple[int, int, int, int]:
+        """``(row, rows, col, cols)`` of stage ``stage``'s part of ``p``: its whole matrix (the
+        callers ask only of a stage that holds it)."""
+        rows, cols = matrix_shape(p.shape)
+        return 0, rows, 0, cols
+
+    def first_holders(self) -> np.ndarray:
+        """``(parameters,)`` int64: the lowest stage holding each parameter."""
+        return np.argmax(self.holders(), axis=1).astype(np.int64)
+
     def holders(self) -> np.ndarray:
         """``(parameters, pp)`` bool: stage ``s`` holds parameter ``i``."""
         index = {p.key: i for i, p in enumerate(self._params)}

@@ -179,6 +179,11 @@ class TensorParallelLayout:
         """``(parameters,)`` bool: held whole by every TP rank (AutoTP does not cut it)."""
         return np.asarray([self.split(p.key).dim is None for p in self.params], dtype=bool)
 
+    def first_holders(self) -> np.ndarray:
+        """``(parameters,)`` int64: the lowest band holding a piece of each parameter (0: every
+        TP rank holds a piece or the whole)."""
+        return np.zeros(len(self.params), dtype=np.int64)
+
     def local_shape(self, p: ParamMeta, tp_rank: int) -> Tuple[int, ...]:
         """The shape of TP rank ``tp_rank``'s shard of ``p``."""
         s = self.split(p.key)

@@ -21,6 +21,11 @@ route): plain DeepSpeed at PP ``--pp-from`` trains ``--steps-before`` steps and 
 DeepSpeed at PP ``--pp-to`` with ``checkpoint.load_universal`` loads it and trains the same
 ``--steps-after`` steps: ``final_route-load.pt`` and ``route-load_rank<r>.json``.
 
+``--mode schedule``: as ``switch``, the change made by the config's ``resize_schedule`` (PP
+``--pp-to`` after step ``--steps-before``) inside ``train_batch``; first, schedules it must refuse
+at ``initialize`` (their messages in ``refused``); ``final_schedule.pt`` and
+``schedule_rank<r>.json``.
+
 ``--mode load``: ``ds_dynatrain.initialize`` at PP ``--pp-to`` loads the checkpoint ``route-save``
 wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; ``route-save`` also writes the
 state it saved to ``before.pt``); the gathered state to ``after.pt``, then the same
@@ -237,6 +242,38 @@ def load_job(a, out: dict):
     return engine
 
 
+def schedule_job(a, out: dict):
+    """``ds_dynatrain.initialize`` at PP ``--pp-from`` with a schedule switching to ``--pp-to``
+    after step ``--steps-before``, the steps before it (the switch inside the last one's
+    ``train_batch``); the schedules ``initialize`` must refuse first (``out["refused"]``)."""
+    import ds_dynatrain
+    from ds_dynatrain.config import ConfigError
+
+    world = tdist.get_world_size()
+    module = module_at(a.pp_from, a.method, a.buffer)
+    out["refused"] = []
+    for bad in (
+        {"world_size": world + 1, "pipeline_parallel": 1},
+        {"world_size": world},
+        {"world_size": world, "pipeline_parallel": world + 1},
+    ):
+        cfg = config(a, a.pp_from, False)
+        cfg["dynatrain"]["resize_schedule"] = [{"step": a.steps_before, **bad}]
+        try:
+            ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+            out["refused"].append(None)
+        except ConfigError as err:
+            out["refused"].append(str(err))
+    cfg = config(a, a.pp_from, False)
+    cfg["dynatrain"]["resize_schedule"] = [{"step": a.steps_before, "world_size": world, "pipeline_parallel": a.pp_to}]
+    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    del module
+    out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
+    out["record"] = engine.resize_records[-1] if engine.resize_records else None
+    out["stage"] = engine.grid.get_stage_id()
+    return engine
+
+
 def refusals(engine, world: int) -> list:
     """What ``engine.resize`` says of layouts it cannot take (each must change nothing)."""
     from ds_dynatrain.errors import ResizeRefusedError
@@ -253,7 +290,8 @@ def refusals(engine, world: int) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["switch", "static", "route-save", "route-load", "load", "data"], required=True)
+    modes = ["switch", "schedule", "static", "route-save", "route-load", "load", "data"]
+    p.add_argument("--mode", choices=modes, required=True)
     p.add_argument("--refuse", action="store_true", help="load: first a copy missing a stage's file")
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
@@ -312,6 +350,8 @@ def main() -> None:
         engine.load_checkpoint(os.path.join(a.out, "route_universal"), tag="t")
     elif a.mode == "load":
         engine = load_job(a, out)
+    elif a.mode == "schedule":
+        engine = schedule_job(a, out)
     else:
         module = module_at(a.pp_to, a.method_to, a.buffer)
         engine, *_ = deepspeed.initialize(
