@@ -10,7 +10,8 @@
   run at the new PP degree started from the state before the switch (set with DeepSpeed's own
   ``safe_set_full_*``), and DeepSpeed's universal-checkpoint route for the same change;
 * the same change made by the config's ``resize_schedule`` (inside ``train_batch``) trains the
-  same, bitwise, and schedules the job cannot take are refused at ``initialize``, naming the entry.
+  same, bitwise, and schedules the job cannot take are refused at ``initialize``, naming the entry;
+  its snapshots (every step) hold, bitwise, the state of their step at their step's layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import sys
 import pytest
 import torch
 from conftest import WORKERS, run_plain
+from safetensors.torch import load_file
+
+from ds_dynatrain.checkpoint.consolidate import export_safetensors
+from ds_dynatrain.checkpoint.inspect import inspect_report
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,6 +82,16 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     assert scheduled[0]["record"]["pipeline_parallel_to"] == b and scheduled[0]["record"]["step"] == 2
     assert all(s["before"] == switch[0]["before"] and s["after"] == static["after"] for s in scheduled)
     _equal(torch.load(tmp_path / "final_schedule.pt"), torch.load(tmp_path / "final_static.pt"))
+    # its snapshots, taken every step: the one of the switch's step is of the old layout and holds
+    # the state before the switch, the last one the final state (read by `export`, no model)
+    snaps = str(tmp_path / "snaps")
+    for step, pp, state in ((2, a, "before.pt"), (4, b, "final_schedule.pt")):
+        info = inspect_report(snaps, f"global_step{step}")
+        assert (info["pipeline_parallel"], info["world_size"], info["step"]) == (pp, world, step)
+        out = str(tmp_path / f"export{step}.safetensors")
+        export_safetensors(snaps, out, tag=f"global_step{step}")
+        weights, want = load_file(out), torch.load(tmp_path / state)
+        assert all(torch.equal(weights[k], want[k]["fp32"]) for k in want if k != "__step__")
     said = scheduled[0]["refused"]
     assert f"(step 2): world size {world + 1}: a PipelineModule job changes its PP degree over its {world}" in said[0]
     assert "(step 2) gives no pipeline_parallel" in said[1]

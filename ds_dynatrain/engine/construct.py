@@ -114,6 +114,13 @@ def construct(
     if hasattr(DeepSpeedEngine, "_configure_python_gc"):  # DeepSpeed >= 0.19.8 (disable_python_gc), as initialize does
         engine._configure_python_gc()
     dt.rebuild_broadcast = None
+    attach_snapshot_engine(engine, dt)
+
+
+def attach_snapshot_engine(engine, dt: ElasticState) -> None:
+    """Give a built ``engine`` (DP, AutoTP or pipeline) the snapshot engine of this generation as
+    DeepSpeed's ``checkpoint_engine``. A DP job's files record each fragment's VPS attributes; an
+    AutoTP or pipeline job's record none (a load checks their ``param_shapes``)."""
     snap = dt.config.snapshot
     engine.checkpoint_engine = SnapshotCheckpointEngine(
         store_address=store_address(dt),
@@ -127,10 +134,21 @@ def construct(
         on_write_error=snap.on_write_error,
         worker_nice=snap.worker_nice,
     )
-    if dt.tp_layout is None:  # an AutoTP job's files record no VPS attributes: a load checks param_shapes
+    if dt.tp_layout is None and dt.pp_layout is None:
         engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
         engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
+
+
+def latest_by_commit(engine, save_latest: bool) -> bool:
+    """Before DeepSpeed's ``save_checkpoint``: the snapshot engine's commit replaces ``latest``
+    atomically (when ``save_latest``); returns what DeepSpeed's own ``save_latest`` becomes
+    (False under the snapshot engine: its own write of ``latest`` is skipped)."""
+    ce = engine.checkpoint_engine
+    if isinstance(ce, SnapshotCheckpointEngine):
+        ce.publish_latest = save_latest
+        return False
+    return save_latest
 
 
 def close_snapshots(engine) -> None:

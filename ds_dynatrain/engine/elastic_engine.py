@@ -27,6 +27,7 @@ from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize, tp_switch
+from .construct import latest_by_commit
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
@@ -261,15 +262,11 @@ class ElasticEngine(DeepSpeedEngine):
         self._require_member()
         self.wait_transition()
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        ce = self.checkpoint_engine
-        if isinstance(ce, SnapshotCheckpointEngine):
-            ce.publish_latest = save_latest  # the engine's commit replaces ``latest`` atomically
-            save_latest = False
         return super().save_checkpoint(
             save_dir,
             tag=tag,
             client_state=with_model_config(client_state, self.module),  # config.json of an export
-            save_latest=save_latest,
+            save_latest=latest_by_commit(self, save_latest),
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
 

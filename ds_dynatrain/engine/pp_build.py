@@ -14,6 +14,7 @@ from ..elastic.launch_env import local_rank
 from ..errors import LayoutMismatchError
 from ..zero.quiet import scheduler_start_quiet
 from ..zero.rebuild import light_rebuild
+from .construct import attach_snapshot_engine
 from .device import bind_device, engine_args
 from .state import ElasticState
 
@@ -22,8 +23,9 @@ def construct_pipeline(
     engine, dt: ElasticState, module, optimizer, model_parameters, lr_scheduler, ds_config: dict, light: bool = False
 ) -> None:
     """Run ``PipelineEngine.__init__`` on ``engine`` (a new object or one being rebuilt), as
-    ``deepspeed.initialize`` does for a ``PipelineModule`` (its ``mpu`` is the module's grid).
-    ``light``: the optimizer state is installed right after (a layout change)."""
+    ``deepspeed.initialize`` does for a ``PipelineModule`` (its ``mpu`` is the module's grid),
+    then give it the snapshot engine. ``light``: the optimizer state is installed right after (a
+    layout change)."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -46,6 +48,7 @@ def construct_pipeline(
         )
     engine._configure_python_gc()
     dt.rebuild_broadcast = None
+    attach_snapshot_engine(engine, dt)
 
 
 def check_pipeline_layout(engine) -> None:

@@ -10,12 +10,14 @@ start with the reason.
 
 from __future__ import annotations
 
+import atexit
 from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.launch_env import LaunchContext, member_id
 from ..errors import ResizeRefusedError
@@ -23,7 +25,8 @@ from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names, pipeline_layout
 from . import loading
-from .construct import ds_config_for
+from .construct import ds_config_for, latest_by_commit
+from .lifecycle import at_thread_shutdown, close_at_exit, shutdown
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .pp_switch import layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
@@ -119,13 +122,38 @@ class ElasticPipelineEngine(PipelineEngine):
         )
 
     def train_batch(self, data_iter=None):
-        """DeepSpeed's ``train_batch``; then, at a step the resize schedule names, the switch to
-        its PP degree (every process reaches the same step)."""
+        """DeepSpeed's ``train_batch``; then, every ``snapshot.interval_steps``, a snapshot of this
+        step, and at a step the resize schedule names, the switch to its PP degree (every process
+        reaches the same step; a snapshot of that step is of the layout before the switch)."""
         loss = super().train_batch(data_iter)
-        pp = self._dt.pp_schedule.get(self.global_steps)
-        if pp is not None and pp != self._dt.pp_layout.pp:
+        dt, step = self._dt, self.global_steps
+        snap = dt.config.snapshot
+        if snap.interval_steps and step % snap.interval_steps == 0:
+            self.save_checkpoint(snap.dir, tag=f"global_step{step}")
+        pp = dt.pp_schedule.get(step)
+        if pp is not None and pp != dt.pp_layout.pp:
             switch_pipeline_parallel(self, pp)
         return loss
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        """DeepSpeed's optimizer step, after the capture of a snapshot being taken (the step is the
+        first thing that changes the state it captures)."""
+        if isinstance(self.checkpoint_engine, SnapshotCheckpointEngine):
+            self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
+        return super()._exec_optimizer_step(lr_kwargs)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint`` (its pipeline files: one per layer, one model-state file
+        per stage, the ZeRO-1 files) through the snapshot engine, asynchronous: the call returns
+        once the files are queued; ``latest`` is replaced atomically by the engine's commit."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        return super().save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=latest_by_commit(self, save_latest),
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, skipped in a rebuild whose
@@ -141,8 +169,7 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
 
     Raises:
         ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
-            layout change moves ZeRO partitions), snapshots, or a process started by
-            ``dynatrain launch``.
+            layout change moves ZeRO partitions), or a process started by ``dynatrain launch``.
     """
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage != 1:
@@ -150,8 +177,6 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
             f"a PipelineModule job with ZeRO stage {stage}: ds_dynatrain changes the layout of pipeline jobs "
             "at ZeRO-1 (DeepSpeed's pipeline engine refuses stages 2 and 3)"
         )
-    if dt_cfg.snapshot.interval_steps or dt_cfg.snapshot.dir:
-        raise ConfigError("dynatrain.snapshot: snapshots of a PipelineModule job are not supported yet")
     if LaunchContext.from_environ() is not None:
         raise ConfigError(
             "a PipelineModule job under `dynatrain launch`: not supported yet; start it with torchrun or "
@@ -206,6 +231,8 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     construct_pipeline(engine, dt, module, optimizer, model_parameters, lr_scheduler, ds_config_for(dt, split, False))
     check_pipeline_layout(engine)
     dt.returned_optimizer = engine.optimizer
+    atexit.register(shutdown)
+    at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
     return engine
 
 

@@ -31,7 +31,7 @@ from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
 from ..zero.pipeline import layer_type_names, pipeline_parts
 from ..zero.rebuild import teardown
 from .box_state import switch_in_place
-from .construct import counters_kept, ds_config_for
+from .construct import close_snapshots, counters_kept, ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .records import ResizeRecord
 
@@ -110,6 +110,7 @@ def rebuild_pipeline_at(engine, pp: int, split) -> None:
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
     with counters_kept(engine):
+        close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
         teardown(engine)
         reset_pipeline_globals()
         module = pipeline_module_at(old_module, pp, dt.config.pipeline_partition_method)

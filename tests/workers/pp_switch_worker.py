@@ -22,13 +22,15 @@ DeepSpeed at PP ``--pp-to`` with ``checkpoint.load_universal`` loads it and trai
 ``--steps-after`` steps: ``final_route-load.pt`` and ``route-load_rank<r>.json``.
 
 ``--mode schedule``: as ``switch``, the change made by the config's ``resize_schedule`` (PP
-``--pp-to`` after step ``--steps-before``) inside ``train_batch``; first, schedules it must refuse
-at ``initialize`` (their messages in ``refused``); ``final_schedule.pt`` and
+``--pp-to`` after step ``--steps-before``) inside ``train_batch``, with a snapshot of every step
+(``dynatrain.snapshot``, into ``snaps``, all kept); first, schedules it must refuse at
+``initialize`` (their messages in ``refused``); ``final_schedule.pt`` and
 ``schedule_rank<r>.json``.
 
 ``--mode load``: ``ds_dynatrain.initialize`` at PP ``--pp-to`` loads the checkpoint ``route-save``
-wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; ``route-save`` also writes the
-state it saved to ``before.pt``); the gathered state to ``after.pt``, then the same
+wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; with ``--snapshots``,
+``route-save`` is a ``ds_dynatrain`` job taking a snapshot every step; either writes the state it
+saved to ``before.pt``); the gathered state to ``after.pt``, then the same
 ``--steps-after`` steps as ``static``: ``final_load.pt`` and ``load_rank<r>.json``. With
 ``--refuse`` it first loads a copy missing stage 1's optimizer-state file: the error in
 ``refusal``, every rank's fp32 master and working parameters before and after it in
@@ -216,11 +218,13 @@ def load_job(a, out: dict):
     engine, *_ = ds_dynatrain.initialize(
         model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, False)
     )
+    with open(os.path.join(a.out, "route", "latest")) as f:
+        tag = f.read().strip()
     if a.refuse:
         broken = os.path.join(a.out, "broken")
         if rank == 0:
             shutil.copytree(os.path.join(a.out, "route"), broken)
-            os.remove(os.path.join(broken, "t", "zero_pp_rank_0_mp_rank_01_optim_states.pt"))
+            os.remove(os.path.join(broken, tag, "zero_pp_rank_0_mp_rank_01_optim_states.pt"))
         tdist.barrier()
 
         def mine():
@@ -229,12 +233,12 @@ def load_job(a, out: dict):
 
         held = mine()
         try:
-            engine.load_checkpoint(broken, tag="t")
+            engine.load_checkpoint(broken, tag=tag)
             out["refusal"] = None
         except CheckpointIncompleteError as err:
             out["refusal"] = str(err)
         torch.save({"before": held, "after": mine()}, os.path.join(a.out, f"refused{rank}.pt"))
-    path, _client = engine.load_checkpoint(os.path.join(a.out, "route"), tag="t")
+    path, _client = engine.load_checkpoint(os.path.join(a.out, "route"))  # the tag `latest` names
     out["path"], out["steps_loaded"] = path, engine.global_steps
     after = gather_logical(engine)
     if rank == 0:
@@ -266,6 +270,8 @@ def schedule_job(a, out: dict):
             out["refused"].append(str(err))
     cfg = config(a, a.pp_from, False)
     cfg["dynatrain"]["resize_schedule"] = [{"step": a.steps_before, "world_size": world, "pipeline_parallel": a.pp_to}]
+    steps = a.steps_before + a.steps_after  # a snapshot of every step, kept
+    cfg["dynatrain"]["snapshot"] = {"interval_steps": 1, "dir": os.path.join(a.out, "snaps"), "keep_last": steps}
     engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     del module
     out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
@@ -293,6 +299,7 @@ def main() -> None:
     modes = ["switch", "schedule", "static", "route-save", "route-load", "load", "data"]
     p.add_argument("--mode", choices=modes, required=True)
     p.add_argument("--refuse", action="store_true", help="load: first a copy missing a stage's file")
+    p.add_argument("--snapshots", action="store_true", help="route-save: ds_dynatrain's snapshots of every step")
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
@@ -330,6 +337,22 @@ def main() -> None:
         if rank == 0:
             torch.save(before, os.path.join(a.out, "before.pt"))
             torch.save(after, os.path.join(a.out, "after.pt"))
+    elif a.mode == "route-save" and a.snapshots:  # ds_dynatrain's snapshots of every step instead
+        import ds_dynatrain
+
+        module = module_at(a.pp_from, a.method, a.buffer)
+        cfg = config(a, a.pp_from, False)
+        cfg["dynatrain"]["snapshot"] = {"interval_steps": 1, "dir": os.path.join(a.out, "route"), "keep_last": 1}
+        engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
+        engine.checkpoint_engine.wait()  # the last step's snapshot committed (SnapshotWriteError if not)
+        before = gather_logical(engine)
+        if rank == 0:
+            torch.save(before, os.path.join(a.out, "before.pt"))
+        with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        tdist.destroy_process_group()
+        exit_without_teardown(0)
     elif a.mode == "route-save":  # DeepSpeed's own route, first half: train at the old PP and save
         module = module_at(a.pp_from, a.method, a.buffer)
         cfg = config(a, a.pp_from, True)
@@ -359,6 +382,8 @@ def main() -> None:
         )
         set_logical(engine, torch.load(os.path.join(a.out, "before.pt")))
     out["after"] = [train_step(engine, s) for s in range(a.steps_before, a.steps_before + a.steps_after)]
+    if a.mode == "schedule":
+        engine.checkpoint_engine.wait()  # the last snapshot committed before the process ends
     final = gather_logical(engine)
     if rank == 0:
         torch.save(final, os.path.join(a.out, f"final_{a.mode}.pt"))
