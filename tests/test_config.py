@@ -281,14 +281,13 @@ def test_resolve_global_batch_refuses(keys, ws, message):
     [
         ({}, {}, "a PipelineModule job with ZeRO stage 0: ds_dynatrain changes the layout of pipeline jobs at ZeRO-1"),
         ({"zero_optimization": {"stage": 2}}, {}, "with ZeRO stage 2"),
-        ({"zero_optimization": {"stage": 1}}, {"snapshot": {"dir": "snaps"}}, "snapshots of a PipelineModule job"),
         (
             {"zero_optimization": {"stage": 1}},
             {"resize_schedule": [{"step": 3, "world_size": 2, "pipeline_parallel": 1, "tensor_parallel": 1}]},
             "resize_schedule step 3: tensor_parallel and pipeline_parallel both given",
         ),
     ],
-    ids=["zero0", "zero2", "snapshots", "schedule_both_degrees"],
+    ids=["zero0", "zero2", "schedule_both_degrees"],
 )
 def test_initialize_refuses_what_a_pipeline_job_cannot_have(extra, section, message):
     """What a pipeline job cannot have yet is refused by ``ds_dynatrain.initialize`` before any

@@ -43,11 +43,14 @@ CASES = {
     ),
     "tp1_to_tp2_zero3_bf16_refusals": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "3", "--bf16", "--refuse"]),
     # Qwen3's q_norm/k_norm: replicated, their gradients summed over TP by hooks the rebuild must keep
-    "qwen3_tp1_to_tp2_grad_allreduce_hooks": (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--qwen3"]),
+    # make test-slow (the suite's time): a Qwen3 model, and a frozen parameter AutoTP does not cut
+    "qwen3_tp1_to_tp2_grad_allreduce_hooks": pytest.param(
+        (2, ["--tp-from", "1", "--tp-to", "2", "--stage", "2", "--qwen3"]), marks=pytest.mark.slow
+    ),
     # a frozen parameter AutoTP does not cut (the final norm): copied into the rebuilt model
-    "tp2_to_tp1_zero2_frozen_norm": (
-        2,
-        ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--freeze", "model.norm.weight"],
+    "tp2_to_tp1_zero2_frozen_norm": pytest.param(
+        (2, ["--tp-from", "2", "--tp-to", "1", "--stage", "2", "--freeze", "model.norm.weight"]),
+        marks=pytest.mark.slow,
     ),
     "tp2_to_tp1_zero3": pytest.param((2, ["--tp-from", "2", "--tp-to", "1", "--stage", "3"]), marks=pytest.mark.slow),
     "tp2dp2_to_tp1dp4_bf16_tied": pytest.param(
