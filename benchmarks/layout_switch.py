@@ -177,6 +177,23 @@ def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
     )
 
 
+def print_loads(results: List[dict], label: str, fmt: Callable) -> None:
+    """The table of loads of the route's unconverted checkpoint at the new degree (``ours_load``),
+    one line per switch, and its legend."""
+    print(f"\n{'load':<9} {'ours':>7} | {'route':>7} {'convert':>7} {'load':>6} | {'ratio':>6} | {'same loss':>9}")
+    for r in results:
+        print(
+            f"{r['switch']:<9} {r['ours_load_s']:>7.3f} | {r['load_route_s']:>7.2f} {r['convert_s']:>7.2f} "
+            f"{r['relaunch_load_s']:>6.2f} | {fmt(r['load_ratio'], '.1f', 6)} | "
+            f"{'yes' if r['same_loss_after_load'] else 'no':>9}"
+        )
+    print(
+        f"\nloading the route's saved checkpoint at the new {label} in fresh processes, seconds: ours = "
+        f"engine.load_checkpoint of the unconverted DeepSpeed checkpoint (a load across {label} degrees); route = "
+        "ds_to_universal + load_checkpoint with load_universal; same loss = the first step after both loads"
+    )
+
+
 def common_arguments(ap: argparse.ArgumentParser, label: str) -> None:
     """The arguments both benchmarks take (the model's own are each benchmark's)."""
     ap.add_argument("--seq-len", type=int, default=64)

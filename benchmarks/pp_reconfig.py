@@ -27,6 +27,10 @@ goes from world/A to world/B):
   iteration at B, ``new_iter_s``, measured in our run). ``deepspeed_route_s`` = the sum;
   ``ratio`` = ``deepspeed_route_s / ours_s``. ``same_loss``: the first step after the switch has
   bitwise the same loss on both routes.
+* a load across PP degrees: fresh ranks at PP B with ``ds_dynatrain.initialize`` load the route's
+  saved (unconverted) PP-A checkpoint with ``engine.load_checkpoint`` (``ours_load_s``) and train
+  one step; against ``load_route_s`` = ``convert_s`` + ``relaunch_load_s`` (``load_ratio``), and
+  ``same_loss_after_load``: their first losses are bitwise equal.
 * memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize`` minus
   the resident set right before it (the largest over the ranks); ``largest_shard_bytes``:
   the largest ZeRO-1 partition of one rank of the fp32 master and both Adam moments (its stage's
@@ -45,7 +49,14 @@ import os
 import sys
 from typing import List
 
-from benchmarks.layout_switch import SwitchKind, check_arguments, common_arguments, print_switches, run_switches
+from benchmarks.layout_switch import (
+    SwitchKind,
+    check_arguments,
+    common_arguments,
+    print_loads,
+    print_switches,
+    run_switches,
+)
 from benchmarks.reconfig import fmt, parse_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +84,7 @@ def model_args(a) -> List[str]:
     ]
 
 
-KIND = SwitchKind(WORKER, "pp", "PP", "pipeline_parallel")
+KIND = SwitchKind(WORKER, "pp", "PP", "pipeline_parallel", ours_load=True)
 
 
 def print_table(results: List[dict], a) -> None:
@@ -84,6 +95,7 @@ def print_table(results: List[dict], a) -> None:
         f"processes, global batch {a.global_batch}, micro-batch 1; switch after step {a.steps_before}"
     )
     print_switches(results, "PP", fmt)
+    print_loads(results, "PP", fmt)
 
 
 def main(argv=None) -> int:

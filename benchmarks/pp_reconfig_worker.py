@@ -21,6 +21,8 @@ Modes (rank 0 writes ``--out``, JSON; times in seconds, sizes in bytes):
   ``load_checkpoint`` of ``--tag``; ``--steps`` steps (the first on the batch of
   ``--first-step``). Wall-clock timestamps of the end of start-up, of the load and of the first
   step, and the losses.
+* ``ours-load``: the same with ``ds_dynatrain.initialize`` at PP ``--pp-to`` loading the
+  unconverted checkpoint ``ds-save`` wrote (a load across PP degrees).
 """
 
 from __future__ import annotations
@@ -141,12 +143,25 @@ def run_ds_save(a) -> None:
 
 
 def run_ds_load(a) -> None:
-    load_route(plain_deepspeed(a, a.pp_to, load_universal=True), a, lambda e, s: train_iteration(e, s, a))
+    if a.mode == "ours-load":  # the unconverted checkpoint, through ds_dynatrain's load across PP
+        import ds_dynatrain
+
+        no_op_builds()
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        module = build(a, a.pp_to)
+        cfg = config(a, a.pp_to, False)
+        engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        del module
+    else:
+        engine = plain_deepspeed(a, a.pp_to, load_universal=True)
+    load_route(engine, a, lambda e, s: train_iteration(e, s, a))
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load"], required=True)
+    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load", "ours-load"], required=True)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=17)
     p.add_argument("--seq-len", type=int, default=64)
@@ -162,7 +177,7 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load}[a.mode](a)
+    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load, "ours-load": run_ds_load}[a.mode](a)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # results written, groups destroyed: no interpreter teardown (a stray gloo thread can abort it)

@@ -52,7 +52,14 @@ import os
 import sys
 from typing import List
 
-from benchmarks.layout_switch import SwitchKind, check_arguments, common_arguments, print_switches, run_switches
+from benchmarks.layout_switch import (
+    SwitchKind,
+    check_arguments,
+    common_arguments,
+    print_loads,
+    print_switches,
+    run_switches,
+)
 from benchmarks.reconfig import (
     VOCAB,
     fmt,
@@ -83,18 +90,7 @@ def print_table(results: List[dict], a) -> None:
         f"{a.steps_before}"
     )
     print_switches(results, "TP", fmt)
-    print(f"\n{'load':<9} {'ours':>7} | {'route':>7} {'convert':>7} {'load':>6} | {'ratio':>6} | {'same loss':>9}")
-    for r in results:
-        print(
-            f"{r['switch']:<9} {r['ours_load_s']:>7.3f} | {r['load_route_s']:>7.2f} {r['convert_s']:>7.2f} "
-            f"{r['relaunch_load_s']:>6.2f} | {fmt(r['load_ratio'], '.1f', 6)} | "
-            f"{'yes' if r['same_loss_after_load'] else 'no':>9}"
-        )
-    print(
-        "\nloading the route's saved checkpoint at the new TP in fresh processes, seconds: ours = "
-        "engine.load_checkpoint of the unconverted DeepSpeed checkpoint (a load across TP degrees); route = "
-        "ds_to_universal + load_checkpoint with load_universal; same loss = the first step after both loads"
-    )
+    print_loads(results, "TP", fmt)
 
 
 def main(argv=None) -> int:
