@@ -108,17 +108,23 @@ def train_iteration(engine, step: int, a) -> tuple:
     return time.perf_counter() - t0, float(loss.item())
 
 
-def run_ours(a) -> None:
+def our_engine(a, pp: int):
+    """``ds_dynatrain.initialize`` of the benchmark's pipeline at ``pp`` stages."""
     import ds_dynatrain
 
     no_op_builds()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    module = build(a, a.pp_from)
-    cfg = config(a, a.pp_from, False)
-    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
-    del module
+    module = build(a, pp)
+    engine, *_ = ds_dynatrain.initialize(
+        model=module, model_parameters=module.parameters(), config=config(a, pp, False)
+    )
+    return engine
+
+
+def run_ours(a) -> None:
+    engine = our_engine(a, a.pp_from)
     params = sum(p.numel for p in engine._dt.pp_layout.params)
     world = int(os.environ["WORLD_SIZE"])
     train = lambda e, s: train_iteration(e, s, a)  # noqa: E731
@@ -144,16 +150,7 @@ def run_ds_save(a) -> None:
 
 def run_ds_load(a) -> None:
     if a.mode == "ours-load":  # the unconverted checkpoint, through ds_dynatrain's load across PP
-        import ds_dynatrain
-
-        no_op_builds()
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        module = build(a, a.pp_to)
-        cfg = config(a, a.pp_to, False)
-        engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
-        del module
+        engine = our_engine(a, a.pp_to)
     else:
         engine = plain_deepspeed(a, a.pp_to, load_universal=True)
     load_route(engine, a, lambda e, s: train_iteration(e, s, a))

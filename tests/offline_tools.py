@@ -1,5 +1,6 @@
-"""The offline tools' oracle shared by the load tests: ``verify``, ``inspect`` and ``export`` of a
-saved checkpoint, without a model, checked against the saving job's gathered fp32 master."""
+"""Oracles shared by the load tests: ``verify``, ``inspect`` and ``export`` of a saved checkpoint,
+without a model, checked against the saving job's gathered fp32 master; a refused load that
+changed nothing."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ def check_offline_tools(ckpt: str, before: dict, world: int, tp: int = 1, pp: in
     for name, v in before.items():
         if not name.startswith("__"):
             assert torch.equal(weights[name], v["fp32"]), f"exported {name} differs from the saved master"
+
+
+def check_refused_unchanged(out_dir, world: int) -> None:
+    """Every rank's fp32 master and working parameters before and after a refused load
+    (``refused<r>.pt`` of a load worker: ``{"before": [...], "after": [...]}``) are bitwise equal."""
+    for r in range(world):
+        refused = torch.load(os.path.join(out_dir, f"refused{r}.pt"))
+        assert len(refused["before"]) == len(refused["after"]) > 0
+        for x, y in zip(refused["before"], refused["after"]):
+            assert torch.equal(x, y), f"a refused load changed rank {r}'s master or parameters"
