@@ -39,6 +39,7 @@ CASES = {
     "pp1_to_pp2": pytest.param((2, 1, 2, "parameters", "float32", False), marks=pytest.mark.slow),
     "pp2dp2_to_pp4_uniform_bf16": pytest.param((4, 2, 4, "uniform", "bfloat16", False), marks=pytest.mark.slow),
     "pp4_to_pp1dp4_buffer": pytest.param((4, 4, 1, "parameters", "float32", True), marks=pytest.mark.slow),
+    "pp2_to_pp1_fp16": pytest.param((2, 2, 1, "parameters", "float16", False), marks=pytest.mark.slow),
 }
 
 

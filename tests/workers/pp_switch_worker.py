@@ -56,7 +56,7 @@ import torch.distributed as tdist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tests.workers.common import exit_without_teardown  # noqa: E402
+from tests.workers.common import allow_cpu_fp16, exit_without_teardown  # noqa: E402
 from tests.workers.pipeline_layout_worker import VOCAB, loss_fn, specs  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 4, 8
@@ -102,6 +102,9 @@ def config(a, pp: int, plain: bool) -> dict:
     }
     if a.dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
+    if a.dtype == "float16":  # a fixed loss scale: the static run's fresh scaler and the switched job's agree
+        allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
+        cfg["fp16"] = {"enabled": True, "loss_scale": 256}
     if plain:
         cfg["gradient_accumulation_steps"] = GLOBAL_BATCH // dp
     else:
