@@ -39,29 +39,30 @@ pytestmark = pytest.mark.multiprocess
 WORKER = os.path.join(WORKERS, "pp_switch_worker.py")
 
 # (world, pp saved, pp loaded, partition method saved, at the load, dtype, a layer with a buffer, refuse,
-#  saved by ds_dynatrain's snapshots instead of DeepSpeed's save_checkpoint)
+#  saved by ds_dynatrain's snapshots instead of DeepSpeed's save_checkpoint, two optimizer groups)
 CASES = {
-    "deepspeed_pp2_to_pp1_refusal": (2, 2, 1, "parameters", "parameters", "float32", False, True, False),
+    # two optimizer parameter groups (weight decay, and none for biases and the norm)
+    "deepspeed_pp2_to_pp1_groups_refusal": (2, 2, 1, "parameters", "parameters", "float32", False, True, False, True),
     "snapshots_pp1_to_pp2": pytest.param(
-        (2, 1, 2, "parameters", "uniform", "float32", False, False, True), marks=pytest.mark.slow
+        (2, 1, 2, "parameters", "uniform", "float32", False, False, True, False), marks=pytest.mark.slow
     ),
     "snapshots_pp2dp2_to_pp4_uniform_bf16": pytest.param(
-        (4, 2, 4, "uniform", "parameters", "bfloat16", False, False, True), marks=pytest.mark.slow
+        (4, 2, 4, "uniform", "parameters", "bfloat16", False, False, True, False), marks=pytest.mark.slow
     ),
     "deepspeed_pp4_to_pp2dp2_buffer": pytest.param(
-        (4, 4, 2, "parameters", "parameters", "float32", True, True, False), marks=pytest.mark.slow
+        (4, 4, 2, "parameters", "parameters", "float32", True, True, False, False), marks=pytest.mark.slow
     ),
     "snapshots_pp2_to_pp1_refusal": pytest.param(
-        (2, 2, 1, "parameters", "parameters", "float32", False, True, True), marks=pytest.mark.slow
+        (2, 2, 1, "parameters", "parameters", "float32", False, True, True, False), marks=pytest.mark.slow
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_pipeline_checkpoint_loads_at_another_pp_as_saved_and_trains_as_the_static_run(tmp_path, case):
-    world, a, b, method, method_to, dtype, buffer, refuse, snapshots = case
+    world, a, b, method, method_to, dtype, buffer, refuse, snapshots, groups = case
     common = ["--pp-from", str(a), "--pp-to", str(b), "--method", method, "--method-to", method_to]
-    common += ["--dtype", dtype, "--out", str(tmp_path)] + ["--buffer"] * buffer
+    common += ["--dtype", dtype, "--out", str(tmp_path)] + ["--buffer"] * buffer + ["--groups"] * groups
     for mode in ("route-save", "load", "static"):
         extra = ["--refuse"] if refuse and mode == "load" else []
         extra += ["--snapshots"] if snapshots and mode == "route-save" else []

@@ -49,7 +49,9 @@ def pipelines(draw):
         k = draw(st.integers(1, 2))
         shapes = [tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))) for _ in range(k)]
         layers.append(PipelineLayer(tuple(ParamMeta(f"{i}.w{j}", s, "float32") for j, s in enumerate(shapes))))
-    zero = dict(parameter_alignment=draw(st.booleans()), round_robin=draw(st.booleans()))
+    keys = sorted({p.key for layer in layers for p in layer.params})
+    groups = tuple((k, g) for k in keys if (g := draw(st.integers(0, 2))))  # optimizer groups 1, 2 or 0
+    zero = dict(parameter_alignment=draw(st.booleans()), round_robin=draw(st.booleans()), optimizer_groups=groups)
     out = []
     for _ in range(2):
         pp, dp = draw(st.integers(1, min(3, n))), draw(st.integers(1, 3))
@@ -156,10 +158,10 @@ def test_stage_bounds_read_back_from_the_stages_parameters(layout):
     """The split a saved pipeline's stages record (each stage's parameter names, in order) gives
     back stage bounds under which every stage holds exactly those parameters; bounds that differ
     only where parameterless layers lie give the same stages."""
-    keys = [[p.key for p in layout.stage_params(s)] for s in range(layout.pp)]
-    parts = stage_bounds(layout.layers, keys)
+    keys = [[p.key for g in layout.zero(s).groups for p in g] for s in range(layout.pp)]  # group by group
+    parts = stage_bounds(layout.layers, keys, layout.optimizer_groups)
     found = layout.with_degrees(layout.pp, layout.dp, parts)
-    assert [[p.key for p in found.stage_params(s)] for s in range(layout.pp)] == keys
+    assert [[p.key for g in found.zero(s).groups for p in g] for s in range(layout.pp)] == keys
     assert parts[0] == 0 and parts[-1] == len(layout.layers)
     assert all(parts[s] <= layout.parts[s] for s in range(layout.pp))  # the earliest split
 
@@ -173,8 +175,12 @@ def test_stage_bounds_refuse_what_no_split_gives():
         stage_bounds(layers, [["0.w", "1.w"], ["2.w"]])
     with pytest.raises(LayoutMismatchError, match="no split of the 4 layers into 2 stages gives stage 0"):
         stage_bounds(layers, [["2.w", "3.w"], ["0.w", "1.w"]])
+    with pytest.raises(LayoutMismatchError, match="gives stage 0"):
+        stage_bounds(layers, [["0.w", "2.w"], ["1.w", "3.w"]])  # not contiguous
     with pytest.raises(LayoutMismatchError, match="gives stage 1"):
-        stage_bounds(layers, [["0.w"], ["2.w", "1.w", "3.w"]])
+        stage_bounds(layers, [["0.w"], ["3.w", "1.w", "2.w"]])  # another order
+    # with optimizer groups, a stage lists them one after the other
+    assert stage_bounds(layers, [["0.w"], ["2.w", "1.w", "3.w"]], (("1.w", 1), ("3.w", 1))) == (0, 1, 4)
 
 
 def test_bad_bounds_and_models_are_refused():
@@ -262,3 +268,19 @@ def test_plan_cli_with_pipeline_degrees(tmp_path, capsys, tied):
     for args, words in refusals:
         rc, _, err = plan(*args)
         assert rc == 2 and words in err, (args, err)
+
+
+def test_a_stage_without_an_optimizer_group_the_others_hold_is_refused():
+    """DeepSpeed's ZeRO-1 reduces each optimizer group's gradient norm over the stages: a split
+    leaving a stage without a group the others hold would hang the next step, so it is refused."""
+    from ds_dynatrain.engine.pp_switch import check_stage_groups
+
+    layers = tuple(PipelineLayer((ParamMeta(f"{i}.w", (2, 2), "float32"),)) for i in range(4))
+    one = PipelineLayout(2, 1, layers, (0, 2, 4), optimizer_groups=(("1.w", 1), ("3.w", 1)))
+    check_stage_groups(one)  # both stages hold groups 0 and 1
+    other = one.with_degrees(2, 1, (0, 1, 4))
+    with pytest.raises(
+        LayoutMismatchError, match=r"stage 1 holds parameters of optimizer groups \[0, 1\] and stage 0 of \[0\]"
+    ):
+        check_stage_groups(other)
+    assert [p.key for p in other.zero(1).groups[1]] == ["1.w", "3.w"]  # group by group, in module order

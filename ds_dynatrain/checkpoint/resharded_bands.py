@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointIncompleteError
-from ..planner.box_plan import BoxPlan
-from ..planner.plan import scalars_between
+from ..planner.box_plan import BoxPlan, band_scalars
 from ..planner.pp_plan import plan_pp_transition
 from ..planner.tp_plan import plan_tp_transition
 from ..vps.pipeline import PipelineLayout
@@ -94,4 +93,4 @@ def new_scalars(saved: SavedCheckpoint, old, live, rank: int) -> list:
     partitions under band layout ``live``, from saved rank 0's partitions of the same optimizer
     parameter group."""
     scalars = partitions_of(saved.optim(0, 0).tree, saved.stage).scalars
-    return scalars_between(old.zero(0), live.zero_of(rank), scalars)
+    return band_scalars(old, 0, live, rank, scalars)

@@ -43,9 +43,10 @@ def saved_pp_layout(saved: SavedCheckpoint, live: PipelineLayout) -> PipelineLay
         for s in range(saved.pp)
     ]
     try:
-        parts = stage_bounds(layers, stage_keys)
+        parts = stage_bounds(layers, stage_keys, live.optimizer_groups)
         rr, align, stage, sub_group_size = saved.zero_settings()
-        old = PipelineLayout(saved.pp, saved.world_size, layers, parts, stage, rr, align, sub_group_size)
+        zero = (stage, rr, align, sub_group_size, live.optimizer_groups)
+        old = PipelineLayout(saved.pp, saved.world_size, layers, parts, *zero)
     except (LayoutMismatchError, ValueError) as err:
         raise LayoutMismatchError(
             f"{saved.dir} (saved at {saved.degrees()}) does not fit the model's layers: {err}"
@@ -60,8 +61,9 @@ def pp_layout_from_metadata(saved: SavedCheckpoint) -> PipelineLayout:
     """The :class:`PipelineLayout` ``saved`` (a pipeline checkpoint, ``saved.pp > 1``) was written
     in, from its metadata alone (no model: what ``verify``, ``inspect`` and ``export`` use): each
     stage's ``param_shapes`` (its model-state file) as the stage's layers, one per tied key
-    (``tied_modules.<key>.*``) and one per layer index (``<index>.*``), in the order the stage
-    lists them. Not checked against the partitions: the callers do that.
+    (``tied_modules.<key>.*``) and one per layer index (``<index>.*``), and its optimizer groups
+    (each list of ``param_shapes``; a stage lists only the groups holding some of its
+    parameters). Not checked against the partitions: the callers do that.
 
     Raises:
         CheckpointIncompleteError: a stage's model-state file without ``param_shapes``.
@@ -69,26 +71,36 @@ def pp_layout_from_metadata(saved: SavedCheckpoint) -> PipelineLayout:
             a stage holding nothing), naming it.
     """
     dtype = saved.working_dtype()
-    layers, parts = [], [0]
+    layers, parts, group_of = [], [0], {}
     for s in range(saved.pp):
-        shapes = [
-            (str(n), tuple(int(d) for d in shape))
-            for g in (saved.model_state_of(s).get("param_shapes") or [])
-            for n, shape in g.items()
-        ]
-        if not shapes:
+        groups = [g for g in (saved.model_state_of(s).get("param_shapes") or []) if len(g)]
+        if not groups:
             raise CheckpointIncompleteError(f"{saved.dir}: stage {s}'s model-state file has no param_shapes")
         owners = {}  # layer name -> its parameters, in the stage's order
-        for name, shape in shapes:
-            owner = ".".join(name.split(".", 2)[:2]) if name.startswith(TIED_PREFIX) else name.split(".", 1)[0]
-            owners.setdefault(owner, []).append(ParamMeta(name, shape, dtype))
-        for owner, params in owners.items():
+        for g, shapes in enumerate(groups):
+            for name, shape in shapes.items():
+                name = str(name)
+                if group_of.setdefault(name, g) != g:  # the stages' empty groups were left out differently
+                    raise LayoutMismatchError(
+                        f"{saved.dir}: tied parameter {name} is in the optimizer group at position "
+                        f"{group_of[name]} on one stage and {g} on stage {s}: the groups cannot be told apart"
+                    )
+                owner = ".".join(name.split(".", 2)[:2]) if name.startswith(TIED_PREFIX) else name.split(".", 1)[0]
+                owners.setdefault(owner, []).append(ParamMeta(name, tuple(int(d) for d in shape), dtype))
+        # PipelineModule's order: tied modules first (as listed), then the layers by index
+        order = sorted(
+            owners, key=lambda o: (0, 0) if o.startswith(TIED_PREFIX) else (1, int(o)) if o.isdigit() else (2, 0)
+        )
+        for owner in order:
             tie = owner[len(TIED_PREFIX) :] if owner.startswith(TIED_PREFIX) else None
-            layers.append(PipelineLayer(tuple(params), tie))
+            layers.append(PipelineLayer(tuple(owners[owner]), tie))
         parts.append(len(layers))
     rr, align, stage, sub_group_size = saved.zero_settings()
+    in_groups = tuple(sorted((k, g) for k, g in group_of.items() if g))
     try:
-        return PipelineLayout(saved.pp, saved.world_size, tuple(layers), tuple(parts), stage, rr, align, sub_group_size)
+        return PipelineLayout(
+            saved.pp, saved.world_size, tuple(layers), tuple(parts), stage, rr, align, sub_group_size, in_groups
+        )
     except (LayoutMismatchError, ValueError) as err:
         raise LayoutMismatchError(f"{saved.dir}: the stages' param_shapes do not describe one model: {err}") from None
 

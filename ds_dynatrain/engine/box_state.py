@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as tdist
 
-from ..planner.plan import scalars_between
+from ..planner.box_plan import band_scalars
 from ..transition.boxes import execute_box_plan
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from .pending import publish
@@ -49,9 +49,10 @@ def new_partitions(layout, rank: int, kinds: Dict[str, torch.dtype]) -> List[Dic
 def new_scalars(old, old_rank: int, new, new_rank: int, scalars) -> list:
     """The optimizer's non-partition state (Adam's ``step``) of each new partition of global
     ``new_rank`` under band layout ``new``, copied from ``scalars`` (those of old global
-    ``old_rank``'s partitions) by :func:`~ds_dynatrain.planner.plan.scalars_between` (at ZeRO-3
-    the number of sub-groups changes with the layout; every partition of a group steps together)."""
-    src = scalars_between(old.zero_of(old_rank), new.zero_of(new_rank), scalars)
+    ``old_rank``'s partitions) by :func:`~ds_dynatrain.planner.box_plan.band_scalars` (at ZeRO-3
+    the number of sub-groups changes with the layout; a pipeline stage's optimizer groups change
+    with its layers; every partition steps together)."""
+    src = band_scalars(old, old_rank, new, new_rank, scalars)
     return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in src]
 
 

@@ -53,7 +53,8 @@ def construct_pipeline(
 
 def check_pipeline_layout(engine) -> None:
     """Raise :class:`LayoutMismatchError` when DeepSpeed's build is not the job's layout on this
-    rank: the stage's parameters (names, shapes, order) or its fp32 partitions' sizes."""
+    rank: the stage's parameters (names, shapes, order), its optimizer groups (the parameters of
+    each, in order) or its fp32 partitions' sizes."""
     from ..zero.geometry import fp32_partitions, zero_optimizer_of
 
     layout = engine._dt.pp_layout
@@ -64,6 +65,14 @@ def check_pipeline_layout(engine) -> None:
     if theirs != ours:
         raise LayoutMismatchError(f"stage {stage} holds {theirs[:3]}..., the pipeline layout says {ours[:3]}...")
     zl = layout.zero(stage)
+    name = {id(p): n for n, p in engine.module.named_parameters()}
+    theirs = [[name.get(id(p)) for p in group] for group in zero_optimizer_of(engine).bit16_groups]
+    ours = [[p.key for p in group] for group in zl.groups]
+    if theirs != ours:
+        raise LayoutMismatchError(
+            f"stage {stage}'s optimizer groups hold {[g[:2] for g in theirs]}..., the pipeline layout says "
+            f"{[g[:2] for g in ours]}... (each group's parameters in the module's order)"
+        )
     sizes = [int(t.numel()) for t in fp32_partitions(zero_optimizer_of(engine))]
     expected = [zl.partition_numel(b) for b in range(zl.num_partitions)]
     if sizes != expected:

@@ -20,15 +20,16 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.launch_env import LaunchContext, member_id
-from ..errors import ResizeRefusedError
+from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names, pipeline_layout
+from ..zero.state import relink_optimizer_state
 from . import loading
 from .construct import ds_config_for, latest_by_commit
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown
 from .pp_build import check_pipeline_layout, construct_pipeline
-from .pp_switch import layout_at, switch_pipeline_parallel
+from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
 from .state import ElasticState
 
@@ -127,6 +128,9 @@ class ElasticPipelineEngine(PipelineEngine):
         reaches the same step; a snapshot of that step is of the layout before the switch)."""
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
+        if not dt.hp_linked:  # DeepSpeed 0.19.8 links group 0's fragments only (boundary.after_optimizer_step)
+            relink_optimizer_state(self)
+            dt.hp_linked = True
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
@@ -200,9 +204,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     check_rebuildable(module)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("a PipelineModule job takes a torch optimizer object or the config's optimizer section")
-    groups = optimizer.param_groups if optimizer is not None else (model_parameters or [])
-    if len(groups) > 1 and isinstance(groups[0], dict):
-        raise ConfigError("a PipelineModule job with several parameter groups: ds_dynatrain needs one group")
+    optimizer_groups = gather_optimizer_groups(module, optimizer, model_parameters)
     world, rank = tdist.get_world_size(), tdist.get_rank()
     pp = module.num_stages
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, world // pp, elastic=False)
@@ -218,13 +220,17 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
         backend=tdist.get_backend(),
         metrics=MetricsWriter(dt_cfg.metrics_path),
     )
-    dt.pp_layout = job_layout(module, ds_config, dt_cfg, pp, world)
+    dt.pp_layout = job_layout(module, ds_config, dt_cfg, pp, world, optimizer_groups)
     if tuple(int(x) for x in module.parts) != dt.pp_layout.parts:
         raise ConfigError(
             f"dynatrain.pipeline_partition_method {dt_cfg.pipeline_partition_method!r} splits the layers at "
             f"{list(dt.pp_layout.parts)}, the PipelineModule was split at {[int(x) for x in module.parts]}: "
             "set it to the partition_method the module was built with"
         )
+    try:
+        check_stage_groups(dt.pp_layout)
+    except LayoutMismatchError as err:
+        raise ConfigError(f"a PipelineModule job's optimizer groups: {err}") from None
     check_pipeline_schedule(dt, layer_type_names(module))
     engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
     split = dt.split(world // pp)
@@ -261,8 +267,52 @@ def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
             raise ConfigError(f"{entry}: {err}") from None
 
 
-def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int):
+def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int, optimizer_groups=()):
     """The job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` at ``pp`` stages."""
     dtype = str(working_dtype(ds_config, module)).replace("torch.", "")
     method = dt_cfg.pipeline_partition_method
-    return pipeline_layout(module, pp, world, dtype, method, stage=1, **zero12_settings(ds_config))
+    zero = dict(stage=1, optimizer_groups=optimizer_groups, **zero12_settings(ds_config))
+    return pipeline_layout(module, pp, world, dtype, method, **zero)
+
+
+def gather_optimizer_groups(module, optimizer, model_parameters):
+    """``(key, index)`` of every trainable parameter of the whole pipeline outside the optimizer's
+    group 0 (each process names its stage's; collective), for :class:`PipelineLayout`: the
+    parameter groups of ``optimizer`` (a torch optimizer) or of ``model_parameters`` (a list of
+    ``{"params": ...}`` dicts); one group otherwise.
+
+    Raises:
+        ConfigError: (on every rank) a process with another number of groups than the others, a
+            trainable parameter of the stage in no group or in two, a tied parameter in different
+            groups on different stages.
+    """
+    groups = optimizer.param_groups if optimizer is not None else list(model_parameters or [])
+    if not groups or not isinstance(groups[0], dict):
+        groups = [{"params": list(module.parameters())}]
+    name = {id(p): n for n, p in module.named_parameters()}
+    mine, problem = {}, None
+    for g, group in enumerate(groups):
+        for p in group["params"]:
+            key = name.get(id(p))
+            if key is None:
+                problem = problem or f"optimizer group {g} holds a tensor that is no parameter of the stage"
+            elif key in mine:
+                problem = problem or f"parameter {key} is in optimizer groups {mine[key]} and {g}"
+            mine[key] = g
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and n not in mine]
+    if missing:
+        problem = problem or f"parameter {missing[0]} is in no optimizer group"
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, (len(groups), mine, problem))
+    merged: dict = {}
+    for r, (count, theirs, said) in enumerate(every):
+        if said is None and count != len(groups):
+            said = f"{count} optimizer parameter groups on rank {r}, {len(groups)} on rank {tdist.get_rank()}"
+        for key, g in theirs.items():
+            if merged.setdefault(key, g) != g and said is None:
+                said = f"tied parameter {key} is in optimizer group {merged[key]} on one stage and {g} on another"
+        if said is not None:
+            raise ConfigError(
+                f"a PipelineModule job's optimizer groups (rank {r}): {said}; every stage needs the same groups"
+            )
+    return tuple(sorted((k, g) for k, g in merged.items() if g))

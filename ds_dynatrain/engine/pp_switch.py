@@ -53,7 +53,8 @@ def layout_at(old, type_names, pp: int, method: str):
 
     Raises:
         ResizeRefusedError: ``pp`` below 1, not dividing the world size, above the number of
-            layers, or a split leaving a stage without a trainable parameter.
+            layers, a split leaving a stage without a trainable parameter or without one of an
+            optimizer group the others hold (:func:`check_stage_groups`).
     """
     world = old.world_size
     if pp < 1 or world % pp:
@@ -62,9 +63,31 @@ def layout_at(old, type_names, pp: int, method: str):
         raise ResizeRefusedError(f"PP degree {pp} refused: the pipeline has {len(old.layers)} layers")
     parts = pipeline_parts(old.layers, type_names, pp, method)
     try:
-        return old.with_degrees(pp, world // pp, parts)
+        new = old.with_degrees(pp, world // pp, parts)
+        check_stage_groups(new)
     except LayoutMismatchError as err:
         raise ResizeRefusedError(f"PP degree {pp} refused: {err}") from None
+    return new
+
+
+def check_stage_groups(layout) -> None:
+    """Every stage of ``layout`` holds parameters of the same optimizer groups: DeepSpeed's ZeRO-1
+    all-reduces each group's gradient norm over the stages (``stage_1_and_2.py``
+    ``get_grad_norm_direct``, over the model-parallel group), so stages with other groups wait
+    on each other for ever.
+
+    Raises:
+        LayoutMismatchError: naming the first stage whose groups differ from stage 0's.
+    """
+    first = layout.optimizer_group_ids(0)
+    for s in range(1, layout.pp):
+        ids = layout.optimizer_group_ids(layout.rank(s, 0))
+        if ids != first:
+            raise LayoutMismatchError(
+                f"stage {s} holds parameters of optimizer groups {list(ids)} and stage 0 of {list(first)} (split at "
+                f"{list(layout.parts)}); DeepSpeed's ZeRO-1 reduces every group's gradient norm over the stages, "
+                "so each stage must hold parameters of every group"
+            )
 
 
 def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
@@ -95,26 +118,28 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
     )
 
     def rebuild():
-        rebuild_pipeline_at(engine, pp, split)
+        rebuild_pipeline_at(engine, new, split)
         dt.pp_layout = new
         check_pipeline_layout(engine)
 
     return switch_in_place(engine, plan, rec, t0, rebuild)
 
 
-def rebuild_pipeline_at(engine, pp: int, split) -> None:
-    """Rebuild ``engine`` in place on a new ``PipelineModule`` of the same layers at ``pp``
-    stages, with the torch optimizer and scheduler it had (the optimizer's one group now holds the
-    new stage's parameters); its values are written after by
-    :func:`~ds_dynatrain.engine.box_state.install_moved_state`."""
+def rebuild_pipeline_at(engine, new, split) -> None:
+    """Rebuild ``engine`` in place on a new ``PipelineModule`` of the same layers at ``new.pp``
+    stages (``new``: the job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` there), with the
+    torch optimizer and scheduler it had (each parameter group now holds the new stage's
+    parameters of that group, in module order; DeepSpeed leaves the empty ones out); its values
+    are written after by :func:`~ds_dynatrain.engine.box_state.install_moved_state`."""
     dt = engine._dt
     basic, scheduler, old_module = engine.optimizer.optimizer, engine.lr_scheduler, engine.module
     with counters_kept(engine):
         close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
         teardown(engine)
         reset_pipeline_globals()
-        module = pipeline_module_at(old_module, pp, dt.config.pipeline_partition_method)
-        basic.param_groups[0]["params"] = list(module.parameters())
+        module = pipeline_module_at(old_module, new.pp, dt.config.pipeline_partition_method)
+        for g, group in enumerate(basic.param_groups):
+            group["params"] = [p for n, p in module.named_parameters() if new.group_of(n) == g]
         dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
         construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)
     if dt.pipeline_data is not None:  # the first and last stages read it (new ones among them)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .assignment import assign_by_overlap
 from .boxes import TP_COLUMNS, TP_WIDTH, box_overlap_matrix
-from .plan import check_members
+from .plan import check_members, scalars_between
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,3 +116,26 @@ def kept_upper_bound(k: np.ndarray, must_leave_rows: Sequence[int] = ()) -> int:
     if k.size == 0:
         return 0
     return int(min(k.max(axis=0).sum(), k.max(axis=1).sum()))
+
+
+def band_scalars(old, old_rank: int, new, new_rank: int, scalars: list) -> list:
+    """The non-partition optimizer states (Adam's ``step``) of each partition of global
+    ``new_rank`` under band layout ``new``, from ``scalars`` (one per partition of old global
+    ``old_rank`` under ``old``; the same objects are returned).
+
+    A pipeline stage's partitions are its optimizer groups that hold some of its parameters
+    (ZeRO-1): a new partition takes the states of the old partition of the same optimizer group,
+    or the first old partition's where the old stage held none of that group (every group steps
+    at every optimizer step). Otherwise (AutoTP: every TP rank has the same groups; ZeRO-3
+    sub-groups) :func:`~ds_dynatrain.planner.plan.scalars_between`.
+
+    Raises:
+        ValueError: ``scalars`` does not hold one entry per old partition.
+    """
+    if not hasattr(new, "optimizer_group_ids"):
+        return scalars_between(old.zero_of(old_rank), new.zero_of(new_rank), scalars)
+    old_ids = old.optimizer_group_ids(old_rank)
+    if len(scalars) != len(old_ids):
+        raise ValueError(f"{len(scalars)} scalar sets for the {len(old_ids)} partitions of the old stage")
+    by_group = dict(zip(old_ids, scalars))
+    return [by_group.get(g, scalars[0]) for g in new.optimizer_group_ids(new_rank)]

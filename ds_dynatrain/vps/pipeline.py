@@ -69,8 +69,12 @@ class PipelineLayout:
         parts: the stage bounds, ``pp + 1`` increasing layer indices from 0 to the number of
             layers (DeepSpeed's ``PipelineModule.parts``, from its partition method).
         stage, round_robin, parameter_alignment, sub_group_size: the ZeRO settings, as
-            :class:`~ds_dynatrain.vps.layout.ZeroLayout` (one optimizer group per stage: the
-            stage's parameters in ``PipelineModule`` order, tied modules first).
+            :class:`~ds_dynatrain.vps.layout.ZeroLayout`.
+        optimizer_groups: ``(key, index)`` of the parameters not in the optimizer's group 0 (empty:
+            one group). Each stage's ZeRO layout has one group per optimizer parameter group
+            that holds some of the stage's parameters (DeepSpeed leaves a stage's empty groups
+            out), each the stage's parameters of that group in ``PipelineModule`` order, tied
+            modules first.
 
     Raises:
         LayoutMismatchError: ``parts`` does not bound ``pp`` stages of the layer list, a stage
@@ -89,7 +93,9 @@ class PipelineLayout:
     round_robin: bool = False
     parameter_alignment: bool = False
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    optimizer_groups: Tuple[Tuple[str, int], ...] = ()
     _zero: Tuple[ZeroLayout, ...] = field(init=False, repr=False, compare=False, hash=False)
+    _group_ids: Tuple[Tuple[int, ...], ...] = field(init=False, repr=False, compare=False, hash=False)
     _params: Tuple[ParamMeta, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -113,18 +119,22 @@ class PipelineLayout:
         for s in range(self.pp):
             if not self.stage_params(s):
                 raise LayoutMismatchError(f"stage bounds {list(parts)}: stage {s} holds no trainable parameter")
-        zero = tuple(
-            ZeroLayout(
-                self.dp,
-                (self.stage_params(s),),
-                self.round_robin,
-                self.parameter_alignment,
-                self.stage,
-                self.sub_group_size,
+        index = dict(self.optimizer_groups)
+        unknown = sorted(set(index) - set(metas))
+        if unknown:
+            raise LayoutMismatchError(f"optimizer group of {unknown[0]}, which no layer holds")
+        zero, ids = [], []
+        for s in range(self.pp):
+            by_group: Dict[int, list] = {}
+            for p in self.stage_params(s):
+                by_group.setdefault(index.get(p.key, 0), []).append(p)
+            ids.append(tuple(sorted(by_group)))
+            groups = tuple(tuple(by_group[g]) for g in ids[-1])
+            zero.append(
+                ZeroLayout(self.dp, groups, self.round_robin, self.parameter_alignment, self.stage, self.sub_group_size)
             )
-            for s in range(self.pp)
-        )
-        object.__setattr__(self, "_zero", zero)
+        object.__setattr__(self, "_zero", tuple(zero))
+        object.__setattr__(self, "_group_ids", tuple(ids))
 
     @property
     def world_size(self) -> int:
@@ -177,10 +187,23 @@ class PipelineLayout:
 
     @property
     def groups(self) -> Tuple[Tuple[ParamMeta, ...], ...]:
-        """``(params,)``: the model's parameters as one group (each stage's optimizer group is a
-        part of it), as :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout` gives its
-        groups."""
-        return (self._params,)
+        """The model's parameters per optimizer parameter group (by name; empty groups left out;
+        each stage's groups are parts of them), as
+        :class:`~ds_dynatrain.vps.tensor_parallel.TensorParallelLayout` gives its groups."""
+        index = dict(self.optimizer_groups)
+        by_group: Dict[int, list] = {}
+        for p in self._params:
+            by_group.setdefault(index.get(p.key, 0), []).append(p)
+        return tuple(tuple(by_group[g]) for g in sorted(by_group))
+
+    def group_of(self, key: str) -> int:
+        """The optimizer parameter group of parameter ``key``."""
+        return dict(self.optimizer_groups).get(key, 0)
+
+    def optimizer_group_ids(self, rank: int) -> Tuple[int, ...]:
+        """The optimizer parameter group of each ZeRO group (partition at ZeRO-1) of global
+        ``rank``'s stage."""
+        return self._group_ids[self.stage_of_rank(rank)]
 
     def band(self, p: ParamMeta, stage: int) -> Tuple[int, int, int, int]:
         """``(row, rows, col, cols)`` of stage ``stage``'s part of ``p``: its whole matrix (the
@@ -222,8 +245,9 @@ class PipelineLayout:
         bands = self.band_boxes()
         parts = []
         for s in range(self.pp):
-            frag = self._zero[s].fragment_table()
-            pidx = np.asarray([index[p.key] for p in self.stage_params(s)], dtype=np.int64)[frag.param]
+            frag = self._zero[s].fragment_table()  # its param index: the stage's parameters group by group
+            keys = [p.key for g in self._zero[s].groups for p in g]
+            pidx = np.asarray([index[k] for k in keys], dtype=np.int64)[frag.param]
             ranks = s * self.dp + frag.rank
             parts.append(fragment_boxes(frag, pidx, s, bands[pidx, s], ranks))
         return BoxTable(*(np.concatenate([p[i] for p in parts]) for i in range(len(BOX_FIELDS))))
@@ -246,6 +270,8 @@ class PipelineLayout:
         theirs = (other.stage, other.round_robin, other.parameter_alignment, other.sub_group_size)
         if mine != theirs:
             raise LayoutMismatchError(f"the two pipeline layouts differ in their ZeRO settings: {mine} and {theirs}")
+        if self.optimizer_groups != other.optimizer_groups:
+            raise LayoutMismatchError("the two pipeline layouts put parameters in different optimizer groups")
 
     def with_degrees(self, pp: int, dp: int, parts: Sequence[int]) -> "PipelineLayout":
         """The same model and ZeRO settings at ``pp`` stages of ``dp`` ranks, split at ``parts``."""
@@ -258,12 +284,19 @@ class PipelineLayout:
             self.round_robin,
             self.parameter_alignment,
             self.sub_group_size,
+            self.optimizer_groups,
         )
 
 
-def stage_bounds(layers: Sequence[PipelineLayer], stage_keys: Sequence[Sequence[str]]) -> Tuple[int, ...]:
+def stage_bounds(
+    layers: Sequence[PipelineLayer],
+    stage_keys: Sequence[Sequence[str]],
+    optimizer_groups: Sequence[Tuple[str, int]] = (),
+) -> Tuple[int, ...]:
     """The stage bounds (``parts``, :class:`PipelineLayout`) under which stage ``s`` holds exactly
-    the parameters ``stage_keys[s]``, in that order: the split of a saved pipeline read back from
+    the parameters ``stage_keys[s]``, in that order (its optimizer groups one after the other, as
+    ``optimizer_groups`` assigns them, each in ``PipelineModule`` order): the split of a saved
+    pipeline read back from
     the parameter names each stage recorded (DeepSpeed keeps no record of its partition method).
     Parameters without elements are left out of the comparison, as DeepSpeed leaves them out of
     its partitions. Where layers without parameters let several splits fit, the one whose stages
@@ -288,8 +321,11 @@ def stage_bounds(layers: Sequence[PipelineLayer], stage_keys: Sequence[Sequence[
     if pp < 1 or pp > n:
         raise LayoutMismatchError(f"{pp} stages cannot split {n} layers")
 
+    group_of = dict(optimizer_groups)
+
     def held(lo: int, hi: int) -> Tuple[str, ...]:
-        return tuple(p.key for p in held_params(layers[lo:hi]) if math.prod(p.shape) > 0)
+        keys = [p.key for p in held_params(layers[lo:hi]) if math.prod(p.shape) > 0]
+        return tuple(sorted(keys, key=lambda k: group_of.get(k, 0)))  # stable: module order in a group
 
     failed = set()
     deepest = [0]

@@ -112,7 +112,8 @@ def pipeline_parts(
 def pipeline_layout(module, pp: int, world_size: int, dtype: str, method: str = "parameters", **zero) -> PipelineLayout:
     """The layout of ``module``'s model at ``pp`` stages over ``world_size`` processes (DP
     ``world_size // pp``), split as ``method`` splits it, with the ZeRO settings ``zero``
-    (``stage``, ``round_robin``, ``parameter_alignment``, ``sub_group_size``).
+    (``stage``, ``round_robin``, ``parameter_alignment``, ``sub_group_size``, and
+    ``optimizer_groups``, :class:`PipelineLayout`).
 
     Raises:
         ConfigError: an unknown partition method.

@@ -96,10 +96,11 @@ def config(a, pp: int, plain: bool) -> dict:
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
         "steps_per_print": 10**9,
     }
+    if not a.groups:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
     if a.dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     if a.dtype == "float16":  # a fixed loss scale: the static run's fresh scaler and the switched job's agree
@@ -110,6 +111,19 @@ def config(a, pp: int, plain: bool) -> dict:
     else:
         cfg["dynatrain"] = {"pipeline_partition_method": a.method_to if pp == a.pp_to else a.method}
     return cfg
+
+
+def optimizer_args(a, module) -> dict:
+    """``initialize``'s parameters: the module's (the config's AdamW), or with ``--groups`` a torch
+    AdamW of two parameter groups, weight decay 0.1 for the weights and none for the biases and
+    the norm (every stage holds some of each)."""
+    if not a.groups:
+        return {"model_parameters": module.parameters()}
+    norms = {id(p) for m in module.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    plain = [p for n, p in module.named_parameters() if n.endswith(".bias") or id(p) in norms]
+    decay = [p for n, p in module.named_parameters() if not (n.endswith(".bias") or id(p) in norms)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+    return {"optimizer": torch.optim.AdamW(groups, lr=1e-2)}
 
 
 def train_step(engine, step: int) -> float:
@@ -126,6 +140,10 @@ def gather_logical(engine) -> dict:
     parameter's copies must be equal), and the optimizer step (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    opt = engine.optimizer
+    if not hasattr(engine, "_dt"):  # plain DeepSpeed 0.19.8 links only group 0's state fragments at its first
+        opt._hp_optimizer_states_linked = False  # step (ds_dynatrain's engine links them all: not done here)
+        opt._lazy_init_hp_params_optimizer_state()
     mine = {}
     for name, p in engine.module.named_parameters():
         mine[name] = {
@@ -133,7 +151,6 @@ def gather_logical(engine) -> dict:
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone(),
         }
-    opt = engine.optimizer
     mine["__step__"] = [float(opt.optimizer.state[f]["step"]) for f in opt.single_partition_of_fp32_groups]
     every = [None] * tdist.get_world_size()
     tdist.all_gather_object(every, mine)
@@ -194,7 +211,7 @@ def data_job(a) -> None:
     module = module_at(a.pp_from, a.method)
     cfg = config(a, a.pp_from, False)
     engine, _, loader, _ = ds_dynatrain.initialize(
-        model=module, model_parameters=module.parameters(), training_data=data, config=cfg
+        model=module, **optimizer_args(a, module), training_data=data, config=cfg
     )
     data.engine = engine
     losses = [float(engine.train_batch().item()) for _ in range(a.steps_before)]
@@ -218,9 +235,7 @@ def load_job(a, out: dict):
     rank = tdist.get_rank()
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] load line in the rank's log
     module = module_at(a.pp_to, a.method_to, a.buffer)
-    engine, *_ = ds_dynatrain.initialize(
-        model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, False)
-    )
+    engine, *_ = ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=config(a, a.pp_to, False))
     with open(os.path.join(a.out, "route", "latest")) as f:
         tag = f.read().strip()
     if a.refuse:
@@ -267,7 +282,7 @@ def schedule_job(a, out: dict):
         cfg = config(a, a.pp_from, False)
         cfg["dynatrain"]["resize_schedule"] = [{"step": a.steps_before, **bad}]
         try:
-            ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+            ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=cfg)
             out["refused"].append(None)
         except ConfigError as err:
             out["refused"].append(str(err))
@@ -275,7 +290,7 @@ def schedule_job(a, out: dict):
     cfg["dynatrain"]["resize_schedule"] = [{"step": a.steps_before, "world_size": world, "pipeline_parallel": a.pp_to}]
     steps = a.steps_before + a.steps_after  # a snapshot of every step, kept
     cfg["dynatrain"]["snapshot"] = {"interval_steps": 1, "dir": os.path.join(a.out, "snaps"), "keep_last": steps}
-    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    engine, *_ = ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=cfg)
     del module
     out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
     out["record"] = engine.resize_records[-1] if engine.resize_records else None
@@ -303,6 +318,7 @@ def main() -> None:
     p.add_argument("--mode", choices=modes, required=True)
     p.add_argument("--refuse", action="store_true", help="load: first a copy missing a stage's file")
     p.add_argument("--snapshots", action="store_true", help="route-save: ds_dynatrain's snapshots of every step")
+    p.add_argument("--groups", action="store_true", help="two optimizer parameter groups (optimizer_args)")
     p.add_argument("--pp-from", type=int, default=2)
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--method", default="parameters")
@@ -327,7 +343,7 @@ def main() -> None:
 
         module = module_at(a.pp_from, a.method, a.buffer)
         engine, *_ = ds_dynatrain.initialize(
-            model=module, model_parameters=module.parameters(), config=config(a, a.pp_from, False)
+            model=module, **optimizer_args(a, module), config=config(a, a.pp_from, False)
         )
         del module
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
@@ -346,7 +362,7 @@ def main() -> None:
         module = module_at(a.pp_from, a.method, a.buffer)
         cfg = config(a, a.pp_from, False)
         cfg["dynatrain"]["snapshot"] = {"interval_steps": 1, "dir": os.path.join(a.out, "route"), "keep_last": 1}
-        engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        engine, *_ = ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=cfg)
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
         engine.checkpoint_engine.wait()  # the last step's snapshot committed (SnapshotWriteError if not)
         before = gather_logical(engine)
@@ -359,7 +375,7 @@ def main() -> None:
     elif a.mode == "route-save":  # DeepSpeed's own route, first half: train at the old PP and save
         module = module_at(a.pp_from, a.method, a.buffer)
         cfg = config(a, a.pp_from, True)
-        engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        engine, *_ = deepspeed.initialize(model=module, **optimizer_args(a, module), config=cfg)
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
         before = gather_logical(engine)
         if rank == 0:
@@ -372,7 +388,7 @@ def main() -> None:
     elif a.mode == "route-load":  # ... and after ds_to_universal: relaunch at the new PP, load_universal
         module = module_at(a.pp_to, a.method_to, a.buffer)
         cfg = dict(config(a, a.pp_to, True), checkpoint={"load_universal": True})
-        engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        engine, *_ = deepspeed.initialize(model=module, **optimizer_args(a, module), config=cfg)
         engine.load_checkpoint(os.path.join(a.out, "route_universal"), tag="t")
     elif a.mode == "load":
         engine = load_job(a, out)
@@ -380,9 +396,7 @@ def main() -> None:
         engine = schedule_job(a, out)
     else:
         module = module_at(a.pp_to, a.method_to, a.buffer)
-        engine, *_ = deepspeed.initialize(
-            model=module, model_parameters=module.parameters(), config=config(a, a.pp_to, True)
-        )
+        engine, *_ = deepspeed.initialize(model=module, **optimizer_args(a, module), config=config(a, a.pp_to, True))
         set_logical(engine, torch.load(os.path.join(a.out, "before.pt")))
     out["after"] = [train_step(engine, s) for s in range(a.steps_before, a.steps_before + a.steps_after)]
     if a.mode == "schedule":
