@@ -162,3 +162,14 @@ def test_training_data_follows_the_global_sample_order_across_a_switch(tmp_path)
             assert fetched[0] == fetched[1] == sorted(want)
         else:  # PP 1 x DP 2: each DP rank 2 of them
             assert len(fetched[0]) == len(fetched[1]) == 2 and not set(fetched[0]) & set(fetched[1])
+
+
+def test_a_stage_the_switch_cannot_rebuild_stops_every_rank_at_initialize(tmp_path):
+    """A layer with a persistent buffer on PP 2's last stage only: both ranks are refused at
+    ``initialize`` with the same error naming the buffer (not one rank refused and the other
+    waiting in the engine's first collective)."""
+    args = ["--mode", "refuse-start", "--pp-from", "2", "--out", str(tmp_path)]
+    jobs = run_plain(tmp_path, WORKER, 2, args, timeout=120, name="refuse")
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+    said = [json.loads((tmp_path / f"refuse-start_rank{r}.json").read_text())["refusal"] for r in range(2)]
+    assert said[0] == said[1] and "cannot change PP yet: 6.factor" in said[0], said

@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
+from ..elastic.collective import raise_on_every_rank
 from ..elastic.launch_env import LaunchContext, member_id
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..zero.geometry import working_dtype, zero12_settings
@@ -201,7 +202,12 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
             frozen parameters), or DeepSpeed's partitions are not the layout's.
     """
     refuse_pipeline_config(ds_config, dt_cfg)
-    check_rebuildable(module)
+    problem = None
+    try:
+        check_rebuildable(module)  # this rank's stage: every rank agrees before any collective of the build
+    except LayoutMismatchError as err:
+        problem = err
+    raise_on_every_rank(problem, LayoutMismatchError, "a PipelineModule job refused at its start")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("a PipelineModule job takes a torch optimizer object or the config's optimizer section")
     optimizer_groups = gather_optimizer_groups(module, optimizer, model_parameters)

@@ -36,6 +36,9 @@ saved to ``before.pt``); the gathered state to ``after.pt``, then the same
 ``refusal``, every rank's fp32 master and working parameters before and after it in
 ``refused<r>.pt``.
 
+``--mode refuse-start``: ``ds_dynatrain.initialize`` of a layer list with a persistent buffer
+on the last stage only: the error each rank gets in ``refuse-start_rank<r>.json``.
+
 ``--mode data``: the training data handed to ``ds_dynatrain.initialize`` (16 numbered samples),
 ``train_batch()`` without a ``data_iter``, the switch between: every sample each rank fetched,
 with the step it was fetched in, to ``data_rank<r>.json``.
@@ -66,20 +69,20 @@ class Scale(torch.nn.Module):
     """A layer with a non-persistent buffer (made by its constructor, in no checkpoint): a layer
     list holding one is rebuilt for real at a switch, not on the meta device."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, persistent: bool = False):
         super().__init__()
-        self.register_buffer("factor", torch.linspace(0.5, 1.5, width), persistent=False)
+        self.register_buffer("factor", torch.linspace(0.5, 1.5, width), persistent=persistent)
 
     def forward(self, x):
         return x * self.factor
 
 
-def module_at(pp: int, method: str, buffer: bool = False):
+def module_at(pp: int, method: str, buffer: bool = False, persistent: bool = False):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     layers = specs()
     if buffer:  # before the norm, a layer without parameters
-        layers.insert(-2, LayerSpec(Scale, layers[-2].module_args[0]))
+        layers.insert(-2, LayerSpec(Scale, layers[-2].module_args[0], persistent))
     return PipelineModule(
         layers=layers,
         num_stages=pp,
@@ -314,7 +317,7 @@ def refusals(engine, world: int) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    modes = ["switch", "schedule", "static", "route-save", "route-load", "load", "data"]
+    modes = ["switch", "schedule", "static", "route-save", "route-load", "load", "data", "refuse-start"]
     p.add_argument("--mode", choices=modes, required=True)
     p.add_argument("--refuse", action="store_true", help="load: first a copy missing a stage's file")
     p.add_argument("--snapshots", action="store_true", help="route-save: ds_dynatrain's snapshots of every step")
@@ -394,6 +397,20 @@ def main() -> None:
         engine = load_job(a, out)
     elif a.mode == "schedule":
         engine = schedule_job(a, out)
+    elif a.mode == "refuse-start":  # a persistent buffer on the last stage only: every rank refuses
+        import ds_dynatrain
+        from ds_dynatrain.errors import LayoutMismatchError
+
+        module = module_at(a.pp_from, a.method, buffer=True, persistent=True)
+        try:
+            ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=config(a, a.pp_from, False))
+            out["refusal"] = None
+        except LayoutMismatchError as err:
+            out["refusal"] = str(err)
+        with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        tdist.destroy_process_group()
+        exit_without_teardown(0)
     else:
         module = module_at(a.pp_to, a.method_to, a.buffer)
         engine, *_ = deepspeed.initialize(model=module, **optimizer_args(a, module), config=config(a, a.pp_to, True))
