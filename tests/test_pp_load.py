@@ -16,7 +16,8 @@ exported weights equal the saving job's fp32 master bitwise):
 
 The checkpoint is DeepSpeed's own (plain ``deepspeed.initialize`` and ``save_checkpoint``) or this
 project's snapshots of a pipeline job (``dynatrain.snapshot``, asynchronous, every step). With
-``refuse`` the loading job first loads a copy missing stage 1's optimizer-state file:
+``refuse`` the loading job first loads a copy missing stage 1's optimizer-state file and a layer's
+file (not read by the load, but DeepSpeed's own needs it):
 refused with ``CheckpointIncompleteError`` naming the file, every rank's fp32 master and working
 parameters unchanged (bitwise), and the real load that follows meets both oracles.
 """
@@ -87,4 +88,5 @@ def test_pipeline_checkpoint_loads_at_another_pp_as_saved_and_trains_as_the_stat
     assert f"(ZeRO-1, PP {a} x DP {world // a}) onto PP {b} x DP {world // b}" in log
     if refuse:
         assert "zero_pp_rank_0_mp_rank_01_optim_states.pt: missing" in loaded["refusal"], loaded["refusal"]
+        assert "layer_01-model_states.pt: missing" in loaded["refusal"], loaded["refusal"]
         check_refused_unchanged(tmp_path, world)

@@ -18,6 +18,7 @@ read, every file of the saving world is checked present and complete
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ MODEL_FILE_ZERO3 = "zero_pp_rank_{}_mp_rank_00_model_states.pt"  # ZeRO-3: one p
 OPTIM_FILE_TP = "zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt"
 MODEL_FILE_TP = "mp_rank_{:02d}_model_states.pt"
 MODEL_FILE_ZERO3_TP = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"
+LAYER_FILE = "layer_{:02d}-model_states.pt"  # a pipeline's, one per layer (PipelineModule.ckpt_layer_path)
+LAYER_FILE_RE = re.compile(r"layer_(\d+)-model_states\.pt")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -215,8 +218,9 @@ class SavedCheckpoint:
         self.check_complete()
 
     def expected_files(self) -> List[str]:
-        """Every file the saving world wrote (paths)."""
-        names = []
+        """Every file the saving world wrote (paths); a pipeline's layer files too
+        (:meth:`layer_files`)."""
+        names = self.layer_files()
         for t in range(self.mp):
             names += [self.optim_name(r, t) for r in range(self.world_size)]
             if self.stage == 3:
@@ -224,6 +228,21 @@ class SavedCheckpoint:
             else:
                 names.append(MODEL_FILE_TP.format(t))
         return [os.path.join(self.dir, n) for n in names]
+
+    def layer_files(self) -> List[str]:
+        """A pipeline checkpoint's layer files (names): those in the directory, and one for every
+        layer index a stage's parameters name (``<index>.<sub>`` in its ``param_shapes``), present
+        or not; a tied layer's file is only checked when present (its index is not recorded)."""
+        if self.pp == 1 and not any(LAYER_FILE_RE.fullmatch(n) for n in os.listdir(self.dir)):
+            return []
+        indices = {int(m.group(1)) for n in os.listdir(self.dir) if (m := LAYER_FILE_RE.fullmatch(n))}
+        for s in range(self.mp):
+            try:
+                shapes = self.model_state_of(s).get("param_shapes") or []
+            except CheckpointIncompleteError:
+                continue  # a missing or damaged model-state file: check_complete names it
+            indices |= {int(n.split(".", 1)[0]) for g in shapes for n in g if str(n).split(".", 1)[0].isdigit()}
+        return [LAYER_FILE.format(i) for i in sorted(indices)]
 
     def check_complete(self) -> None:
         """Every file of the saving world present and complete (this project's files: header,
@@ -274,6 +293,8 @@ class SavedCheckpoint:
         ws, rank = attrs.get("world_size"), attrs.get("rank")
         if ws is not None and ws != self.world_size * self.mp:
             out.append(f"written by a world of {ws} ranks, the checkpoint's is {self.world_size * self.mp}")
+        if LAYER_FILE_RE.fullmatch(name):  # a layer's file: its name holds no rank
+            rank = None
         bare = name.removeprefix("bf16_")
         dp_rank = int(bare[len("zero_pp_rank_") :].split("_", 1)[0]) if bare.startswith("zero_pp_rank_") else 0
         mp_rank = int(name.rsplit("mp_rank_", 1)[1].split("_", 1)[0]) if "mp_rank_" in name else 0

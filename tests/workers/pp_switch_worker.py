@@ -32,7 +32,8 @@ wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; with ``--snaps
 ``route-save`` is a ``ds_dynatrain`` job taking a snapshot every step; either writes the state it
 saved to ``before.pt``); the gathered state to ``after.pt``, then the same
 ``--steps-after`` steps as ``static``: ``final_load.pt`` and ``load_rank<r>.json``. With
-``--refuse`` it first loads a copy missing stage 1's optimizer-state file: the error in
+``--refuse`` it first loads a copy missing stage 1's optimizer-state file and layer 1's file: the
+error in
 ``refusal``, every rank's fp32 master and working parameters before and after it in
 ``refused<r>.pt``.
 
@@ -246,6 +247,7 @@ def load_job(a, out: dict):
         if rank == 0:
             shutil.copytree(os.path.join(a.out, "route"), broken)
             os.remove(os.path.join(broken, tag, "zero_pp_rank_0_mp_rank_01_optim_states.pt"))
+            os.remove(os.path.join(broken, tag, "layer_01-model_states.pt"))
         tdist.barrier()
 
         def mine():
