@@ -50,6 +50,11 @@ class CheckpointIncompleteError(DynatrainError, ValueError):
     Raised before anything is loaded; the message lists every problem file."""
 
 
+class CheckpointNotPartitionedError(CheckpointIncompleteError):
+    """A checkpoint saved without ZeRO partitions (ZeRO stage 0): nothing of it can be loaded at
+    another layout; DeepSpeed's own load reads its module."""
+
+
 class CheckpointCorruptError(CheckpointIncompleteError):
     """Bytes of a checkpoint file do not match the checksum its footer records (a flipped bit, a
     partial overwrite). The message names the file, the item and the byte offset; raised before

@@ -17,7 +17,7 @@ exported weights equal the saving job's fp32 master bitwise):
 The checkpoint is DeepSpeed's own (plain ``deepspeed.initialize`` and ``save_checkpoint``) or this
 project's snapshots of a pipeline job (``dynatrain.snapshot``, asynchronous, every step). With
 ``refuse`` the loading job first loads a copy missing stage 1's optimizer-state file and a layer's
-file (not read by the load, but DeepSpeed's own needs it):
+file (not read by the load, but DeepSpeed's own needs it), whole and with ``load_module_only=True``:
 refused with ``CheckpointIncompleteError`` naming the file, every rank's fp32 master and working
 parameters unchanged (bitwise), and the real load that follows meets both oracles.
 """
@@ -89,4 +89,6 @@ def test_pipeline_checkpoint_loads_at_another_pp_as_saved_and_trains_as_the_stat
     if refuse:
         assert "zero_pp_rank_0_mp_rank_01_optim_states.pt: missing" in loaded["refusal"], loaded["refusal"]
         assert "layer_01-model_states.pt: missing" in loaded["refusal"], loaded["refusal"]
+        # the module alone (DeepSpeed's own load of the layer files): refused before it reads one
+        assert "layer_01-model_states.pt: missing" in loaded["refusal_module_only"], loaded["refusal_module_only"]
         check_refused_unchanged(tmp_path, world)

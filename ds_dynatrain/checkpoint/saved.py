@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointIncompleteError, LayoutMismatchError
+from ..errors import CheckpointIncompleteError, CheckpointNotPartitionedError, LayoutMismatchError
 from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
 from .saved_file import SavedFile, TensorRef, is_snapshot_file
@@ -205,7 +205,7 @@ class SavedCheckpoint:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointIncompleteError(f"{first}: not a DeepSpeed model-state file ({err!r})") from None
         if self.stage not in (1, 2, 3):
-            raise CheckpointIncompleteError(
+            raise CheckpointNotPartitionedError(
                 f"{self.dir}: saved at ZeRO stage {self.stage}; only ZeRO-1/2/3 "
                 "partitions can be loaded onto another world size"
             )

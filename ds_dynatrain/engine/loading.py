@@ -11,14 +11,14 @@ from io_engine.errors import IOEngineError
 
 from ..checkpoint.fit import check_model, saved_partition_keys
 from ..checkpoint.resharded import BandLoad, load_resharded
-from ..checkpoint.saved import SavedCheckpoint
+from ..checkpoint.saved import LAYER_FILE, SavedCheckpoint
 from ..checkpoint.saved_pp import saved_pp_layout
 from ..checkpoint.saved_tp import saved_tp_layout
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..checkpoint.state_file import files_loaded_by
 from ..config import tensor_parallel_grain
 from ..elastic.collective import raise_on_every_rank
-from ..errors import CheckpointIncompleteError, DynatrainError, LayoutMismatchError
+from ..errors import CheckpointIncompleteError, CheckpointNotPartitionedError, DynatrainError, LayoutMismatchError
 from ..log import logger, plural
 from ..vps.pipeline import PipelineLayout
 from ..vps.tensor_parallel import TensorParallelLayout
@@ -52,7 +52,12 @@ def load_checkpoint(
         Either on every rank, each distinct problem named once.
     """
     # DeepSpeed's load_module_only reads the module state by name and no partition: its own load
-    saved, bands = (None, None) if kwargs.get("load_module_only") else _open_checked(engine, load_dir, tag)
+    # (a pipeline's checkpoint checked first on every rank: its stages read their own layer files)
+    if kwargs.get("load_module_only"):
+        _check_module_only(engine, load_dir, tag)
+        saved, bands = None, None
+    else:
+        saved, bands = _open_checked(engine, load_dir, tag)
     if saved is not None:
         _warn_global_batch(engine, saved)
     if saved is not None and (bands is not None or not _same_partitions(engine, saved)):
@@ -121,6 +126,48 @@ def _open_checked(engine, load_dir: str, tag):
         saved.close()
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
     return saved, bands
+
+
+def _check_module_only(engine, load_dir: str, tag) -> None:
+    """A pipeline job's ``load_module_only``: before DeepSpeed's own load reads each stage's layer
+    files, the checkpoint is opened (every file of the saving world, each layer file a stage's
+    parameters name included), checked against the model (:func:`saved_pp_layout`), and this
+    rank's layer files are read and checked (this project's files: every checksum; handed to
+    DeepSpeed's load by the snapshot engine), agreed on every rank: one stage's missing or damaged
+    file otherwise fails that stage alone, in the middle of the load, while the others wait in its
+    tied-weight broadcast, and layers read before it are left replaced.
+
+    Raises:
+        CheckpointIncompleteError, CheckpointCorruptError, LayoutMismatchError: on every rank,
+            before anything is read into the model.
+    """
+    dt = engine._dt
+    if dt.pp_layout is None or (tag is None and not os.path.lexists(os.path.join(load_dir, "latest"))):
+        return
+    saved, problem = None, None
+    ce = engine.checkpoint_engine
+    try:
+        saved = SavedCheckpoint(load_dir, tag)
+    except CheckpointNotPartitionedError:
+        return  # a pipeline saved without ZeRO: DeepSpeed's own load reads its layer files
+    except (DynatrainError, IOEngineError, OSError) as err:
+        problem = err
+    try:
+        if problem is None:
+            saved_pp_layout(saved, dt.pp_layout)
+            stage = dt.pp_layout.stage_of_rank(engine.global_rank)
+            lo, hi = dt.pp_layout.parts[stage], dt.pp_layout.parts[stage + 1]
+            mine = [os.path.join(saved.dir, LAYER_FILE.format(i)) for i in range(lo, hi)]
+            if isinstance(ce, SnapshotCheckpointEngine):
+                ce.read_ahead.read([p for p in mine if os.path.exists(p)])
+    except (DynatrainError, IOEngineError, OSError) as err:
+        problem = err
+    finally:
+        if saved is not None:
+            saved.close()
+    if problem is not None and isinstance(ce, SnapshotCheckpointEngine):
+        ce.read_ahead.clear()
+    raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} refused, nothing was loaded")
 
 
 def _band_load(engine, saved: SavedCheckpoint) -> Optional[BandLoad]:

@@ -32,10 +32,9 @@ wrote (DeepSpeed's own pipeline files, saved at PP ``--pp-from``; with ``--snaps
 ``route-save`` is a ``ds_dynatrain`` job taking a snapshot every step; either writes the state it
 saved to ``before.pt``); the gathered state to ``after.pt``, then the same
 ``--steps-after`` steps as ``static``: ``final_load.pt`` and ``load_rank<r>.json``. With
-``--refuse`` it first loads a copy missing stage 1's optimizer-state file and layer 1's file: the
-error in
-``refusal``, every rank's fp32 master and working parameters before and after it in
-``refused<r>.pt``.
+``--refuse`` it first loads a copy missing stage 1's optimizer-state file and layer 1's file, whole
+and with ``load_module_only=True``: the errors in ``refusal`` and ``refusal_module_only``, every
+rank's fp32 master and working parameters before and after them in ``refused<r>.pt``.
 
 ``--mode refuse-start``: ``ds_dynatrain.initialize`` of a layer list with a persistent buffer
 on the last stage only: the error each rank gets in ``refuse-start_rank<r>.json``.
@@ -255,11 +254,12 @@ def load_job(a, out: dict):
             return [t.detach().clone() for t in [*master, *engine.module.parameters()]]
 
         held = mine()
-        try:
-            engine.load_checkpoint(broken, tag=tag)
-            out["refusal"] = None
-        except CheckpointIncompleteError as err:
-            out["refusal"] = str(err)
+        for key, only in (("refusal", False), ("refusal_module_only", True)):  # the module alone too
+            try:
+                engine.load_checkpoint(broken, tag=tag, load_module_only=only)
+                out[key] = None
+            except CheckpointIncompleteError as err:
+                out[key] = str(err)
         torch.save({"before": held, "after": mine()}, os.path.join(a.out, f"refused{rank}.pt"))
     path, _client = engine.load_checkpoint(os.path.join(a.out, "route"))  # the tag `latest` names
     out["path"], out["steps_loaded"] = path, engine.global_steps
