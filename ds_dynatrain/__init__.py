@@ -11,6 +11,7 @@ from .config import DynatrainConfig, load_ds_config
 from .errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
+    CheckpointNotPartitionedError,
     ConfigError,
     DynatrainError,
     LayoutMismatchError,
@@ -43,6 +44,7 @@ __all__ = [
     "NotAMemberError",
     "RecoveryNotPossibleError",
     "CheckpointCorruptError",
+    "CheckpointNotPartitionedError",
     "CheckpointIncompleteError",
     "SnapshotNotFoundError",
     "SnapshotWriteError",
