@@ -233,9 +233,9 @@ class SavedCheckpoint:
         """A pipeline checkpoint's layer files (names): those in the directory, and one for every
         layer index a stage's parameters name (``<index>.<sub>`` in its ``param_shapes``), present
         or not; a tied layer's file is only checked when present (its index is not recorded)."""
-        if self.pp == 1 and not any(LAYER_FILE_RE.fullmatch(n) for n in os.listdir(self.dir)):
-            return []
         indices = {int(m.group(1)) for n in os.listdir(self.dir) if (m := LAYER_FILE_RE.fullmatch(n))}
+        if self.pp == 1 and not indices:
+            return []
         for s in range(self.mp):
             try:
                 shapes = self.model_state_of(s).get("param_shapes") or []

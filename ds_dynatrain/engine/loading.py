@@ -148,18 +148,14 @@ def _check_module_only(engine, load_dir: str, tag) -> None:
     ce = engine.checkpoint_engine
     try:
         saved = SavedCheckpoint(load_dir, tag)
-    except CheckpointNotPartitionedError:
+        saved_pp_layout(saved, dt.pp_layout)
+        stage = dt.pp_layout.stage_of_rank(engine.global_rank)
+        lo, hi = dt.pp_layout.parts[stage], dt.pp_layout.parts[stage + 1]
+        mine = [os.path.join(saved.dir, LAYER_FILE.format(i)) for i in range(lo, hi)]
+        if isinstance(ce, SnapshotCheckpointEngine):
+            ce.read_ahead.read([p for p in mine if os.path.exists(p)])
+    except CheckpointNotPartitionedError:  # the same on every rank (one model-state file)
         return  # a pipeline saved without ZeRO: DeepSpeed's own load reads its layer files
-    except (DynatrainError, IOEngineError, OSError) as err:
-        problem = err
-    try:
-        if problem is None:
-            saved_pp_layout(saved, dt.pp_layout)
-            stage = dt.pp_layout.stage_of_rank(engine.global_rank)
-            lo, hi = dt.pp_layout.parts[stage], dt.pp_layout.parts[stage + 1]
-            mine = [os.path.join(saved.dir, LAYER_FILE.format(i)) for i in range(lo, hi)]
-            if isinstance(ce, SnapshotCheckpointEngine):
-                ce.read_ahead.read([p for p in mine if os.path.exists(p)])
     except (DynatrainError, IOEngineError, OSError) as err:
         problem = err
     finally:
