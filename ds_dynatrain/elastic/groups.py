@@ -88,14 +88,20 @@ def install_default(pg: tdist.ProcessGroup, store, backend: str = "gloo", group_
 
     if tdist.is_initialized():
         raise RuntimeError("a default process group is installed already; detach it first")
-    c10d._register_pg_in_world(
-        pg,
-        backend_name=backend,
-        store=store,
-        group_name=DEFAULT_NAME,
-        backend_config=str(c10d.BackendConfig(backend)),
-        add_to_default_tag=True,
-    )
+    config = str(c10d.BackendConfig(backend))
+    if hasattr(c10d, "_register_pg_in_world"):
+        c10d._register_pg_in_world(
+            pg, backend_name=backend, store=store, group_name=DEFAULT_NAME, backend_config=config, add_to_default_tag=True
+        )
+    else:  # torch before 2.13 has no helper: the same tables, as its init_process_group fills them
+        c10d._world.pg_map[pg] = (backend, store)
+        c10d._world.pg_names[pg] = DEFAULT_NAME
+        c10d._world.pg_backend_config[pg] = config
+        c10d._register_process_group(DEFAULT_NAME, pg)
+        tag = f"ptd:{DEFAULT_NAME}"
+        c10d._world.tags_to_pg.setdefault("", []).append(pg)
+        c10d._world.tags_to_pg.setdefault(tag, []).append(pg)
+        c10d._world.pg_to_tag[pg] = tag
     c10d._update_default_pg(pg)
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
     c10d._world.group_count = group_count
