@@ -13,11 +13,13 @@ Three jobs of :mod:`benchmarks.gpu_check_worker`, ZeRO-2, fp32, on CUDA tensors:
   within 1e-4 relative, and the final state equals the static run's bitwise: the micro-batch is
   the same at both world sizes, and halving a gradient (``1/world`` before the reduction, or the
   loss over two accumulation steps) is exact in binary floating point.
-* a snapshot of the static job's device state after step 3 with the plugin's snapshot engine:
-  ``stall_s`` (what the training loop waited: ``save_checkpoint`` plus the capture wait before the
-  next optimizer step), ``capture_gbps`` (bytes of one rank's files over the slowest rank's
-  capture, device to host cache) beside ``pinned_gbps``, torch's device-to-host copy into pinned
-  memory measured in the same process right after (best of 4 copies of 256 MiB).
+* snapshots of the static job's device state after steps 3 and 5 with the plugin's snapshot
+  engine: ``stall_s`` (what the training loop waited: ``save_checkpoint`` plus the capture wait
+  before the next optimizer step), ``capture_gbps`` (bytes of one rank's files over the slowest
+  rank's capture, device to pinned host memory) beside ``pinned_gbps``, torch's device-to-host
+  copy into pinned memory measured in the same process right after (best of 4 copies of 256 MiB);
+  the first snapshot's figures, and under ``"again"`` the second's (the first allocates the
+  pinned staging memory, the second reuses it).
 * ``reload``: a process of its own, no launcher, so the accelerator's backend (NCCL on CUDA):
   a snapshot after step 2, two more steps, the snapshot loaded back; checked: the state after the
   load equals, bitwise, the state at the snapshot, and the steps between had changed it.
@@ -47,7 +49,7 @@ WORKER = os.path.join(ROOT, "benchmarks", "gpu_check_worker.py")
 # modules the jobs import besides torch (the packages a machine with a CUDA torch may lack)
 NEEDED = ("deepspeed", "pydantic", "hostlist", "numpy", "scipy")
 RESIZE = {2: 1, 4: 2}  # after step: world size
-STEPS, SNAPSHOT_AT, RELOAD_AT, RELOAD_STEPS = 6, 3, 2, 4
+STEPS, SNAPSHOTS_AT, RELOAD_AT, RELOAD_STEPS = 6, (3, 5), 2, 4
 LOSS_RTOL = 1e-4
 # model sizes (vocabulary, hidden, layers): ~34 M parameters on a GPU, a few thousand on a CPU
 SIZES = {"cuda": (4096, 1024, 3), "cpu": (64, 16, 1)}
@@ -58,7 +60,15 @@ SIZES = {"cuda": (4096, 1024, 3), "cpu": (64, 16, 1)}
 # packages published as source only, built where the wheels are made. liburing is left out: no
 # wheel of 2024.5.3 for every Python, and without it the snapshot writer falls back to pwrite
 WHEELS = {
-    "binary": ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson"),
+    "binary": (
+        "pydantic",
+        "pydantic-core",
+        "annotated-types",
+        "typing-inspection",
+        "typing-extensions",
+        "hjson",
+        "google-crc32c",
+    ),
     "source": ("deepspeed", "python-hostlist"),
 }
 
@@ -260,30 +270,40 @@ def resize_figures(el: str, st: str) -> dict:
 
 
 def snapshot_figures(st: str) -> dict:
-    """The snapshot part's figures from the static job (its ``train.json`` and snapshot record)."""
+    """The snapshot part's figures from the static job (its ``train.json`` and snapshot records):
+    the first snapshot's at the top level, and under ``"again"`` the last one's (the pinned staging
+    memory allocated by the first, reused)."""
     with open(f"{st}/train.json") as f:
         tr = json.load(f)
-    recs = [r for r in read_jsonl(f"{st}/metrics.jsonl") if r["event"] == "snapshot"]
-    rec = recs[-1] if recs else {}
-    per_rank = rec.get("bytes", 0) / 2
-    capture = rec.get("capture_s") or 0.0
-    gbps = per_rank / capture / 1e9 if capture else None
+    recs = {r["tag"]: r for r in read_jsonl(f"{st}/metrics.jsonl") if r["event"] == "snapshot"}
     pinned = tr.get("pinned_gbps")
+
+    def one(step: int) -> dict:
+        rec, timed = recs.get(f"global_step{step}", {}), tr["snapshots"].get(str(step), {})
+        capture = rec.get("capture_s") or 0.0
+        gbps = rec.get("bytes", 0) / 2 / capture / 1e9 if capture else None  # one rank's bytes
+        stall = timed.get("stall_s")
+        return {
+            "committed": bool(rec.get("ok")),
+            "bytes": rec.get("bytes"),
+            "save_s": timed.get("save_s"),
+            "stall_s": stall,
+            "stall_of_step": stall / tr["median_step_s"] if stall is not None else None,
+            "capture_s": capture,
+            "flush_s": rec.get("flush_s"),
+            "capture_gbps": gbps,
+            "capture_of_pinned": gbps / pinned if gbps and pinned else None,
+        }
+
+    first, *_, last = SNAPSHOTS_AT
     return {
-        "committed": bool(rec.get("ok")),
-        "bytes": rec.get("bytes"),
-        "save_s": tr.get("save_s"),
-        "stall_s": tr.get("stall_s"),
+        **one(first),
         "median_step_s": tr.get("median_step_s"),
-        "stall_of_step": tr["stall_s"] / tr["median_step_s"] if tr.get("stall_s") is not None else None,
-        "capture_s": capture,
-        "flush_s": rec.get("flush_s"),
-        "capture_gbps": gbps,
         "pinned_gbps": pinned,
-        "capture_of_pinned": gbps / pinned if gbps and pinned else None,
         "device": tr.get("device"),
         "backend": tr.get("backend"),
         "params": tr.get("params"),
+        "again": {"step": last, **one(last)},
     }
 
 
@@ -302,7 +322,8 @@ def run_check(device: str, work: str, deadline: float) -> dict:
     gather = ",".join(map(str, RESIZE))
     resize = ",".join(f"{s}:{w}" for s, w in RESIZE.items())
     el = launch_train(work, "resize", device, deadline, ["--resize", resize, "--pinned-mib", "0"])
-    st = launch_train(work, "static", device, deadline, ["--gather-at", gather, "--snapshot-at", str(SNAPSHOT_AT)])
+    snaps = ",".join(map(str, SNAPSHOTS_AT))
+    st = launch_train(work, "static", device, deadline, ["--gather-at", gather, "--snapshot-at", snaps])
     rl = run_reload(work, device, deadline)
     fig = {"resize": resize_figures(el, st), "snapshot": snapshot_figures(st), "reload": reload_figures(rl)}
     r, s, rl_fig = fig["resize"], fig["snapshot"], fig["reload"]
@@ -312,8 +333,8 @@ def run_check(device: str, work: str, deadline: float) -> dict:
         "static_bitwise_at_end": r["bitwise_with_static_at_end"],
         "steps_and_resizes": r["steps"],
         "losses_follow_static": r["losses_follow_static"],
-        "snapshot_committed": s["committed"],
-        "snapshot_stall_measured": s["stall_s"] is not None,
+        "snapshot_committed": s["committed"] and s["again"]["committed"],
+        "snapshot_stall_measured": s["stall_s"] is not None and s["again"]["stall_s"] is not None,
         "reload_bitwise": rl_fig["bitwise"],
         "state_moved_before_reload": rl_fig["state_moved_before_load"],
     }

@@ -10,13 +10,14 @@ collective), the Adam step of each partition and ``global_steps``; rank 0 writes
 * ``--part train`` (started by ``dynatrain launch --nproc 2``): trains until ``--steps`` optimizer
   steps are done. ``--resize STEP:WORLD,...`` resizes through ``engine.resize`` after those steps,
   with the state gathered right before (``before_<step>``) and right after (``after_<step>``);
-  ``--gather-at STEP,...`` gathers ``at_<step>``; the last state is ``final``. ``--snapshot-at K``
-  takes one snapshot after step K with the plugin's snapshot engine and times what the training
-  loop waits for it: ``save_checkpoint`` plus the capture wait before the next optimizer step. Rank 0
+  ``--gather-at STEP,...`` gathers ``at_<step>``; the last state is ``final``. ``--snapshot-at
+  STEP,...`` takes a snapshot after each of those steps with the plugin's snapshot engine and times
+  what the training loop waits for it: ``save_checkpoint`` plus the capture wait before the next
+  optimizer step (the first snapshot also allocates the pinned staging memory; later ones reuse it). Rank 0
   then measures torch's pinned device-to-host copy bandwidth (CUDA only) and writes
   ``train.json`` (step times in seconds, the stall, ``pinned_gbps`` in GB/s = 1e9 bytes/s).
 * ``--part reload`` (a process of its own, no launcher: the accelerator's backend, NCCL on CUDA):
-  trains K = ``--snapshot-at`` steps, snapshots, gathers ``saved``, trains on to ``--steps``, gathers
+  trains K = ``--snapshot-at``'s first step's steps, snapshots, gathers ``saved``, trains on to ``--steps``, gathers
   ``moved``, loads the snapshot back, gathers ``loaded``, trains one more step; writes
   ``reload.json`` (backend, device, save and load seconds, the loss after the load).
 """
@@ -135,9 +136,14 @@ def _parse_pairs(text: str) -> dict:
     return {int(s): int(w) for s, w in (x.split(":") for x in text.split(",") if x)}
 
 
+def _steps(text: str) -> set:
+    return {int(s) for s in text.split(",") if s}
+
+
 def train(a, engine, loader) -> None:
     """``--part train`` (see the module docstring)."""
-    resize, gather_at = _parse_pairs(a.resize), {int(s) for s in a.gather_at.split(",") if s}
+    resize, gather_at = _parse_pairs(a.resize), _steps(a.gather_at)
+    snapshot_at = _steps(a.snapshot_at)
     step_s, snap = [], {}
 
     def save(tag):
@@ -160,15 +166,16 @@ def train(a, engine, loader) -> None:
             _sync(engine.device)
             now = time.perf_counter()
             step_s.append(now - t_prev)
-            if "wait0" in snap and "stall_s" not in snap:  # the step after the snapshot
-                snap["stall_s"] = snap["save_s"] + engine.checkpoint_engine.stats["capture_wait_s"] - snap["wait0"]
+            last = snap.get(s - 1)
+            if last is not None and "stall_s" not in last:  # the step after a snapshot
+                last["stall_s"] = last["save_s"] + engine.checkpoint_engine.stats["capture_wait_s"] - last["wait0"]
             if s in gather_at:
                 save(f"at_{s}")
-            if s == a.snapshot_at:
-                snap["wait0"] = engine.checkpoint_engine.stats["capture_wait_s"]
+            if s in snapshot_at:
+                snap[s] = {"wait0": engine.checkpoint_engine.stats["capture_wait_s"]}
                 t0 = time.perf_counter()
                 engine.save_checkpoint(os.path.join(a.out, "snapshots"), tag=f"global_step{s}")
-                snap["save_s"] = time.perf_counter() - t0
+                snap[s]["save_s"] = time.perf_counter() - t0
             if s in resize:
                 save(f"before_{s}")
                 engine.resize(resize[s])
@@ -196,8 +203,7 @@ def _finish_train(a, engine, step_s, snap) -> None:
         out = {
             "step_s": step_s,
             "median_step_s": statistics.median(later),
-            "save_s": snap.get("save_s"),
-            "stall_s": snap.get("stall_s"),
+            "snapshots": {str(k): {"save_s": v["save_s"], "stall_s": v.get("stall_s")} for k, v in snap.items()},
             "pinned_gbps": pinned,
             "device": str(engine.device),
             "backend": torch.distributed.get_backend(),
@@ -210,7 +216,7 @@ def _finish_train(a, engine, step_s, snap) -> None:
 def reload(a, engine, loader) -> None:
     """``--part reload`` (see the module docstring)."""
     batches = iter(loader)
-    while engine.global_steps < a.snapshot_at:
+    while engine.global_steps < min(_steps(a.snapshot_at)):
         _one_step(engine, next(batches))
     snapshots, tag = os.path.join(a.out, "snapshots"), f"global_step{engine.global_steps}"
     t0 = time.perf_counter()
@@ -251,7 +257,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize")
     p.add_argument("--gather-at", default="", help="STEP,... gather the state after those steps")
-    p.add_argument("--snapshot-at", type=int, default=0, help="take one snapshot after this step")
+    p.add_argument("--snapshot-at", default="", help="STEP,... take a snapshot after those steps (reload: the first)")
     p.add_argument("--pinned-mib", type=int, default=256, help="size of the pinned-copy measurement")
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()

@@ -72,10 +72,12 @@ def test_cpu_flow_end_to_end(tmp_path):
         assert _states_equal(load(f"resize/before_{step}.pt"), load(f"resize/after_{step}.pt")), step
     assert _states_equal(load("resize/before_2.pt"), load("static/at_2.pt"))
     assert _states_equal(load("resize/final.pt"), load("static/final.pt"))
-    snap_dir = work / "static" / "snapshots" / "global_step3"
-    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(snap_dir) for f in fs)
-    assert s["committed"] and s["bytes"] == on_disk > 0
-    assert s["stall_s"] >= s["save_s"] > 0 and s["pinned_gbps"] is None and s["capture_gbps"] > 0
+    for fig_s, step in ((s, 3), (s["again"], 5)):
+        snap_dir = work / "static" / "snapshots" / f"global_step{step}"
+        on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(snap_dir) for f in fs)
+        assert fig_s["committed"] and fig_s["bytes"] == on_disk > 0
+        assert fig_s["stall_s"] >= fig_s["save_s"] > 0 and fig_s["capture_gbps"] > 0
+    assert s["pinned_gbps"] is None and s["again"]["step"] == 5
     assert s["device"] == "cpu" and s["backend"] == "gloo"
     assert rl["backend"] == "gloo" and rl["bitwise"] and rl["state_moved_before_load"]
     assert _states_equal(load("reload/saved.pt"), load("reload/loaded.pt"))

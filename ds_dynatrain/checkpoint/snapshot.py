@@ -59,6 +59,7 @@ from state_providers import DictStateProvider, TensorItem
 
 from ..errors import ConfigError, DynatrainError, SnapshotWriteError
 from ..log import logger, plural
+from .device_stage import PinnedStage
 from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode, rank_report, sum_reports
 from .state_file import ReadAhead, read_state_file
 
@@ -67,40 +68,26 @@ STORE_PREFIX = "dynatrain/snap"
 PRUNABLE_TAG = r"global_step\d+"  # the tags of periodic snapshots; other tags are the user's and are kept
 
 
-_SIDE_STREAMS = {}
+def _write_items(provider: DictStateProvider, stage: PinnedStage, ready=None):
+    """``io_engine`` write items for a provider's items, and whether they are private copies.
 
-
-def _to_host(t: torch.Tensor, ready) -> torch.Tensor:
-    """Bytes of a device tensor in pinned host memory, copied on a side stream that first waits
-    for ``ready`` (an event recorded on the training stream when ``save`` was called), so the
-    copy overlaps compute and sees the state of the moment of ``save``."""
-    stream = _SIDE_STREAMS.get(t.device)
-    if stream is None:
-        stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(device=t.device)
-    src = t.reshape(-1).view(torch.uint8)
-    host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
-    if ready is not None:
-        stream.wait_event(ready)
-    with torch.cuda.stream(stream):
-        host.copy_(src, non_blocking=True)
-    stream.synchronize()
-    return host
-
-
-def _write_items(provider: DictStateProvider, ready=None):
-    """``io_engine`` write items for a provider's items: tensors as uint8 numpy views (no copy on
-    CPU; device tensors staged through pinned memory on a side stream), objects as bytes."""
+    Tensors are uint8 numpy views: of the live tensors when all are on the CPU (no copy; the writer's
+    copy into the host cache is the capture), else of their copies staged in ``stage``'s pinned
+    memory (:mod:`.device_stage`), which are the capture. Objects are bytes."""
     from io_engine import WriteItem
 
+    items = list(provider.items())
+    tensors = [it.tensor for it in items if isinstance(it, TensorItem)]
+    staged = any(t.device.type == "cuda" for t in tensors)
+    copies = iter(stage.stage(tensors, ready)) if staged else None
     out = []
-    for it in provider.items():
+    for it in items:
         if isinstance(it, TensorItem):
-            t = it.tensor
-            host = t.reshape(-1).view(torch.uint8) if t.device.type == "cpu" else _to_host(t, ready)
+            host = next(copies) if staged else it.tensor.reshape(-1).view(torch.uint8)
             out.append(WriteItem(it.key, host.numpy(), "tensor", dict(it.attrs), it.dtype, it.shape))
         else:
             out.append(WriteItem(it.key, it.payload, "object", dict(it.attrs)))
-    return out
+    return out, staged
 
 
 @dataclass
@@ -198,6 +185,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         self.asynchronous = asynchronous
         self._cache_bytes = cache_bytes
         self._writer = None
+        self._stage = PinnedStage()  # device tensors' copies, pinned once and reused (GPU state)
         self._seq = 0
         self._instance: Optional[int] = None
         self._current: Optional[_Snapshot] = None
@@ -264,10 +252,13 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
 
         try:
             os.makedirs(os.path.dirname(job.path), exist_ok=True)
+            items, staged = _write_items(job.provider, self._stage, job.ready)
+            if staged:  # the pinned copies are the snapshot's: training may change the state now
+                captured()
             res = self._writer.write(
                 job.path,
-                _write_items(job.provider, job.ready),
-                on_captured=captured,
+                items,
+                on_captured=None if staged else captured,
                 file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
             )
             job.nbytes = res.layout.file_size
@@ -475,6 +466,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._stage.release()
         self._stores.clear()
         if err is not None:
             logger.warning(f"{err}")

@@ -91,7 +91,12 @@ def install_default(pg: tdist.ProcessGroup, store, backend: str = "gloo", group_
     config = str(c10d.BackendConfig(backend))
     if hasattr(c10d, "_register_pg_in_world"):
         c10d._register_pg_in_world(
-            pg, backend_name=backend, store=store, group_name=DEFAULT_NAME, backend_config=config, add_to_default_tag=True
+            pg,
+            backend_name=backend,
+            store=store,
+            group_name=DEFAULT_NAME,
+            backend_config=config,
+            add_to_default_tag=True,
         )
     else:  # torch before 2.13 has no helper: the same tables, as its init_process_group fills them
         c10d._world.pg_map[pg] = (backend, store)
