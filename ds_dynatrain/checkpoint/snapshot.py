@@ -47,6 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -90,6 +91,23 @@ def _write_items(provider: DictStateProvider, stage: PinnedStage, ready=None):
     return out, staged
 
 
+def _captured(job: "_FileJob") -> None:
+    job.captured_at = time.perf_counter()
+    job.captured.set()
+
+
+def _file_done(job: "_FileJob", t0: float, err: Optional[BaseException]) -> None:
+    """The file is persisted or failed (``err``): record the times, drop the live tensors, wake
+    every waiter."""
+    job.error = err
+    job.persisted_at = time.perf_counter()
+    job.captured_at = job.captured_at or job.persisted_at
+    job.seconds = job.persisted_at - t0
+    job.provider = None  # drop the references to live tensors
+    job.captured.set()
+    job.persisted.set()
+
+
 @dataclass
 class _FileJob:
     path: str
@@ -100,7 +118,7 @@ class _FileJob:
     ready: Any = None  # a CUDA event recorded at save time when the state is on a GPU
     seconds: float = 0.0
     nbytes: int = 0
-    captured_at: float = 0.0  # perf_counter when its tensors were in the host cache
+    captured_at: float = 0.0  # perf_counter when its tensors were copied out (host cache; GPU: pinned stage)
     persisted_at: float = 0.0  # perf_counter when the file was synced (or failed)
 
 
@@ -185,7 +203,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         self.asynchronous = asynchronous
         self._cache_bytes = cache_bytes
         self._writer = None
-        self._stage = PinnedStage()  # device tensors' copies, pinned once and reused (GPU state)
+        self._stages: List[PinnedStage] = []  # GPU state: each file's copies, pinned once and reused
         self._seq = 0
         self._instance: Optional[int] = None
         self._current: Optional[_Snapshot] = None
@@ -233,44 +251,57 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
 
     def _run(self):
         lower_thread_priority(self.worker_nice)
+        pending: List[Callable[[], None]] = []  # staged files' writes, run at their snapshot's commit
         while True:
             task = self._queue.get()
-            if task is None:
-                return
-            kind, obj = task
-            if kind == "file":
-                self._write_file(obj)
+            if task is None or task[0] == "commit":
+                for write in pending:
+                    write()
+                pending.clear()
+                if task is None:
+                    return
+                self._finish(task[1])
             else:
-                self._finish(obj)
+                write = self._write_file(task[1], slot=len(pending), defer=True)
+                if write is not None:
+                    pending.append(write)
 
-    def _write_file(self, job: _FileJob):
+    def _stage(self, slot: int) -> PinnedStage:
+        while len(self._stages) <= slot:
+            self._stages.append(PinnedStage())
+        return self._stages[slot]
+
+    def _write_file(self, job: _FileJob, slot: int = 0, defer: bool = False) -> Optional[Callable[[], None]]:
+        """Capture ``job``'s file and write it. GPU state is captured by staging its tensors into
+        pinned memory (``slot``: which of the engine's stages); with ``defer`` its write is returned
+        instead of run, so the next file of the snapshot is captured before this one is flushed."""
         t0 = time.perf_counter()
-
-        def captured():
-            job.captured_at = time.perf_counter()
-            job.captured.set()
-
         try:
             os.makedirs(os.path.dirname(job.path), exist_ok=True)
-            items, staged = _write_items(job.provider, self._stage, job.ready)
-            if staged:  # the pinned copies are the snapshot's: training may change the state now
-                captured()
+            items, staged = _write_items(job.provider, self._stage(slot), job.ready)
+        except BaseException as err:  # OSError, a failed pinned allocation: never leave a waiter blocked
+            _file_done(job, t0, err)
+            return None
+        if staged:  # the pinned copies are the snapshot's: training may change the state now
+            _captured(job)
+            if defer:
+                return partial(self._persist, job, items, staged, t0)
+        self._persist(job, items, staged, t0)
+        return None
+
+    def _persist(self, job: _FileJob, items, staged: bool, t0: float) -> None:
+        err = None
+        try:
             res = self._writer.write(
                 job.path,
                 items,
-                on_captured=None if staged else captured,
+                on_captured=None if staged else partial(_captured, job),
                 file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
             )
             job.nbytes = res.layout.file_size
-        except BaseException as err:  # OSError, IOEngineError, anything: never leave a waiter blocked
-            job.error = err
-        finally:
-            job.persisted_at = time.perf_counter()
-            job.captured_at = job.captured_at or job.persisted_at
-            job.seconds = job.persisted_at - t0
-            job.provider = None  # drop the references to live tensors
-            job.captured.set()
-            job.persisted.set()
+        except BaseException as e:  # OSError, IOEngineError, anything: never leave a waiter blocked
+            err = e
+        _file_done(job, t0, err)
 
     def _finish(self, snap: _Snapshot):
         """This rank's files are persisted (or failed): report; rank 0 decides and publishes."""
@@ -466,7 +497,8 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._stage.release()
+        for stage in self._stages:
+            stage.release()
         self._stores.clear()
         if err is not None:
             logger.warning(f"{err}")
