@@ -331,6 +331,43 @@ def test_verify_fails_on_truncated_or_missing_rank_file(tinylm, tmp_path, capsys
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "stage,name,where",
+    [
+        (2, "zero_pp_rank_1_mp_rank_00_optim_states.pt", "Adam step"),
+        (3, "zero_pp_rank_1_mp_rank_00_model_states.pt", "global_steps"),
+    ],
+)
+def test_a_file_of_another_save_is_refused_by_every_reader(tinylm, tmp_path, capsys, stage, name, where):
+    """One rank's file from an earlier save of the same job (its step rewritten to 2, the save's is 3):
+    DeepSpeed's format has no checksum to catch it; the steps do."""
+    from ds_dynatrain import CheckpointIncompleteError
+    from ds_dynatrain.checkpoint.saved import SavedCheckpoint
+
+    d = copy_ckpt(tinylm / f"torch_z{stage}", tmp_path / "ckpt")
+    path = d / "ckpt" / name
+    tree = torch.load(path, weights_only=False)
+    if where == "global_steps":
+        assert tree["global_steps"] == 3
+        tree["global_steps"] = 2
+    else:
+        base = tree["optimizer_state_dict"]["base_optimizer_state"]
+        groups = base["state"] if isinstance(base, dict) else dict(enumerate(base))  # torch's or DeepSpeed's list
+        assert [int(g["step"]) for g in groups.values()] == [3]
+        groups[0]["step"] = torch.tensor(2.0)
+    torch.save(tree, path)
+    with pytest.raises(
+        CheckpointIncompleteError, match=f"mixes files of several saves: {where} 2 in {name}; {where} 3 in"
+    ):
+        SavedCheckpoint(str(d))
+    rc, _out, err = cli(capsys, "verify", d)
+    assert rc == 1 and "mixes files of several saves" in err and name in err
+    rc, _out, err = cli(capsys, "export", d, "--out", tmp_path / "w.safetensors")
+    assert rc == 1 and name in err and not os.path.exists(tmp_path / "w.safetensors")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
 def test_verify_fails_on_a_partition_too_short_for_its_fragments(tinylm, tmp_path, capsys):
     """DeepSpeed's format has no checksums; a partition cut short is still found by the layout
     check (and export refuses it, leaving no file)."""

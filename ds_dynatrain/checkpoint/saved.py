@@ -26,7 +26,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointIncompleteError, CheckpointNotPartitionedError, LayoutMismatchError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointNotPartitionedError,
+    LayoutMismatchError,
+)
 from ..vps.layout import DEFAULT_SUB_GROUP_SIZE, ParamMeta, ZeroLayout
 from .footer import fragment_mismatches
 from .saved_file import SavedFile, TensorRef, is_snapshot_file
@@ -127,6 +132,19 @@ def partitions_of(tree: dict, stage: int) -> RankPartitions:
     return RankPartitions(tensors, scalars)
 
 
+def _step_of(f: SavedFile, value) -> int:
+    """Adam's ``step`` of a partition as an int (read from ``f`` when left unread).
+
+    Raises:
+        CheckpointCorruptError: its bytes fail their checksum.
+    """
+    if isinstance(value, TensorRef):
+        out = torch.empty(max(value.numel(), 1), dtype=value.dtype)
+        f.read_into([(value, 0, out)])
+        value = out[0]
+    return int(float(value))
+
+
 def check_parameters(saved_shapes: Dict[str, Tuple[int, ...]], live: ZeroLayout, where: str) -> None:
     """The trainable parameters a checkpoint records (``name -> shape``) are the live layout's:
     the same names, the same shapes.
@@ -184,7 +202,7 @@ class SavedCheckpoint:
                 f"{self.dir}: missing model-state file ({MODEL_FILE} or {MODEL_FILE_ZERO3.format(0)})"
             )
         self._optim: Dict[Tuple[int, int], SavedFile] = {}
-        self._models: Dict[int, SavedFile] = {}
+        self._models: Dict[Any, SavedFile] = {}  # by TP rank, or by name (ZeRO-3 ranks other than 0)
         self.model_file = SavedFile(first)
         try:
             self._read_metadata(first)
@@ -216,6 +234,7 @@ class SavedCheckpoint:
         self.tp = self.mp // self.pp
         self.files = self.expected_files()
         self.check_complete()
+        self.check_one_step()
 
     def expected_files(self) -> List[str]:
         """Every file the saving world wrote (paths); a pipeline's layer files too
@@ -284,6 +303,56 @@ class SavedCheckpoint:
                 f"checkpoint {self.dir} (saved by {self._saving_world()} at ZeRO stage {self.stage}) is incomplete: "
                 + "; ".join(problems)
             )
+
+    def check_one_step(self) -> None:
+        """Every file of the saving world is of one save: the ``global_steps`` of every model-state
+        file, and Adam's ``step`` of every partition of every optimizer-state file, are the same
+        (every partition of a ZeRO job steps together). A file copied in from another save of the
+        same job (an older stage's or rank's) is otherwise loaded without a word, the model mixed
+        from two steps. DeepSpeed's own files carry no checksum or step in their names; this is
+        what tells them apart.
+
+        Raises:
+            CheckpointIncompleteError: naming the files of each step found.
+        """
+        found: Dict[str, Dict[int, List[str]]] = {"global_steps": {}, "Adam step": {}}
+        for t in range(self.mp):
+            for r in range(self.world_size if self.stage == 3 else 1):
+                name = MODEL_FILE_ZERO3_TP.format(r, t) if self.stage == 3 else MODEL_FILE_TP.format(t)
+                try:
+                    tree = self.model_state_of(t) if r == 0 else self._model_tree(name)
+                except CheckpointCorruptError:
+                    continue
+                if "global_steps" in tree:
+                    found["global_steps"].setdefault(int(tree["global_steps"]), []).append(name)
+        for t in range(self.mp):
+            for r in range(self.world_size):
+                try:
+                    f = self.optim(r, t)
+                    steps = [
+                        _step_of(f, sc["step"]) for sc in partitions_of(f.tree, self.stage).scalars if "step" in sc
+                    ]
+                except CheckpointCorruptError:
+                    continue  # a damaged file: what reads it names the item (verify reports each)
+                for step in steps:
+                    names = found["Adam step"].setdefault(step, [])
+                    if not names or names[-1] != self.optim_name(r, t):
+                        names.append(self.optim_name(r, t))
+        for what, steps in found.items():
+            if len(steps) > 1:
+                each = "; ".join(
+                    f"{what} {k} in {', '.join(v[:4])}{' ...' if len(v) > 4 else ''}" for k, v in sorted(steps.items())
+                )
+                raise CheckpointIncompleteError(
+                    f"checkpoint {self.dir} mixes files of several saves: {each}; every file of a checkpoint "
+                    "must come from the same save"
+                )
+
+    def _model_tree(self, name: str) -> dict:
+        """The dict of model-state file ``name`` of a ZeRO-3 rank other than 0 (opened once)."""
+        if name not in self._models:
+            self._models[name] = SavedFile(os.path.join(self.dir, name))
+        return self._models[name].tree
 
     def _identity_problems(self, name: str, attrs) -> List[str]:
         """The saving rank and world size this project's file records (footer ``file_attrs``)
