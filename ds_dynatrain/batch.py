@@ -45,7 +45,11 @@ def largest_world_size(train_batch_size: int, micro_batch: int, at_most: int, ma
 
 
 def split_global_batch(
-    train_batch_size: int, micro_batch: int, world_size: int, max_world_size: int | None = None
+    train_batch_size: int,
+    micro_batch: int,
+    world_size: int,
+    max_world_size: int | None = None,
+    what: str = "world size",
 ) -> BatchSplit:
     """Split a fixed global batch over ``world_size`` data-parallel ranks.
 
@@ -54,6 +58,7 @@ def split_global_batch(
         micro_batch: the configured ``train_micro_batch_size_per_gpu``, the largest allowed, > 0.
         world_size: data-parallel world size to split over.
         max_world_size: optional upper bound on ``world_size``.
+        what: how the refusal names ``world_size`` (``"DP size"`` in a TP or pipeline job).
 
     Returns:
         The split keeping ``micro_batch`` when it divides the per-rank share, else the largest
@@ -68,12 +73,12 @@ def split_global_batch(
             f"train_batch_size ({train_batch_size}) and micro batch ({micro_batch}) must be positive"
         )
     if world_size < 1:
-        raise ResizeRefusedError(f"world size {world_size} refused: a job needs at least one rank")
+        raise ResizeRefusedError(f"{what} {world_size} refused: a job needs at least one rank")
     if max_world_size is not None and world_size > max_world_size:
-        raise ResizeRefusedError(f"world size {world_size} refused: above max_world_size={max_world_size}")
+        raise ResizeRefusedError(f"{what} {world_size} refused: above max_world_size={max_world_size}")
     if train_batch_size % world_size:
         raise ResizeRefusedError(
-            f"world size {world_size} refused: the global batch train_batch_size={train_batch_size} "
+            f"{what} {world_size} refused: the global batch train_batch_size={train_batch_size} "
             f"is not divisible by it, so the global batch could not be kept"
         )
     per_rank = train_batch_size // world_size

@@ -73,6 +73,11 @@ def test_split_refusals(args, match):
     assert isinstance(info.value, DynatrainError) and isinstance(info.value, ValueError)
 
 
+def test_a_tp_or_pipeline_job_names_its_dp_size():
+    with pytest.raises(ResizeRefusedError, match=r"^DP size 3 refused: the global batch train_batch_size=32"):
+        split_global_batch(32, 4, 3, what="DP size")
+
+
 @pytest.mark.parametrize(
     "batch, micro, at_most, max_ws, expected",
     [

@@ -239,7 +239,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
         raise ConfigError(f"a PipelineModule job's optimizer groups: {err}") from None
     check_pipeline_schedule(dt, layer_type_names(module))
     engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
-    split = dt.split(world // pp)
+    split = dt.split(world // pp, "DP size")
     construct_pipeline(engine, dt, module, optimizer, model_parameters, lr_scheduler, ds_config_for(dt, split, False))
     check_pipeline_layout(engine)
     dt.returned_optimizer = engine.optimizer
@@ -268,7 +268,7 @@ def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
             raise ConfigError(f"{entry} gives no pipeline_parallel: a PipelineModule job changes its PP degree")
         try:
             layout_at(dt.pp_layout, type_names, e.pipeline_parallel, dt.config.pipeline_partition_method)
-            dt.split(world // e.pipeline_parallel)
+            dt.split(world // e.pipeline_parallel, "DP size")
         except ResizeRefusedError as err:
             raise ConfigError(f"{entry}: {err}") from None
 

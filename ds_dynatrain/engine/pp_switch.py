@@ -105,7 +105,7 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
     world = tdist.get_world_size()
     old = dt.pp_layout
     new = new_pipeline_layout(engine, pp)
-    split = dt.split(world // pp)  # ResizeRefusedError: the global batch cannot be kept
+    split = dt.split(world // pp, "DP size")  # ResizeRefusedError: the global batch cannot be kept
     plan = plan_pp_transition(old, new, dt.members, dt.members)
     rec = ResizeRecord(
         step=engine.global_steps,

@@ -109,14 +109,15 @@ class ElasticState:
         """``{step: PP degree}`` of the schedule's entries that give one (a PipelineModule job)."""
         return {e.step: e.pipeline_parallel for e in self.config.resize_schedule if e.pipeline_parallel is not None}
 
-    def split(self, world_size: int) -> BatchSplit:
-        """The global batch split over ``world_size`` ranks.
+    def split(self, world_size: int, what: str = "world size") -> BatchSplit:
+        """The global batch split over ``world_size`` data-parallel ranks (``what``: how a refusal
+        names them, ``"DP size"`` in a TP or pipeline job).
 
         Raises:
             ResizeRefusedError: ``world_size`` cannot keep the global batch or exceeds
                 ``max_world_size``.
         """
-        return split_global_batch(self.global_batch, self.micro_batch, world_size, self.config.max_world_size)
+        return split_global_batch(self.global_batch, self.micro_batch, world_size, self.config.max_world_size, what)
 
     @property
     def group_timeout_s(self) -> float:

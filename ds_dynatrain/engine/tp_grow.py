@@ -88,7 +88,7 @@ def assign_grow(engine, world_size: int, tp: int) -> Tuple[BatchSplit, TensorPar
     dt = engine._dt
     if tp < 1 or world_size % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
-    split = dt.split(world_size // tp)
+    split = dt.split(world_size // tp, "DP size")
     new = new_layout(engine, tp, world_size)
     g = dt.generation + 1
     members = grow_members(dt.tp_layout, new, dt.members, g)
@@ -218,7 +218,7 @@ def join_tensor_parallel(
     dt.tp_layout = new
     reset_tp_groups(new.tp)  # as a survivor's rebuild makes them, in the same order
     dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
-    config = ds_config_for(dt, dt.split(new.dp), client_objects=False)
+    config = ds_config_for(dt, dt.split(new.dp, "DP size"), client_objects=False)
     construct(engine, dt, model, optimizer, model_parameters, lr_scheduler, config, light=True, values_follow=True)
     keep_returned_optimizer(engine)
     check_layout(engine)

@@ -73,7 +73,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
         raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
     if world_size % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world_size}")
-    split = dt.split(world_size // tp)
+    split = dt.split(world_size // tp, "DP size")
     old = dt.tp_layout
     new = new_layout(engine, tp, world_size)
     new_members, _ = assign_box_members_best(old, new, members, (), tuple(must_leave))

@@ -84,7 +84,7 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1")
     if world % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it does not divide the world size {world}")
-    split = dt.split(world // tp)  # ResizeRefusedError: the global batch cannot be kept
+    split = dt.split(world // tp, "DP size")  # ResizeRefusedError: the global batch cannot be kept
     old: TensorParallelLayout = dt.tp_layout
     new = new_layout(engine, tp, world)
     plan = plan_tp_transition(old, new, dt.members, dt.members)
