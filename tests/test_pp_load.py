@@ -91,4 +91,10 @@ def test_pipeline_checkpoint_loads_at_another_pp_as_saved_and_trains_as_the_stat
         assert "layer_01-model_states.pt: missing" in loaded["refusal"], loaded["refusal"]
         # the module alone (DeepSpeed's own load of the layer files): refused before it reads one
         assert "layer_01-model_states.pt: missing" in loaded["refusal_module_only"], loaded["refusal_module_only"]
+        # stage 1's model-state file of an earlier save: refused, naming it
+        assert (
+            "mixes files of several saves: global_steps 1 in mp_rank_01_model_states.pt; global_steps 2 in"
+            in loaded["refusal_stale"]
+        ), loaded["refusal_stale"]
+        assert "resize_schedule entries at steps [1] are at or before the loaded step 2" in log
         check_refused_unchanged(tmp_path, world)

@@ -60,6 +60,7 @@ def load_checkpoint(
         saved, bands = _open_checked(engine, load_dir, tag)
     if saved is not None:
         _warn_global_batch(engine, saved)
+        _warn_past_schedule(engine, saved.step)
     if saved is not None and (bands is not None or not _same_partitions(engine, saved)):
         return _load_resharded(engine, saved, load_dir, load_optimizer_states, load_lr_scheduler_states, bands)
     if saved is not None:
@@ -83,6 +84,17 @@ def load_checkpoint(
     if out[0] is not None:
         relink_optimizer_state(engine)
     return out
+
+
+def _warn_past_schedule(engine, step: int) -> None:
+    """A warning (rank 0) naming the ``resize_schedule`` entries at or before the loaded ``step``:
+    the job goes on from there, so they never run."""
+    past = sorted(e.step for e in engine._dt.config.resize_schedule if e.step <= step)
+    if past and engine.global_rank == 0:
+        logger.warning(
+            f"dynatrain.resize_schedule entries at steps {past} are at or before the loaded step {step}: "
+            "the job goes on from there, so they will not run"
+        )
 
 
 def _warn_global_batch(engine, saved: SavedCheckpoint) -> None:

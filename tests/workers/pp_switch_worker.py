@@ -238,15 +238,26 @@ def load_job(a, out: dict):
     rank = tdist.get_rank()
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] load line in the rank's log
     module = module_at(a.pp_to, a.method_to, a.buffer)
-    engine, *_ = ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=config(a, a.pp_to, False))
+    cfg = config(a, a.pp_to, False)
+    if a.refuse:  # an entry at a step the load goes past: a warning names it
+        cfg["dynatrain"]["resize_schedule"] = [
+            {"step": 1, "world_size": tdist.get_world_size(), "pipeline_parallel": 2}
+        ]
+    engine, *_ = ds_dynatrain.initialize(model=module, **optimizer_args(a, module), config=cfg)
     with open(os.path.join(a.out, "route", "latest")) as f:
         tag = f.read().strip()
     if a.refuse:
-        broken = os.path.join(a.out, "broken")
+        broken, stale = os.path.join(a.out, "broken"), os.path.join(a.out, "stale")
         if rank == 0:
             shutil.copytree(os.path.join(a.out, "route"), broken)
             os.remove(os.path.join(broken, tag, "zero_pp_rank_0_mp_rank_01_optim_states.pt"))
             os.remove(os.path.join(broken, tag, "layer_01-model_states.pt"))
+            # stage 1's model-state file as an earlier save of the job wrote it (its global_steps)
+            shutil.copytree(os.path.join(a.out, "route"), stale)
+            name = os.path.join(stale, tag, "mp_rank_01_model_states.pt")
+            tree = torch.load(name, weights_only=False)
+            tree["global_steps"] -= 1
+            torch.save(tree, name)
         tdist.barrier()
 
         def mine():
@@ -254,9 +265,10 @@ def load_job(a, out: dict):
             return [t.detach().clone() for t in [*master, *engine.module.parameters()]]
 
         held = mine()
-        for key, only in (("refusal", False), ("refusal_module_only", True)):  # the module alone too
+        refusals = (("refusal", broken, False), ("refusal_module_only", broken, True), ("refusal_stale", stale, False))
+        for key, where, only in refusals:  # the module alone too
             try:
-                engine.load_checkpoint(broken, tag=tag, load_module_only=only)
+                engine.load_checkpoint(where, tag=tag, load_module_only=only)
                 out[key] = None
             except CheckpointIncompleteError as err:
                 out[key] = str(err)
