@@ -4,6 +4,8 @@ changed nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 import torch
@@ -19,12 +21,22 @@ def check_offline_tools(ckpt: str, before: dict, world: int, tp: int = 1, pp: in
 
     from ds_dynatrain.checkpoint.consolidate import export_safetensors
     from ds_dynatrain.checkpoint.inspect import inspect_report, verify_checkpoint
+    from ds_dynatrain.cli.report import print_inspect
 
     rep = verify_checkpoint(ckpt)
     assert rep.ok, rep.problems
     info = inspect_report(ckpt)
     assert (info["world_size"], info["tensor_parallel"], info["pipeline_parallel"]) == (world, tp, pp)
     assert len(info["ranks"]) == world
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_inspect(info, as_json=False)
+    shape = (
+        f" (PP {pp} x DP {world // pp})"
+        if info["layer_files"]
+        else (f" (TP {tp} x DP {world // tp})" if tp > 1 else "")
+    )
+    assert f"world size   {world}{shape}\n" in printed.getvalue(), printed.getvalue()  # a pipeline's at PP 1 too
     shapes = {p["name"]: p["shape"] for p in info["parameters"] if p["trainable"]}
     assert shapes == {n: list(v["fp32"].shape) for n, v in before.items() if not n.startswith("__")}
     out = os.path.join(os.path.dirname(ckpt), "export", "model.safetensors")

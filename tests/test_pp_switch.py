@@ -72,6 +72,7 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     assert f"PP degree {world + 1} refused: it must be >= 1 and divide the world size {world}" in refused[0]
     assert f"world size {world + 1} refused: a pipeline job changes its PP degree over its {world}" in refused[1]
     assert "PP degree 0 refused" in refused[2]
+    assert "TP degree 2 refused: a PipelineModule job has no tensor-parallel axis" in refused[3]
     # the refusals changed nothing, the switch moved the state bitwise
     _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
     assert all(s["after"] == static["after"] for s in switch), (switch[0]["after"], static["after"])

@@ -23,7 +23,8 @@ def print_inspect(rep: dict, as_json: bool) -> None:
     print(f"format       {fmt}")
     tp, pp = rep.get("tensor_parallel", 1), rep.get("pipeline_parallel", 1)
     shape = f" (TP {tp} x DP {rep['world_size'] // tp})" if tp > 1 else ""
-    shape = f" (PP {pp} x DP {rep['world_size'] // pp})" if pp > 1 else shape
+    pipeline = pp > 1 or bool(rep.get("layer_files"))  # a pipeline's checkpoint at PP 1 too
+    shape = f" (PP {pp} x DP {rep['world_size'] // pp})" if pipeline else shape
     print(f"world size   {rep['world_size']}{shape}")
     print(f"ZeRO stage   {rep['zero_stage']}")
     print(f"step         {rep['step']} ({rep['global_samples']:,} samples)")

@@ -55,7 +55,9 @@ class ElasticPipelineEngine(PipelineEngine):
         """One record per change of layout this process took part in."""
         return [r.to_dict() for r in self._dt.resizes]
 
-    def resize(self, world_size: int, pipeline_parallel: Optional[int] = None) -> Optional[dict]:
+    def resize(
+        self, world_size: int, pipeline_parallel: Optional[int] = None, tensor_parallel: Optional[int] = None
+    ) -> Optional[dict]:
         """Change the pipeline degree to ``pipeline_parallel`` now, in memory (DP becomes
         ``world_size / pipeline_parallel``); the processes stay.
 
@@ -70,9 +72,15 @@ class ElasticPipelineEngine(PipelineEngine):
             ResizeRefusedError: another number of processes (not supported for a pipeline job
                 yet), a degree that does not divide the world size, more stages than layers, a
                 split that leaves a stage without a trainable parameter, or a DP size that cannot
-                keep the global batch; nothing has changed.
+                keep the global batch; a ``tensor_parallel`` degree (a pipeline job has no TP axis);
+                nothing has changed.
             TransitionAbortedError: a peer failed during the transfer.
         """
+        if tensor_parallel is not None:
+            raise ResizeRefusedError(
+                f"TP degree {tensor_parallel} refused: a PipelineModule job has no tensor-parallel axis "
+                "(its PP and DP degrees change; a PipelineModule with a model axis is not supported)"
+            )
         world = tdist.get_world_size()
         if world_size != world:
             raise ResizeRefusedError(

@@ -320,9 +320,9 @@ def refusals(engine, world: int) -> list:
     from ds_dynatrain.errors import ResizeRefusedError
 
     said = []
-    for size, pp in ((world, world + 1), (world + 1, 1), (world, 0)):
+    for size, pp, tp in ((world, world + 1, None), (world + 1, 1, None), (world, 0, None), (world, 1, 2)):
         try:
-            engine.resize(size, pipeline_parallel=pp)
+            engine.resize(size, pipeline_parallel=pp, tensor_parallel=tp)
             said.append(None)
         except ResizeRefusedError as err:
             said.append(str(err))
