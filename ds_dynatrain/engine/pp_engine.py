@@ -21,7 +21,9 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.collective import raise_on_every_rank
 from ..elastic.launch_env import LaunchContext, member_id
+from ..elastic.membership import GenerationRecord, Membership
 from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..log import logger
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names, pipeline_layout
@@ -32,6 +34,7 @@ from .lifecycle import at_thread_shutdown, close_at_exit, shutdown
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
+from .restore import restore
 from .state import ElasticState
 
 
@@ -146,6 +149,9 @@ class ElasticPipelineEngine(PipelineEngine):
         pp = dt.pp_schedule.get(step)
         if pp is not None and pp != dt.pp_layout.pp:
             switch_pipeline_parallel(self, pp)
+        if dt.membership is not None and self.global_rank == 0:
+            dt.membership.set_last_step(step)  # a restart from a snapshot counts the steps it loses
+            refuse_requests(self)
         return loss
 
     def _exec_optimizer_step(self, lr_kwargs=None):
@@ -190,10 +196,11 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
             f"a PipelineModule job with ZeRO stage {stage}: ds_dynatrain changes the layout of pipeline jobs "
             "at ZeRO-1 (DeepSpeed's pipeline engine refuses stages 2 and 3)"
         )
-    if LaunchContext.from_environ() is not None:
+    ctx = LaunchContext.from_environ()
+    if ctx is not None and ctx.joiner:
         raise ConfigError(
-            "a PipelineModule job under `dynatrain launch`: not supported yet; start it with torchrun or "
-            "deepspeed (engine.resize changes its PP degree over the same processes)"
+            "a PipelineModule job cannot take new processes yet (a grow under `dynatrain launch`); it changes "
+            "its PP degree over its processes and restarts from its snapshots on the processes left"
         )
 
 
@@ -222,15 +229,17 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     world, rank = tdist.get_world_size(), tdist.get_rank()
     pp = module.num_stages
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, world // pp, elastic=False)
+    ctx = LaunchContext.from_environ()
+    generation = ctx.generation if ctx is not None else 0
     dt = ElasticState(
         config=dt_cfg,
         ds_config=ds_config,
         global_batch=global_batch,
         micro_batch=micro,
-        membership=None,
-        member=member_id(0, rank),
-        members=tuple(member_id(0, r) for r in range(world)),
-        generation=0,
+        membership=launched_membership(ctx, dt_cfg),
+        member=ctx.member if ctx is not None else member_id(0, rank),
+        members=tuple(member_id(generation, r) for r in range(world)),
+        generation=generation,
         backend=tdist.get_backend(),
         metrics=MetricsWriter(dt_cfg.metrics_path),
     )
@@ -252,8 +261,50 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     check_pipeline_layout(engine)
     dt.returned_optimizer = engine.optimizer
     atexit.register(shutdown)
+    if dt.membership is not None:
+        publish_launched(engine)
+        if ctx.restore_dir:
+            restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
     return engine
+
+
+def launched_membership(ctx: Optional[LaunchContext], dt_cfg: DynatrainConfig) -> Optional[Membership]:
+    """The job's membership (its store) when ``dynatrain launch`` started this process, else
+    None. A pipeline job keeps the group its script started (``deepspeed.init_distributed()``
+    over the launcher's store for processes started together): its ``PipelineModule`` was built
+    on it."""
+    if ctx is None:
+        return None
+    return Membership(ctx, dt_cfg.collective_timeout_s, tdist.get_backend())
+
+
+def publish_launched(engine) -> None:
+    """Rank 0 of a launched pipeline job publishes its generation and what the launcher checks a
+    restart's world size against (the global batch and micro-batch)."""
+    dt = engine._dt
+    if engine.global_rank == 0:
+        world = len(dt.members)
+        dt.membership.publish(GenerationRecord(dt.generation, world, dt.members, engine.global_steps))
+        dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world)
+
+
+def refuse_requests(engine) -> None:
+    """Rank 0 answers every ``dynatrain resize`` / ``join`` request of a launched pipeline job as
+    refused (not served yet), so no requester waits for an answer."""
+    dt = engine._dt
+    if dt.membership is None or engine.global_rank != 0:
+        return
+    while (request := dt.membership.pending_request(dt.requests_seen)) is not None:
+        index, _body = request
+        why = (
+            "a PipelineModule job does not serve resize requests yet: it changes its PP degree by "
+            "engine.resize(world_size, pipeline_parallel=P) or dynatrain.resize_schedule, and restarts from its "
+            "snapshots on the processes left when one dies"
+        )
+        dt.membership.answer(index, False, why)
+        logger.info(f"resize request {index}: refused: {why}")
+        dt.requests_seen = index + 1
 
 
 def check_pipeline_schedule(dt: ElasticState, type_names) -> None:

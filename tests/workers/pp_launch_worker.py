@@ -1,0 +1,85 @@
+"""A pipeline job under ``dynatrain launch`` (``tests/test_pp_launch.py``).
+
+The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``), builds the
+``PipelineModule`` of :mod:`pp_switch_worker` at PP 2 when its world is even, else PP 1, and trains
+``--steps`` steps with ``train_batch`` on the batch of each step (DP rank ``r`` of ``d`` takes row
+``i * d + r`` at micro-step ``i``), one snapshot a step (the config's). Rank 0 appends
+``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``.
+
+``--request``: rank 0 asks ``dynatrain resize --world-size 1`` after step 1 (a separate process)
+once it is queued, trains step 2, and writes the requester's exit status and output to
+``request.json``: a pipeline job answers a request as refused at its next step.
+
+``--kill-at K``: in the first generation, rank 1 waits for the snapshot of step ``K`` and kills
+itself with SIGKILL (a worker dying without notice: the fault injected at this seam);
+the launcher restarts the job on the one process left, which restores the snapshot at PP 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from tests.workers.pipeline_layout_worker import VOCAB  # noqa: E402
+from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, module_at  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--request", action="store_true")
+    p.add_argument("--deepspeed_config", required=True)
+    a = p.parse_args()
+    import deepspeed
+
+    import ds_dynatrain
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    module = module_at(2 if world % 2 == 0 else 1, "parameters")
+    with open(a.deepspeed_config) as f:
+        cfg = json.load(f)
+    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    generation = int(os.environ["DYNATRAIN_GEN"])
+    requester = None
+    while engine.global_steps < a.steps:
+        s = engine.global_steps
+        dp, d = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+        batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(s))
+        rows = [batch[i * dp + d : i * dp + d + 1] for i in range(GLOBAL_BATCH // dp)]
+        loss = float(engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows])))
+        step = engine.global_steps
+        if rank == 0:
+            with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
+                rec = {"step": step, "loss": loss, "world": world, "pp": engine._dt.pp_layout.pp}
+                f.write(json.dumps({**rec, "generation": generation}) + "\n")
+            if a.request and step == 1:
+                cmd = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", os.environ["DYNATRAIN_STORE"]]
+                cmd += ["--world-size", "1", "--timeout", "60"]
+                requester = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                deadline = time.monotonic() + 90
+                while engine._dt.membership.pending_request(0) is None and time.monotonic() < deadline:
+                    time.sleep(0.2)  # queued before step 2, whose boundary answers it
+            if requester is not None and step == 2:
+                out, _ = requester.communicate(timeout=90)
+                with open(os.path.join(a.out, "request.json"), "w") as f:
+                    json.dump({"returncode": requester.returncode, "output": out}, f)
+        if generation == 0 and rank == 1 and step == a.kill_at:
+            engine.checkpoint_engine.wait()  # the snapshot of this step is committed
+            os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice
+
+
+if __name__ == "__main__":
+    main()
