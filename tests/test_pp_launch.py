@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import time
 
 import pytest
-from conftest import WORKERS, launch, read_jsonl
+from conftest import WORKERS, background_job, launch, read_jsonl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -59,3 +62,35 @@ def test_a_pipeline_job_restarts_from_its_snapshot_at_another_pp_after_a_worker_
     request = json.loads((static / "request.json").read_text())
     assert request["returncode"] != 0, request
     assert "a PipelineModule job does not serve resize requests yet" in request["output"], request
+
+
+@pytest.mark.slow  # the stop's path is the DP job's (tests/test_launcher_signals.py), reached from train_batch
+def test_a_signal_to_the_launcher_stops_a_pipeline_job_with_a_final_snapshot(tmp_path):
+    """Held after step 2 until the launcher has been sent SIGTERM: the job stops at step 3 with a
+    final snapshot of it (``latest``), intact, and the launcher exits 128 + SIGTERM."""
+    from ds_dynatrain.checkpoint.inspect import verify_checkpoint
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_config(tmp_path)))
+    flag, log = tmp_path / "go", tmp_path / "job.log"
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", str(cfg), SCRIPT]
+    cmd += ["--out", str(tmp_path), "--steps", "100", "--hold-at", "2", "--flag", str(flag)]
+    with background_job(cmd, str(log)) as job:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"held_{r}").exists() for r in (0, 1)):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGTERM)  # to the launcher alone
+        while "stops at its next step boundary" not in log.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        flag.write_text("")
+        rc = job.wait(timeout=240)
+    out = log.read_text()
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "agent: the job was stopped after step 3 (SIGTERM)" in out, out[-3000:]
+    assert (tmp_path / "snaps" / "latest").read_text().strip() == "global_step3"
+    rep = verify_checkpoint(str(tmp_path / "snaps"))
+    assert rep.ok, rep.problems
+    # the stop ends the process inside step 3's train_batch (SystemExit): the script logs steps 1 and 2
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "steps.jsonl"))] == [1, 2]

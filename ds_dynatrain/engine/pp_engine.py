@@ -2,10 +2,10 @@
 in memory at an unchanged world size, and its first build by ``ds_dynatrain.initialize``.
 
 What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed (over the training
-data handed to ``initialize``, in the global sample order across changes, or a ``data_iter``), and
-``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`). Snapshots, the resize
-schedule, requests, ``dynatrain launch`` and a change of the number of processes are refused at
-start with the reason.
+data handed to ``initialize``, in the global sample order across changes, or a ``data_iter``),
+``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`) and the resize schedule,
+snapshots, and under ``dynatrain launch`` a restart from its snapshots after a worker died
+(:mod:`.pp_launch`). A change of the number of processes is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.collective import raise_on_every_rank
 from ..elastic.launch_env import LaunchContext, member_id
-from ..elastic.membership import GenerationRecord, Membership
 from ..errors import LayoutMismatchError, ResizeRefusedError
-from ..log import logger
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names, pipeline_layout
@@ -32,6 +30,7 @@ from . import loading
 from .construct import ds_config_for, latest_by_commit
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown
 from .pp_build import check_pipeline_layout, construct_pipeline
+from .pp_launch import at_step_boundary, launched_membership, publish_launched
 from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
@@ -135,23 +134,24 @@ class ElasticPipelineEngine(PipelineEngine):
         )
 
     def train_batch(self, data_iter=None):
-        """DeepSpeed's ``train_batch``; then, every ``snapshot.interval_steps``, a snapshot of this
-        step, and at a step the resize schedule names, the switch to its PP degree (every process
-        reaches the same step; a snapshot of that step is of the layout before the switch)."""
+        """DeepSpeed's ``train_batch``; then, under ``dynatrain launch``, the step boundary of
+        :func:`~ds_dynatrain.engine.pp_launch.at_step_boundary` (a stop of the job ends the process
+        here with ``SystemExit(0)``); every ``snapshot.interval_steps``, a snapshot of this step;
+        and at a step the resize schedule names, the switch to its PP degree (every process reaches
+        the same step; a snapshot of that step is of the layout before the switch)."""
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
         if not dt.hp_linked:  # DeepSpeed 0.19.8 links group 0's fragments only (boundary.after_optimizer_step)
             relink_optimizer_state(self)
             dt.hp_linked = True
+        if dt.membership is not None:  # dynatrain launch: a stop (SystemExit), requests
+            at_step_boundary(self)
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
         pp = dt.pp_schedule.get(step)
         if pp is not None and pp != dt.pp_layout.pp:
             switch_pipeline_parallel(self, pp)
-        if dt.membership is not None and self.global_rank == 0:
-            dt.membership.set_last_step(step)  # a restart from a snapshot counts the steps it loses
-            refuse_requests(self)
         return loss
 
     def _exec_optimizer_step(self, lr_kwargs=None):
@@ -188,7 +188,8 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
 
     Raises:
         ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
-            layout change moves ZeRO partitions), or a process started by ``dynatrain launch``.
+            layout change moves ZeRO partitions), or a process ``dynatrain launch`` started to join a
+            running job (a grow).
     """
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage != 1:
@@ -267,44 +268,6 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
     return engine
-
-
-def launched_membership(ctx: Optional[LaunchContext], dt_cfg: DynatrainConfig) -> Optional[Membership]:
-    """The job's membership (its store) when ``dynatrain launch`` started this process, else
-    None. A pipeline job keeps the group its script started (``deepspeed.init_distributed()``
-    over the launcher's store for processes started together): its ``PipelineModule`` was built
-    on it."""
-    if ctx is None:
-        return None
-    return Membership(ctx, dt_cfg.collective_timeout_s, tdist.get_backend())
-
-
-def publish_launched(engine) -> None:
-    """Rank 0 of a launched pipeline job publishes its generation and what the launcher checks a
-    restart's world size against (the global batch and micro-batch)."""
-    dt = engine._dt
-    if engine.global_rank == 0:
-        world = len(dt.members)
-        dt.membership.publish(GenerationRecord(dt.generation, world, dt.members, engine.global_steps))
-        dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world)
-
-
-def refuse_requests(engine) -> None:
-    """Rank 0 answers every ``dynatrain resize`` / ``join`` request of a launched pipeline job as
-    refused (not served yet), so no requester waits for an answer."""
-    dt = engine._dt
-    if dt.membership is None or engine.global_rank != 0:
-        return
-    while (request := dt.membership.pending_request(dt.requests_seen)) is not None:
-        index, _body = request
-        why = (
-            "a PipelineModule job does not serve resize requests yet: it changes its PP degree by "
-            "engine.resize(world_size, pipeline_parallel=P) or dynatrain.resize_schedule, and restarts from its "
-            "snapshots on the processes left when one dies"
-        )
-        dt.membership.answer(index, False, why)
-        logger.info(f"resize request {index}: refused: {why}")
-        dt.requests_seen = index + 1
 
 
 def check_pipeline_schedule(dt: ElasticState, type_names) -> None:

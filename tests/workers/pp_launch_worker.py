@@ -10,6 +10,8 @@ The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``
 once it is queued, trains step 2, and writes the requester's exit status and output to
 ``request.json``: a pipeline job answers a request as refused at its next step.
 
+``--hold-at K --flag F``: every rank writes ``held_<rank>`` after step ``K`` and waits for ``F``.
+
 ``--kill-at K``: in the first generation, rank 1 waits for the snapshot of step ``K`` and kills
 itself with SIGKILL (a worker dying without notice: the fault injected at this seam);
 the launcher restarts the job on the one process left, which restores the snapshot at PP 1.
@@ -40,6 +42,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--request", action="store_true")
+    p.add_argument("--hold-at", type=int, default=0, help="after this step, wait for --flag to exist")
+    p.add_argument("--flag", default="")
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     import deepspeed
@@ -76,6 +80,10 @@ def main() -> None:
                 out, _ = requester.communicate(timeout=90)
                 with open(os.path.join(a.out, "request.json"), "w") as f:
                     json.dump({"returncode": requester.returncode, "output": out}, f)
+        if step == a.hold_at:  # held until the test has signalled the launcher
+            open(os.path.join(a.out, f"held_{rank}"), "w").close()
+            while not os.path.exists(a.flag):
+                time.sleep(0.1)
         if generation == 0 and rank == 1 and step == a.kill_at:
             engine.checkpoint_engine.wait()  # the snapshot of this step is committed
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice
