@@ -286,8 +286,13 @@ def test_resolve_global_batch_refuses(keys, ws, message):
             {"resize_schedule": [{"step": 3, "world_size": 2, "pipeline_parallel": 1, "tensor_parallel": 1}]},
             "resize_schedule step 3: tensor_parallel and pipeline_parallel both given",
         ),
+        (
+            {"zero_optimization": {"stage": 1}},
+            {"recovery": {"peer_replicas": 1}},
+            "dynatrain.recovery.peer_replicas: a PipelineModule job has no in-place recovery",
+        ),
     ],
-    ids=["zero0", "zero2", "schedule_both_degrees"],
+    ids=["zero0", "zero2", "schedule_both_degrees", "peer_replicas"],
 )
 def test_initialize_refuses_what_a_pipeline_job_cannot_have(extra, section, message):
     """What a pipeline job cannot have yet is refused by ``ds_dynatrain.initialize`` before any

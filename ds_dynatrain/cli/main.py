@@ -7,7 +7,8 @@
     dynatrain launch --nnodes 2 --node-rank R --nproc 2 --store HOST:PORT --config CFG script.py [ARGS...]
     srun --ntasks-per-node=1 dynatrain launch --nproc 2 --config CFG script.py [ARGS...]
     dynatrain join --store HOST:PORT --nproc K --config CFG script.py [ARGS...]
-    dynatrain resize --store HOST:PORT --world-size N [--tensor-parallel T] [--timeout SECONDS]
+    dynatrain resize --store HOST:PORT --world-size N [--tensor-parallel T | --pipeline-parallel P]
+                     [--timeout SECONDS]
     dynatrain plan --model-config CONFIG.json --from 64 --to 48 [--zero-stage 2] [--json]
                    [--tensor-parallel-from 8 --tensor-parallel-to 4]
     dynatrain plot runs/demo/metrics.jsonl [--static runs/static/metrics.jsonl] --out loss.png
@@ -87,7 +88,14 @@ def _cmd_resize(a) -> int:
         print(f"dynatrain resize: --store {a.store!r}: expected HOST:PORT", file=sys.stderr)
         return 2
     try:
-        answer = request_resize(host, int(port), a.world_size, a.timeout, tensor_parallel=a.tensor_parallel)
+        answer = request_resize(
+            host,
+            int(port),
+            a.world_size,
+            a.timeout,
+            tensor_parallel=a.tensor_parallel,
+            pipeline_parallel=a.pipeline_parallel,
+        )
     except ResizeRefusedError as err:
         print(f"dynatrain resize: refused: {err}", file=sys.stderr)
         return 2
@@ -352,6 +360,12 @@ def _add_query_commands(sub) -> None:
         type=int,
         default=None,
         help="an AutoTP job's new TP degree (--world-size is then its number of processes, TP x DP)",
+    )
+    rp.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=None,
+        help="a PipelineModule job's new PP degree at its world size (--world-size: PP x DP processes)",
     )
     rp.set_defaults(func=_cmd_resize)
 

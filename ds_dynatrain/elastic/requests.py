@@ -18,10 +18,13 @@ from .placement import check_slots
 CONNECT_TIMEOUT_S = 10.0  # how long a requester tries to reach a job's store
 
 
-def request_resize(host: str, port: int, world_size: int, timeout_s: float, tensor_parallel=None) -> dict:
+def request_resize(
+    host: str, port: int, world_size: int, timeout_s: float, tensor_parallel=None, pipeline_parallel=None
+) -> dict:
     """Ask the job whose store listens at ``host:port`` to change its world size to ``world_size``
     (``dynatrain resize``); an AutoTP job also its TP degree (``tensor_parallel``; ``world_size``
-    is then its number of processes, TP x DP). Requests are queued in the store and served one per
+    is then its number of processes, TP x DP), a pipeline job its PP degree (``pipeline_parallel``;
+    PP x DP processes). Requests are queued in the store and served one per
     step boundary, in order. The size is checked against the job's global batch (split over
     ``world_size / tensor_parallel`` DP ranks), ``max_world_size`` and its hosts' slots
     (:func:`~ds_dynatrain.elastic.placement.check_slots`) first.
@@ -44,18 +47,24 @@ def request_resize(host: str, port: int, world_size: int, timeout_s: float, tens
     except RuntimeError as err:
         raise TransitionAbortedError(f"no dynatrain job answers at {host}:{port}: {err}") from None
     dp = world_size
-    if tensor_parallel is not None:
-        if tensor_parallel < 1:
-            raise ResizeRefusedError(f"TP degree {tensor_parallel}: it must be >= 1")
-        if world_size % tensor_parallel:
-            raise ResizeRefusedError(f"TP degree {tensor_parallel} does not divide the world size {world_size}")
-        dp = world_size // tensor_parallel
+    if tensor_parallel is not None and pipeline_parallel is not None:
+        raise ResizeRefusedError("a TP and a PP degree: a request changes one of the two")
+    for what, degree in (("TP", tensor_parallel), ("PP", pipeline_parallel)):
+        if degree is None:
+            continue
+        if degree < 1:
+            raise ResizeRefusedError(f"{what} degree {degree}: it must be >= 1")
+        if world_size % degree:
+            raise ResizeRefusedError(f"{what} degree {degree} does not divide the world size {world_size}")
+        dp = world_size // degree
     split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])
     check_slots(store, world_size)
     i = int(store.add(REQUEST_COUNT, 1)) - 1
     body = {"world_size": world_size}
     if tensor_parallel is not None:
         body["tensor_parallel"] = tensor_parallel
+    if pipeline_parallel is not None:
+        body["pipeline_parallel"] = pipeline_parallel
     store.set(REQUEST_KEY.format(i), json.dumps(body))
     t0 = time.monotonic()
     try:

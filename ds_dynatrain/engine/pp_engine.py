@@ -188,14 +188,19 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
 
     Raises:
         ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
-            layout change moves ZeRO partitions), or a process ``dynatrain launch`` started to join a
-            running job (a grow).
+            layout change moves ZeRO partitions), peer replicas, or a process ``dynatrain launch``
+            started to join a running job (a grow).
     """
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage != 1:
         raise ConfigError(
             f"a PipelineModule job with ZeRO stage {stage}: ds_dynatrain changes the layout of pipeline jobs "
             "at ZeRO-1 (DeepSpeed's pipeline engine refuses stages 2 and 3)"
+        )
+    if dt_cfg.recovery.peer_replicas:
+        raise ConfigError(
+            "dynatrain.recovery.peer_replicas: a PipelineModule job has no in-place recovery from peer replicas "
+            "yet; under `dynatrain launch` a dead worker restarts it from its snapshots (snapshot.restore_on_failure)"
         )
     ctx = LaunchContext.from_environ()
     if ctx is not None and ctx.joiner:
@@ -264,6 +269,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     atexit.register(shutdown)
     if dt.membership is not None:
         publish_launched(engine)
+        dt.requests_seen = dt.membership.served()  # a restarted job does not serve the answered ones again
         if ctx.restore_dir:
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes

@@ -1,5 +1,6 @@
 """A pipeline job under ``dynatrain launch``: the job's membership beside the group its script
-started, what rank 0 publishes for the launcher, and resize requests answered as refused.
+started, what rank 0 publishes for the launcher, a stop of the job and resize requests at the step
+boundary.
 
 The script starts ``torch.distributed`` itself before it builds its ``PipelineModule``
 (``deepspeed.init_distributed()`` over the store the launcher hands processes started together),
@@ -14,7 +15,7 @@ restarted script builds its module at the PP degree it picks for its world, and
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -23,8 +24,10 @@ from deepspeed.accelerator import get_accelerator
 from ..config import DynatrainConfig
 from ..elastic.launch_env import LaunchContext
 from ..elastic.membership import GenerationRecord, Membership
+from ..errors import ResizeRefusedError
 from ..log import logger
 from .lifecycle import stop_job
+from .pp_switch import switch_pipeline_parallel
 
 
 def launched_membership(ctx: Optional[LaunchContext], dt_cfg: DynatrainConfig) -> Optional[Membership]:
@@ -47,40 +50,72 @@ def publish_launched(engine) -> None:
         dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world)
 
 
-def refuse_requests(engine) -> None:
-    """Rank 0 answers every ``dynatrain resize`` / ``join`` request of a launched pipeline job as
-    refused (not served yet), so no requester waits for an answer."""
+def _read_request(engine) -> Tuple[int, int]:
+    """Rank 0: ``(index, PP degree)`` of the next request when it is a PP change at this job's
+    world size (served at this step by every rank), else ``(-1, 0)``; any other request is
+    answered as refused here, with the reason."""
     dt = engine._dt
-    if dt.membership is None or engine.global_rank != 0:
-        return
     while (request := dt.membership.pending_request(dt.requests_seen)) is not None:
-        index, _body = request
+        index, body = request
+        dt.requests_seen = index + 1
+        world, pp = int(body.get("world_size", 0)), body.get("pipeline_parallel")
+        if "join" not in body and pp is not None and world == len(dt.members):
+            return index, int(pp)
         why = (
-            "a PipelineModule job does not serve resize requests yet: it changes its PP degree by "
-            "engine.resize(world_size, pipeline_parallel=P) or dynatrain.resize_schedule, and restarts from its "
-            "snapshots on the processes left when one dies"
+            f"a PipelineModule job changes its PP degree over its {len(dt.members)} processes "
+            f"(dynatrain resize --world-size {len(dt.members)} --pipeline-parallel P); another number of processes "
+            "is not served yet (it restarts from its snapshots on the processes left when one dies)"
         )
         dt.membership.answer(index, False, why)
         logger.info(f"resize request {index}: refused: {why}")
-        dt.requests_seen = index + 1
+    return -1, 0
+
+
+def _serve(engine, index: int, pp: int) -> None:
+    """Every rank: request ``index``'s change to PP degree ``pp``; rank 0 answers it (the record,
+    or why it was refused: nothing changed then)."""
+    dt = engine._dt
+    try:
+        rec = switch_pipeline_parallel(engine, pp).to_dict() if pp != dt.pp_layout.pp else None
+    except ResizeRefusedError as err:
+        if engine.global_rank == 0:
+            dt.membership.answer(index, False, str(err))
+            logger.info(f"resize request {index}: {err}")
+        return
+    if engine.global_rank == 0:
+        msg = (
+            f"PP {rec['pipeline_parallel_from']} -> {rec['pipeline_parallel_to']} over {rec['to']} processes "
+            f"after step {rec['step']} in {rec['seconds']:.2f} s"
+            if rec
+            else f"the job already runs at PP {pp}"
+        )
+        dt.membership.answer(index, True, msg, rec)
 
 
 def at_step_boundary(engine) -> None:
     """After each ``train_batch`` of a launched pipeline job, before its periodic snapshot: a
     signal to the launcher (SIGTERM, SIGINT) ends the job here on every rank, after a final
-    snapshot of this step (:func:`~ds_dynatrain.engine.lifecycle.stop_job`; rank 0 reads the
-    store, one all-reduce of one number tells every rank); else rank 0 records the step and
-    answers pending requests (:func:`refuse_requests`). Collective.
+    snapshot of this step (:func:`~ds_dynatrain.engine.lifecycle.stop_job`); else a ``dynatrain
+    resize --pipeline-parallel P`` request at the job's world size is served (the PP switch of
+    :mod:`.pp_switch`) and any other request answered as refused. Rank 0 reads the store, one
+    all-reduce of three numbers tells every rank. Collective.
 
     Raises:
         SystemExit: the job was stopped (status 0).
     """
     dt = engine._dt
-    signum = dt.membership.stop_requested() if engine.global_rank == 0 else 0
-    flag = torch.tensor([float(signum)], device=get_accelerator().current_device_name())
-    tdist.all_reduce(flag)
-    if int(flag.item()):
-        stop_job(engine, int(flag.item()), "the launcher was signalled")
+    said = [0.0, -1.0, 0.0]
     if engine.global_rank == 0:
         dt.membership.set_last_step(engine.global_steps)  # a restart from a snapshot counts the steps it loses
-        refuse_requests(engine)
+        signum = dt.membership.stop_requested()
+        index, pp = _read_request(engine) if not signum else (-1, 0)
+        said = [float(signum), float(index), float(pp)]
+    flat = torch.tensor(said if engine.global_rank == 0 else [0.0, 0.0, 0.0], dtype=torch.float64)
+    flat = flat.to(get_accelerator().current_device_name())
+    tdist.all_reduce(flat)
+    signum, index, pp = (int(x) for x in flat.tolist())
+    if signum:
+        stop_job(engine, signum, "the launcher was signalled")
+    if index >= 0:
+        dt.requests_seen = index + 1
+        _serve(engine, index, pp)

@@ -42,7 +42,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
                 "Trainer) runs on through resizes in its processes and cannot be entered by a new one at the "
                 "job's step; it can shrink (resize down, preemption) but not grow"
             )
-        tp = requested_tensor_parallel(dt, index)
+        tp = requested_tensor_parallel(dt, index)  # ResizeRefusedError: a PP degree (no pipeline here)
         if dt.config.background_groups and world_size != engine.dp_world_size and dt.tp_layout is None and tp is None:
             dt.split(world_size)
             zero_optimizer_of(engine)  # refuse engines we cannot resize before anything changes
@@ -75,8 +75,15 @@ def serve_request(engine, index: int, world_size: int) -> None:
 
 def requested_tensor_parallel(dt, index: int) -> Optional[int]:
     """The TP degree request ``index`` asks for (``dynatrain resize --tensor-parallel``), or None;
-    every rank reads it from the store (the step's vote carries the world size only)."""
+    every rank reads it from the store (the step's vote carries the world size only).
+
+    Raises:
+        ResizeRefusedError: the request gives a PP degree (``--pipeline-parallel``): this job has
+            no pipeline.
+    """
     body = json.loads(dt.membership.store.get(REQUEST_KEY.format(index)))
+    if body.get("pipeline_parallel") is not None:
+        raise ResizeRefusedError(f"PP degree {body['pipeline_parallel']} refused: this job is not a PipelineModule job")
     tp = body.get("tensor_parallel")
     return None if tp is None else int(tp)
 

@@ -6,9 +6,10 @@ The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``
 ``i * d + r`` at micro-step ``i``), one snapshot a step (the config's). Rank 0 appends
 ``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``.
 
-``--request``: rank 0 asks ``dynatrain resize --world-size 1`` after step 1 (a separate process)
-once it is queued, trains step 2, and writes the requester's exit status and output to
-``request.json``: a pipeline job answers a request as refused at its next step.
+``--request``: rank 0 asks ``dynatrain resize --world-size 1`` after step 1 and ``dynatrain
+resize --world-size 2 --pipeline-parallel 1`` after step 2 (each in a process of its own, queued
+before the next step, whose boundary answers it: the first refused, the second served), and
+writes each requester's exit status and output to ``request.json``.
 
 ``--hold-at K --flag F``: every rank writes ``held_<rank>`` after step ``K`` and waits for ``F``.
 
@@ -35,6 +36,21 @@ sys.path.insert(0, ROOT)
 from tests.workers.pipeline_layout_worker import VOCAB  # noqa: E402
 from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, module_at  # noqa: E402
 
+PP_REQUEST = ["--world-size", "2", "--pipeline-parallel", "1"]
+
+
+def _request(engine, args, index: int):
+    """``dynatrain resize ARGS`` in a process of its own, returned once its request ``index`` is
+    queued in the job's store (so the next step's boundary answers it)."""
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", os.environ["DYNATRAIN_STORE"]]
+    proc = subprocess.Popen(
+        [*cmd, *args, "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 90
+    while engine._dt.membership.pending_request(index) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -57,7 +73,7 @@ def main() -> None:
         cfg = json.load(f)
     engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     generation = int(os.environ["DYNATRAIN_GEN"])
-    requester = None
+    requests, answers = [], []
     while engine.global_steps < a.steps:
         s = engine.global_steps
         dp, d = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
@@ -69,17 +85,13 @@ def main() -> None:
             with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
                 rec = {"step": step, "loss": loss, "world": world, "pp": engine._dt.pp_layout.pp}
                 f.write(json.dumps({**rec, "generation": generation}) + "\n")
-            if a.request and step == 1:
-                cmd = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", os.environ["DYNATRAIN_STORE"]]
-                cmd += ["--world-size", "1", "--timeout", "60"]
-                requester = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                deadline = time.monotonic() + 90
-                while engine._dt.membership.pending_request(0) is None and time.monotonic() < deadline:
-                    time.sleep(0.2)  # queued before step 2, whose boundary answers it
-            if requester is not None and step == 2:
-                out, _ = requester.communicate(timeout=90)
+            if a.request and step in (1, 2):  # world 1 (refused), then PP 1 at world 2 (served)
+                requests.append(_request(engine, ["--world-size", "1"] if step == 1 else PP_REQUEST, step - 1))
+            if a.request and step in (2, 3):
+                out, _ = requests[step - 2].communicate(timeout=90)
+                answers.append({"returncode": requests[step - 2].returncode, "output": out})
                 with open(os.path.join(a.out, "request.json"), "w") as f:
-                    json.dump({"returncode": requester.returncode, "output": out}, f)
+                    json.dump(answers, f)
         if step == a.hold_at:  # held until the test has signalled the launcher
             open(os.path.join(a.out, f"held_{rank}"), "w").close()
             while not os.path.exists(a.flag):
