@@ -3,7 +3,7 @@ requests at its step boundary (a PP change at its world size served, another num
 refused with the reason), and survives a worker that dies without notice by the launcher's restart
 on the processes left, from its last snapshot, at another PP degree.
 
-The job of the test is asked at step 1 for 1 process (refused) and at step 2 for PP 1 at its 2
+The job of the test is asked at step 1 for a TP degree (refused) and at step 2 for PP 1 at its 2
 processes (served after step 3: PP 2 x DP 1 -> PP 1 x DP 2); after step 4 and its snapshot at PP 1
 x DP 2 a worker dies, and the launcher restarts the job on one process, at PP 1 x DP 1, from that
 snapshot. Oracle: the same job without requests or death (PP 2 over 2 processes throughout). Steps
@@ -68,11 +68,43 @@ def test_a_pipeline_job_restarts_from_its_snapshot_at_another_pp_after_a_worker_
     assert [(r["step"], r["world_size"], r["lost_steps"], r["skipped"]) for r in restore] == [(4, 1, 0, [])]
     refused, served = json.loads((killed / "request.json").read_text())
     assert refused["returncode"] == 2, refused
-    assert "a PipelineModule job changes its PP degree over its 2 processes" in refused["output"], refused
+    assert "a PipelineModule job of 2 processes changes its PP degree" in refused["output"], refused
     assert served["returncode"] == 0, served
-    assert "PP 2 -> 1 over 2 processes after step 3" in served["output"], served
+    assert "PP 2 x DP 1 -> PP 1 x DP 2 after step 3" in served["output"], served
     resized = [r for r in read_jsonl(str(killed / "metrics.jsonl")) if r["event"] == "resize"]
     assert [(r["step"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized] == [(3, 2, 1)]
+
+
+def test_a_pipeline_job_shrinks_online_on_a_preemption_and_on_a_request(tmp_path):
+    """PP 2 x DP 2 over 4 processes; the last gets a preemption notice (SIGTERM) after step 2: at
+    step 3's boundary it hands its state over and leaves with one more process, and the job goes
+    on at the largest layout its 3 survivors serve whose DP size splits the global batch of 4,
+    PP 2 x DP 1 (PP 1 x DP 3 would not). After step 4 rank 0 asks for one process (``dynatrain
+    resize --world-size 1``): PP 1 x DP 1 after step 5. No restart: one generation of processes.
+    Oracle: a 4-process job without either (PP 2 x DP 2 throughout), every loss within 1e-5
+    relative (DP 2 and DP 1 round a gradient differently); the steps before the first shrink bitwise."""
+    static, shrunk = tmp_path / "static", tmp_path / "shrunk"
+    for out, extra in ((static, []), (shrunk, ["--preempt-at", "2", "--shrink-at", "4"])):
+        out.mkdir()
+        job = launch(out, SCRIPT, 4, _config(out), ["--out", str(out), *extra], timeout=300, name="job")
+        assert job.returncode == 0, job.output[-4000:]
+    want, got = read_jsonl(str(static / "steps.jsonl")), read_jsonl(str(shrunk / "steps.jsonl"))
+    assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
+        (1, 4, 2, 0),
+        (2, 4, 2, 0),
+        (3, 2, 2, 0),
+        (4, 2, 2, 0),
+        (5, 1, 1, 0),
+        (6, 1, 1, 0),
+    ]
+    assert [r["loss"] for r in got[:2]] == [r["loss"] for r in want[:2]]
+    assert all(abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) for g, w in zip(got, want)), (got, want)
+    resized = [r for r in read_jsonl(str(shrunk / "metrics.jsonl")) if r["event"] == "resize"]
+    figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
+    assert figures == [(3, 4, 2, 2, 2), (5, 2, 1, 2, 1)]
+    assert all(r["bytes_moved"] > 0 for r in resized)
+    log = (shrunk / "job.log").read_text()
+    assert "restarting" not in log and "failed" not in log, log[-3000:]
 
 
 @pytest.mark.slow  # the stop's path is the DP job's (tests/test_launcher_signals.py), reached from train_batch

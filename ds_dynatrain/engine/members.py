@@ -1,5 +1,6 @@
 """The next generation from the engine's side: who its members are, publishing it and having its
-joiners started, and switching this process into it (group, launch environment, DeepSpeed comm)."""
+joiners started, switching this process into it (group, launch environment, DeepSpeed comm), or
+leaving the job."""
 
 from __future__ import annotations
 
@@ -98,3 +99,22 @@ def evict_groups(dt: ElasticState) -> None:
     """Shut down cached groups with a member that is neither in the job nor standing by."""
     alive = set(dt.members) | set(dt.standby)
     dt.membership.groups.evict(lambda members: set(members) <= alive)
+
+
+def leave_job(engine, rec) -> None:
+    """This process is not in the new world (a shrink's ``rec``, a resize record): it has handed
+    its partitions over; it tears its engine down and leaves the process group (its script sees
+    ``engine.is_member`` False)."""
+    import torch.distributed as tdist
+
+    from ..zero.rebuild import teardown
+
+    dt = engine._dt
+    teardown(engine)
+    dt.retired = True
+    logger.info(
+        f"member {dt.member} left the job after step {engine.global_steps} "
+        f"({rec.bytes_sent / 2**20:.2f} MiB handed over)"
+    )
+    if tdist.is_initialized():
+        tdist.destroy_process_group()

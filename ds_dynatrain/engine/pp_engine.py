@@ -4,8 +4,9 @@ in memory at an unchanged world size, and its first build by ``ds_dynatrain.init
 What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed (over the training
 data handed to ``initialize``, in the global sample order across changes, or a ``data_iter``),
 ``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`) and the resize schedule,
-snapshots, and under ``dynatrain launch`` a restart from its snapshots after a worker died
-(:mod:`.pp_launch`). A change of the number of processes is refused with the reason.
+snapshots, and under ``dynatrain launch`` (:mod:`.pp_launch`) requests, a shrink on a preemption
+or a request (:mod:`.pp_resize`), a stop, and a restart from its snapshots after a worker died. A
+grow is refused with the reason.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from ..zero.pipeline import layer_type_names, pipeline_layout
 from ..zero.state import relink_optimizer_state
 from . import loading
 from .construct import ds_config_for, latest_by_commit
-from .lifecycle import at_thread_shutdown, close_at_exit, shutdown
+from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .pp_launch import at_step_boundary, launched_membership, publish_launched
+from .pp_resize import largest_pp_layout, shrink_pipeline_parallel
 from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
@@ -49,8 +51,9 @@ class ElasticPipelineEngine(PipelineEngine):
 
     @property
     def is_member(self) -> bool:
-        """Always True: a pipeline job keeps its processes."""
-        return True
+        """False once this process has left the job (a shrink under ``dynatrain launch`` that it
+        is not part of: its engine is torn down; the script ends its loop)."""
+        return not self._dt.retired
 
     @property
     def resize_records(self) -> List[dict]:
@@ -61,7 +64,11 @@ class ElasticPipelineEngine(PipelineEngine):
         self, world_size: int, pipeline_parallel: Optional[int] = None, tensor_parallel: Optional[int] = None
     ) -> Optional[dict]:
         """Change the pipeline degree to ``pipeline_parallel`` now, in memory (DP becomes
-        ``world_size / pipeline_parallel``); the processes stay.
+        ``world_size / pipeline_parallel``); the processes stay. Under ``dynatrain launch`` a
+        smaller ``world_size`` shrinks the job (:func:`~ds_dynatrain.engine.pp_resize.
+        shrink_pipeline_parallel`; ``pipeline_parallel`` None: the current degree where it divides
+        the new world, else the largest smaller one the job can take); the processes left out
+        leave (``is_member`` False, the record None in them).
 
         Collective: every process calls it at the same step boundary (between ``train_batch``
         calls).
@@ -71,11 +78,10 @@ class ElasticPipelineEngine(PipelineEngine):
             ``seconds``, ...); None when the degree does not change.
 
         Raises:
-            ResizeRefusedError: another number of processes (not supported for a pipeline job
-                yet), a degree that does not divide the world size, more stages than layers, a
-                split that leaves a stage without a trainable parameter, or a DP size that cannot
-                keep the global batch; a ``tensor_parallel`` degree (a pipeline job has no TP axis);
-                nothing has changed.
+            ResizeRefusedError: a grow, a shrink outside ``dynatrain launch``, a degree that does
+                not divide the world size, more stages than layers, a split that leaves a stage
+                without a trainable parameter, or a DP size that cannot keep the global batch; a
+                ``tensor_parallel`` degree (a pipeline job has no TP axis); nothing has changed.
             TransitionAbortedError: a peer failed during the transfer.
         """
         if tensor_parallel is not None:
@@ -84,10 +90,14 @@ class ElasticPipelineEngine(PipelineEngine):
                 "(its PP and DP degrees change; a PipelineModule with a model axis is not supported)"
             )
         world = tdist.get_world_size()
+        if world_size < world and self._dt.membership is not None and world_size >= 1:  # dynatrain launch
+            pp = pipeline_parallel or largest_pp_layout(self, world_size)[1] or self._dt.pp_layout.pp
+            rec = shrink_pipeline_parallel(self, world_size, pp)
+            return rec.to_dict() if rec is not None else None
         if world_size != world:
             raise ResizeRefusedError(
                 f"world size {world_size} refused: a pipeline job changes its PP degree over its {world} "
-                "processes; growing or shrinking it is not supported yet"
+                "processes; it does not grow yet, and it shrinks under `dynatrain launch`"
             )
         pp = self._dt.pp_layout.pp if pipeline_parallel is None else pipeline_parallel
         if pp == self._dt.pp_layout.pp:
@@ -144,8 +154,10 @@ class ElasticPipelineEngine(PipelineEngine):
         if not dt.hp_linked:  # DeepSpeed 0.19.8 links group 0's fragments only (boundary.after_optimizer_step)
             relink_optimizer_state(self)
             dt.hp_linked = True
-        if dt.membership is not None:  # dynatrain launch: a stop (SystemExit), requests
+        if dt.membership is not None:  # dynatrain launch: a stop (SystemExit), preemptions, requests
             at_step_boundary(self)
+            if dt.retired:
+                return loss
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
@@ -269,6 +281,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     atexit.register(shutdown)
     if dt.membership is not None:
         publish_launched(engine)
+        take_preemption_notices(dt)  # SIGTERM to a worker: it leaves at the next step, the others shrink
         dt.requests_seen = dt.membership.served()  # a restarted job does not serve the answered ones again
         if ctx.restore_dir:
             restore(engine, ctx.restore_dir)

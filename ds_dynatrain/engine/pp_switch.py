@@ -47,16 +47,25 @@ def new_pipeline_layout(engine, pp: int):
 
 
 def layout_at(old, type_names, pp: int, method: str):
+    """``old`` (a :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`) at ``pp`` stages over its
+    world (:func:`layout_for`).
+
+    Raises:
+        ResizeRefusedError: as :func:`layout_for`.
+    """
+    return layout_for(old, type_names, pp, old.world_size, method)
+
+
+def layout_for(old, type_names, pp: int, world: int, method: str):
     """``old`` (a :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`) at ``pp`` stages of
     ``world / pp`` ranks, the layers split by DeepSpeed's partition ``method`` (``type_names``:
     each layer's class name, for ``type:`` methods).
 
     Raises:
-        ResizeRefusedError: ``pp`` below 1, not dividing the world size, above the number of
-            layers, a split leaving a stage without a trainable parameter or without one of an
-            optimizer group the others hold (:func:`check_stage_groups`).
+        ResizeRefusedError: ``pp`` below 1, not dividing ``world``, above the number of layers, a
+            split leaving a stage without a trainable parameter or without one of an optimizer
+            group the others hold (:func:`check_stage_groups`).
     """
-    world = old.world_size
     if pp < 1 or world % pp:
         raise ResizeRefusedError(f"PP degree {pp} refused: it must be >= 1 and divide the world size {world}")
     if pp > len(old.layers):

@@ -21,13 +21,11 @@ import torch.distributed as tdist
 
 from ..batch import split_global_batch
 from ..errors import LayoutMismatchError, ResizeRefusedError
-from ..log import logger
 from ..planner.box_plan import assign_box_members_best
 from ..planner.tp_plan import plan_tp_transition
-from ..zero.rebuild import teardown
 from ..zero.state import extract_partitions
 from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
-from .members import evict_groups, form_generation, request_joiners
+from .members import evict_groups, form_generation, leave_job, request_joiners
 from .pending import publish
 from .records import ResizeRecord
 from .tp_switch import new_layout, rebuild_at, tp_record
@@ -98,7 +96,7 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None
     state = None
     if not stays:
-        _leave(engine, rec)
+        leave_job(engine, rec)
         return None
     t = time.perf_counter()
 
@@ -117,17 +115,3 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     rec.seconds = time.perf_counter() - t0
     publish(engine, rec)
     return rec
-
-
-def _leave(engine, rec: ResizeRecord) -> None:
-    """This process is not in the new world: it has handed its partitions over; it tears its
-    engine down and leaves the process group (its script sees ``engine.is_member`` False)."""
-    dt = engine._dt
-    teardown(engine)
-    dt.retired = True
-    logger.info(
-        f"member {dt.member} left the job after step {engine.global_steps} "
-        f"({rec.bytes_sent / 2**20:.2f} MiB handed over)"
-    )
-    if tdist.is_initialized():
-        tdist.destroy_process_group()

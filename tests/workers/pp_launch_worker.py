@@ -6,8 +6,8 @@ The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``
 ``i * d + r`` at micro-step ``i``), one snapshot a step (the config's). Rank 0 appends
 ``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``.
 
-``--request``: rank 0 asks ``dynatrain resize --world-size 1`` after step 1 and ``dynatrain
-resize --world-size 2 --pipeline-parallel 1`` after step 2 (each in a process of its own, queued
+``--request``: rank 0 asks ``dynatrain resize --world-size 2 --tensor-parallel 1`` after step 1
+and ``dynatrain resize --world-size 2 --pipeline-parallel 1`` after step 2 (each in a process of its own, queued
 before the next step, whose boundary answers it: the first refused, the second served), and
 writes each requester's exit status and output to ``request.json``.
 
@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 from tests.workers.pipeline_layout_worker import VOCAB  # noqa: E402
 from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, module_at  # noqa: E402
 
+TP_REQUEST = ["--world-size", "2", "--tensor-parallel", "1"]
 PP_REQUEST = ["--world-size", "2", "--pipeline-parallel", "1"]
 
 
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--preempt-at", type=int, default=0, help="the last rank of generation 0 gets SIGTERM after it")
+    p.add_argument("--shrink-at", type=int, default=0, help="rank 0 asks for one process after this step")
     p.add_argument("--request", action="store_true")
     p.add_argument("--hold-at", type=int, default=0, help="after this step, wait for --flag to exist")
     p.add_argument("--flag", default="")
@@ -74,19 +77,21 @@ def main() -> None:
     engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     generation = int(os.environ["DYNATRAIN_GEN"])
     requests, answers = [], []
-    while engine.global_steps < a.steps:
+    while engine.is_member and engine.global_steps < a.steps:
         s = engine.global_steps
         dp, d = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
         batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(s))
         rows = [batch[i * dp + d : i * dp + d + 1] for i in range(GLOBAL_BATCH // dp)]
         loss = float(engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows])))
-        step = engine.global_steps
+        if not engine.is_member:  # it left the job at this step's boundary (a shrink without it)
+            break
+        step, rank = engine.global_steps, tdist.get_rank()
         if rank == 0:
             with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
-                rec = {"step": step, "loss": loss, "world": world, "pp": engine._dt.pp_layout.pp}
+                rec = {"step": step, "loss": loss, "world": tdist.get_world_size(), "pp": engine._dt.pp_layout.pp}
                 f.write(json.dumps({**rec, "generation": generation}) + "\n")
-            if a.request and step in (1, 2):  # world 1 (refused), then PP 1 at world 2 (served)
-                requests.append(_request(engine, ["--world-size", "1"] if step == 1 else PP_REQUEST, step - 1))
+            if a.request and step in (1, 2):  # a TP degree (refused), then PP 1 at world 2 (served)
+                requests.append(_request(engine, TP_REQUEST if step == 1 else PP_REQUEST, step - 1))
             if a.request and step in (2, 3):
                 out, _ = requests[step - 2].communicate(timeout=90)
                 answers.append({"returncode": requests[step - 2].returncode, "output": out})
@@ -96,6 +101,10 @@ def main() -> None:
             open(os.path.join(a.out, f"held_{rank}"), "w").close()
             while not os.path.exists(a.flag):
                 time.sleep(0.1)
+        if generation == 0 and rank == world - 1 and step == a.preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: taken at the next step's boundary
+        if rank == 0 and step == a.shrink_at:
+            requests.append(_request(engine, ["--world-size", "1"], engine._dt.membership.served()))
         if generation == 0 and rank == 1 and step == a.kill_at:
             engine.checkpoint_engine.wait()  # the snapshot of this step is committed
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice

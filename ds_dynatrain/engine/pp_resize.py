@@ -1,0 +1,125 @@
+"""A shrink of a pipeline job under ``dynatrain launch``: fewer processes, its PP and DP degrees
+chosen anew (a request for fewer processes, or preemption notices).
+
+As the AutoTP shrink (:mod:`.tp_resize`), over pipeline layouts:
+
+1. **plan**: the new :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` (DeepSpeed's split of the
+   layers at the new PP degree), the processes that take its ranks (the assignment that keeps the
+   most state in place over the boxes' overlaps; preempted processes never stay), the box plan;
+   rank 0 publishes the new generation; every process checks the plan's digest against rank 0's;
+2. **transfer**: the fp32 master and Adam moments move by the plan over the old world's group,
+   leavers included (a preempted process hands its state over before it exits);
+3. **leave**: a process not in the new world tears its engine down and leaves (its script sees
+   ``engine.is_member`` False);
+4. **rebuild**: the others form the new generation's group, and the engine is rebuilt on it at
+   the new PP degree (:func:`~ds_dynatrain.engine.pp_switch.rebuild_pipeline_at`: a new
+   ``PipelineModule`` and its groups on the new world).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch.distributed as tdist
+
+from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..planner.box_plan import assign_box_members_best
+from ..planner.pp_plan import plan_pp_transition
+from ..zero.pipeline import layer_type_names
+from ..zero.state import extract_partitions
+from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
+from .members import evict_groups, form_generation, leave_job, request_joiners
+from .pending import publish
+from .pp_build import check_pipeline_layout
+from .pp_switch import layout_for, rebuild_pipeline_at
+from .records import ResizeRecord
+
+
+def largest_pp_layout(engine, at_most: int) -> Tuple[int, int]:
+    """The largest ``(world size, PP degree)`` of at most ``at_most`` processes the job can take:
+    the current PP degree where it divides the world, else the largest smaller one; the layers,
+    the optimizer groups and the global batch must allow it. ``(0, 0)`` if none."""
+    dt = engine._dt
+    names, pp = layer_type_names(engine.module), dt.pp_layout.pp
+    for world in range(at_most, 0, -1):
+        for p in range(min(pp, world), 0, -1):
+            if world % p:
+                continue
+            try:
+                layout_for(dt.pp_layout, names, p, world, dt.config.pipeline_partition_method)
+                dt.split(world // p, "DP size")
+                return world, p
+            except ResizeRefusedError:
+                continue
+    return 0, 0
+
+
+def shrink_pipeline_parallel(
+    engine, world_size: int, pp: int, must_leave: Sequence[str] = ()
+) -> Optional[ResizeRecord]:
+    """Shrink ``engine``'s pipeline job to ``world_size`` processes at PP degree ``pp`` now.
+
+    Collective over the current generation. Returns the resize record in a process that stays,
+    None in one that left (it has torn its engine down and left the process group).
+
+    Raises:
+        ResizeRefusedError: a grow, or a layout the layers, the optimizer groups or the global
+            batch cannot take; nothing has changed.
+        LayoutMismatchError: the processes computed different plans.
+        TransitionAbortedError: a peer failed during the transfer.
+    """
+    dt = engine._dt
+    t0 = time.perf_counter()
+    members = tuple(dt.members)
+    if world_size > len(members):
+        raise ResizeRefusedError(f"world size {world_size} refused: a pipeline job does not grow yet")
+    old = dt.pp_layout
+    new = layout_for(old, layer_type_names(engine.module), pp, world_size, dt.config.pipeline_partition_method)
+    split = dt.split(world_size // pp, "DP size")
+    new_members, _ = assign_box_members_best(old, new, members, (), tuple(must_leave))
+    g = dt.generation + 1
+    dt.assigned[(g, world_size, tuple(must_leave))] = new_members
+    request_joiners(engine, world_size, tuple(must_leave))  # publishes generation g (no joiner)
+    if engine.global_rank == 0:
+        dt.membership.go(g)
+    plan = plan_pp_transition(old, new, members, new_members)
+    digests: List[Optional[str]] = [None] * len(members)
+    tdist.all_gather_object(digests, plan.digest())
+    if len(set(digests)) != 1:
+        raise LayoutMismatchError(f"the processes planned the PP resize differently: digests {sorted(set(digests))}")
+    rank = members.index(dt.member)
+    stays = dt.member in new_members
+    new_rank = new_members.index(dt.member) if stays else None
+    state = extract_partitions(engine)
+    dests = new_partitions(new, new_rank, kinds_of(state)) if stays else None
+    rec = ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=len(members),
+        to_world_size=world_size,
+        generation=g,
+        plan_s=time.perf_counter() - t0,
+        pipeline_parallel_from=old.pp,
+        pipeline_parallel_to=pp,
+    )
+    peers = [members.index(m) for m in new_members]
+    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests, new_rank, peers))
+    scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None
+    state = None
+    if not stays:
+        leave_job(engine, rec)
+        return None
+    t = time.perf_counter()
+    t_group = time.perf_counter()
+    rec.group_reused = form_generation(dt, g, new_members, dt.group_timeout_s, step=dt.published_step[g])
+    rec.group_s = time.perf_counter() - t_group
+    dt.members, dt.generation = new_members, g
+    rebuild_pipeline_at(engine, new, split)
+    install_moved_state(engine, dests, scalars)
+    dt.pp_layout = new
+    check_pipeline_layout(engine)
+    evict_groups(dt)
+    rec.rebuild_s = time.perf_counter() - t - rec.group_s
+    rec.seconds = time.perf_counter() - t0
+    publish(engine, rec)
+    return rec
