@@ -34,7 +34,8 @@ as a client, none binds ``MASTER_PORT``):
   ``WORLD_SIZE`` true when it joins.
 
 ``ds_dynatrain.initialize`` replaces a default group the script made with the job's own
-(:meth:`~ds_dynatrain.elastic.groups.GroupCache.activate`).
+(:meth:`~ds_dynatrain.elastic.groups.GroupCache.activate`); a pipeline job keeps it (its
+``PipelineModule``'s groups were made on it) until its first shrink forms the job's own.
 
 The launcher also sets ``THP_MEM_ALLOC_ENABLE=1`` where the environment does not name it
 (:func:`with_huge_pages`).
