@@ -1,16 +1,11 @@
-"""A pipeline job under ``dynatrain launch``: it trains on its script's group, answers resize
-requests at its step boundary (a PP change at its world size served, another number of processes
-refused with the reason), and survives a worker that dies without notice by the launcher's restart
-on the processes left, from its last snapshot, at another PP degree.
+"""A pipeline job under ``dynatrain launch``: it trains on its script's group; at its step
+boundary it serves a PP change at its world size, shrinks on a preemption notice and on a request
+for fewer processes (the largest layout the processes left serve), refuses what it cannot do with
+the reason, and stops on a signal to the launcher; a worker that dies without notice is the
+launcher's restart on the processes left, from the last snapshot, at another PP degree.
 
-The job of the test is asked at step 1 for a TP degree (refused) and at step 2 for PP 1 at its 2
-processes (served after step 3: PP 2 x DP 1 -> PP 1 x DP 2); after step 4 and its snapshot at PP 1
-x DP 2 a worker dies, and the launcher restarts the job on one process, at PP 1 x DP 1, from that
-snapshot. Oracle: the same job without requests or death (PP 2 over 2 processes throughout). Steps
-1-3 are repeated bitwise (the same layout); from step 4, at DP 2 and then from a state that went
-through it, each loss within 1e-5 relative (a gradient averaged over two ranks rounds differently
-from one accumulated on one). The switch itself is checked bitwise against static runs in
-``tests/test_pp_switch.py``, the restart's load at another layout in ``tests/test_pp_load.py``.
+Each job is checked against the same job undisturbed; the switch itself is checked bitwise against
+static runs in ``tests/test_pp_switch.py``, a load at another layout in ``tests/test_pp_load.py``.
 """
 
 from __future__ import annotations
@@ -43,68 +38,76 @@ def _config(out) -> dict:
     }
 
 
+def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path):
+    """PP 2 x DP 2 over 4 processes. Asked for a TP degree after step 1 (refused) and for PP 1
+    after step 2 (served after step 3: PP 1 x DP 4). The last process gets a preemption notice
+    (SIGTERM) after step 3: at step 4's boundary it hands its state over and leaves with one more,
+    and the job goes on at the largest layout its 3 survivors serve whose DP size splits the
+    global batch of 4: PP 1 x DP 2 (DP 3 would not). Asked for one process after step 5: PP 1 x DP
+    1 after step 6. No restart: one generation of processes throughout. Oracle: a 2-process job
+    without any of it (PP 2 x DP 1), every loss within 1e-5 relative (the same micro-batches in the
+    same order; a DP size other than 1 rounds a gradient differently)."""
+    static, shrunk = tmp_path / "static", tmp_path / "shrunk"
+    for out, nproc, extra in (
+        (static, 2, ["--steps", "7"]),
+        (shrunk, 4, ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7"]),
+    ):
+        out.mkdir()
+        job = launch(out, SCRIPT, nproc, _config(out), ["--out", str(out), *extra], timeout=300, name="job")
+        assert job.returncode == 0, job.output[-4000:]
+    want = read_jsonl(str(static / "steps.jsonl"))
+    got = read_jsonl(str(shrunk / "steps.jsonl"))
+    assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
+        (1, 4, 2, 0),
+        (2, 4, 2, 0),
+        (3, 4, 1, 0),  # the request switched the job to PP 1 x DP 4 after step 3
+        (4, 2, 1, 0),  # the preemption: PP 1 x DP 2
+        (5, 2, 1, 0),
+        (6, 1, 1, 0),  # the request for one process
+        (7, 1, 1, 0),
+    ]
+    assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 8)]
+    assert all(abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) for g, w in zip(got, want)), (got, want)
+    refused, served = json.loads((shrunk / "request.json").read_text())
+    assert refused["returncode"] == 2, refused
+    assert "a PipelineModule job of 4 processes changes its PP degree" in refused["output"], refused
+    assert "has no TP degree" in refused["output"], refused
+    assert served["returncode"] == 0, served
+    assert "PP 2 x DP 2 -> PP 1 x DP 4 after step 3" in served["output"], served
+    resized = [r for r in read_jsonl(str(shrunk / "metrics.jsonl")) if r["event"] == "resize"]
+    figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
+    assert figures == [(3, 4, 4, 2, 1), (4, 4, 2, 1, 1), (6, 2, 1, 1, 1)]
+    assert all(r["bytes_moved"] > 0 for r in resized[:2])
+    log = (shrunk / "job.log").read_text()
+    assert "restarting" not in log and "failed" not in log, log[-3000:]
+
+
+@pytest.mark.slow  # the restart is the launcher's (test_elastic_requests.py), the load at another PP test_pp_load's
 def test_a_pipeline_job_restarts_from_its_snapshot_at_another_pp_after_a_worker_dies(tmp_path):
+    """PP 2 x DP 1; a worker dies without notice (SIGKILL) after step 4 and its snapshot: the
+    launcher restarts the job on the one process left, whose script builds PP 1, and the snapshot
+    of step 4 is loaded there. Oracle: the job without the death: every later loss bitwise (the
+    same DP size, 1, the same micro-batches in the same order, fp32)."""
     static, killed = tmp_path / "static", tmp_path / "killed"
-    for out, extra in ((static, []), (killed, ["--kill-at", "4", "--request"])):
+    for out, extra in ((static, []), (killed, ["--kill-at", "4"])):
         out.mkdir()
         job = launch(out, SCRIPT, 2, _config(out), ["--out", str(out), *extra], timeout=300, name="job")
         assert job.returncode == 0, job.output[-4000:]
     want = read_jsonl(str(static / "steps.jsonl"))
-    assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 7)]
     got = read_jsonl(str(killed / "steps.jsonl"))
     assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
         (1, 2, 2, 0),
         (2, 2, 2, 0),
-        (3, 2, 1, 0),  # the request switched the job to PP 1 x DP 2 after step 3
-        (4, 2, 1, 0),
+        (3, 2, 2, 0),
+        (4, 2, 2, 0),
         (5, 1, 1, 1),
         (6, 1, 1, 1),
     ]
-    assert [r["loss"] for r in got[:3]] == [r["loss"] for r in want[:3]]
-    assert all(abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) for g, w in zip(got[3:], want[3:])), (got, want)
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
     log = (killed / "job.log").read_text()
     assert "worker g0r1 failed (signal SIGKILL); restarting the job on 1 rank from snapshot global_step4" in log
     restore = [r for r in read_jsonl(str(killed / "metrics.jsonl")) if r["event"] == "restore"]
     assert [(r["step"], r["world_size"], r["lost_steps"], r["skipped"]) for r in restore] == [(4, 1, 0, [])]
-    refused, served = json.loads((killed / "request.json").read_text())
-    assert refused["returncode"] == 2, refused
-    assert "a PipelineModule job of 2 processes changes its PP degree" in refused["output"], refused
-    assert served["returncode"] == 0, served
-    assert "PP 2 x DP 1 -> PP 1 x DP 2 after step 3" in served["output"], served
-    resized = [r for r in read_jsonl(str(killed / "metrics.jsonl")) if r["event"] == "resize"]
-    assert [(r["step"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized] == [(3, 2, 1)]
-
-
-def test_a_pipeline_job_shrinks_online_on_a_preemption_and_on_a_request(tmp_path):
-    """PP 2 x DP 2 over 4 processes; the last gets a preemption notice (SIGTERM) after step 2: at
-    step 3's boundary it hands its state over and leaves with one more process, and the job goes
-    on at the largest layout its 3 survivors serve whose DP size splits the global batch of 4,
-    PP 2 x DP 1 (PP 1 x DP 3 would not). After step 4 rank 0 asks for one process (``dynatrain
-    resize --world-size 1``): PP 1 x DP 1 after step 5. No restart: one generation of processes.
-    Oracle: a 4-process job without either (PP 2 x DP 2 throughout), every loss within 1e-5
-    relative (DP 2 and DP 1 round a gradient differently); the steps before the first shrink bitwise."""
-    static, shrunk = tmp_path / "static", tmp_path / "shrunk"
-    for out, extra in ((static, []), (shrunk, ["--preempt-at", "2", "--shrink-at", "4"])):
-        out.mkdir()
-        job = launch(out, SCRIPT, 4, _config(out), ["--out", str(out), *extra], timeout=300, name="job")
-        assert job.returncode == 0, job.output[-4000:]
-    want, got = read_jsonl(str(static / "steps.jsonl")), read_jsonl(str(shrunk / "steps.jsonl"))
-    assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
-        (1, 4, 2, 0),
-        (2, 4, 2, 0),
-        (3, 2, 2, 0),
-        (4, 2, 2, 0),
-        (5, 1, 1, 0),
-        (6, 1, 1, 0),
-    ]
-    assert [r["loss"] for r in got[:2]] == [r["loss"] for r in want[:2]]
-    assert all(abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) for g, w in zip(got, want)), (got, want)
-    resized = [r for r in read_jsonl(str(shrunk / "metrics.jsonl")) if r["event"] == "resize"]
-    figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
-    assert figures == [(3, 4, 2, 2, 2), (5, 2, 1, 2, 1)]
-    assert all(r["bytes_moved"] > 0 for r in resized)
-    log = (shrunk / "job.log").read_text()
-    assert "restarting" not in log and "failed" not in log, log[-3000:]
 
 
 @pytest.mark.slow  # the stop's path is the DP job's (tests/test_launcher_signals.py), reached from train_batch

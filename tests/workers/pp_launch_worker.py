@@ -6,12 +6,17 @@ The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``
 ``i * d + r`` at micro-step ``i``), one snapshot a step (the config's). Rank 0 appends
 ``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``.
 
-``--request``: rank 0 asks ``dynatrain resize --world-size 2 --tensor-parallel 1`` after step 1
-and ``dynatrain resize --world-size 2 --pipeline-parallel 1`` after step 2 (each in a process of its own, queued
-before the next step, whose boundary answers it: the first refused, the second served), and
-writes each requester's exit status and output to ``request.json``.
+``--request``: rank 0 asks ``dynatrain resize --world-size W --tensor-parallel 1`` after step 1
+and ``dynatrain resize --world-size W --pipeline-parallel 1`` after step 2 (``W``: its world),
+each in a process of its own, queued before the next step, whose boundary answers it (the first
+refused, the second served), and writes each requester's exit status and output to
+``request.json``.
 
 ``--hold-at K --flag F``: every rank writes ``held_<rank>`` after step ``K`` and waits for ``F``.
+
+``--preempt-at K``: the last rank of the first generation sends itself SIGTERM after step ``K``
+(a preemption notice). ``--shrink-at K``: rank 0 asks ``dynatrain resize --world-size 1`` after
+step ``K`` (answered at the next step's boundary; rank 0 does not wait for the requester).
 
 ``--kill-at K``: in the first generation, rank 1 waits for the snapshot of step ``K`` and kills
 itself with SIGKILL (a worker dying without notice: the fault injected at this seam);
@@ -35,9 +40,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from tests.workers.pipeline_layout_worker import VOCAB  # noqa: E402
 from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, module_at  # noqa: E402
-
-TP_REQUEST = ["--world-size", "2", "--tensor-parallel", "1"]
-PP_REQUEST = ["--world-size", "2", "--pipeline-parallel", "1"]
 
 
 def _request(engine, args, index: int):
@@ -90,8 +92,9 @@ def main() -> None:
             with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
                 rec = {"step": step, "loss": loss, "world": tdist.get_world_size(), "pp": engine._dt.pp_layout.pp}
                 f.write(json.dumps({**rec, "generation": generation}) + "\n")
-            if a.request and step in (1, 2):  # a TP degree (refused), then PP 1 at world 2 (served)
-                requests.append(_request(engine, TP_REQUEST if step == 1 else PP_REQUEST, step - 1))
+            if a.request and step in (1, 2):  # a TP degree (refused), then PP 1 at its world (served)
+                degree = ["--tensor-parallel", "1"] if step == 1 else ["--pipeline-parallel", "1"]
+                requests.append(_request(engine, ["--world-size", str(world), *degree], step - 1))
             if a.request and step in (2, 3):
                 out, _ = requests[step - 2].communicate(timeout=90)
                 answers.append({"returncode": requests[step - 2].returncode, "output": out})
