@@ -19,17 +19,15 @@ As the AutoTP shrink (:mod:`.tp_resize`), over pipeline layouts:
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
-import torch.distributed as tdist
-
-from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..errors import ResizeRefusedError
 from ..planner.box_plan import assign_box_members_best
 from ..planner.pp_plan import plan_pp_transition
 from ..zero.pipeline import layer_type_names
-from ..zero.state import extract_partitions
-from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
-from .members import evict_groups, form_generation, leave_job, request_joiners
+from .band_shrink import agree_on_plan, form_shrunk, hand_over, publish_shrink
+from .box_state import install_moved_state
+from .members import evict_groups
 from .pending import publish
 from .pp_build import check_pipeline_layout
 from .pp_switch import layout_for, rebuild_pipeline_at
@@ -78,21 +76,9 @@ def shrink_pipeline_parallel(
     new = layout_for(old, layer_type_names(engine.module), pp, world_size, dt.config.pipeline_partition_method)
     split = dt.split(world_size // pp, "DP size")
     new_members, _ = assign_box_members_best(old, new, members, (), tuple(must_leave))
-    g = dt.generation + 1
-    dt.assigned[(g, world_size, tuple(must_leave))] = new_members
-    request_joiners(engine, world_size, tuple(must_leave))  # publishes generation g (no joiner)
-    if engine.global_rank == 0:
-        dt.membership.go(g)
+    g = publish_shrink(engine, world_size, must_leave, new_members)
     plan = plan_pp_transition(old, new, members, new_members)
-    digests: List[Optional[str]] = [None] * len(members)
-    tdist.all_gather_object(digests, plan.digest())
-    if len(set(digests)) != 1:
-        raise LayoutMismatchError(f"the processes planned the PP resize differently: digests {sorted(set(digests))}")
-    rank = members.index(dt.member)
-    stays = dt.member in new_members
-    new_rank = new_members.index(dt.member) if stays else None
-    state = extract_partitions(engine)
-    dests = new_partitions(new, new_rank, kinds_of(state)) if stays else None
+    agree_on_plan(plan, len(members), "PP resize")
     rec = ResizeRecord(
         step=engine.global_steps,
         from_world_size=len(members),
@@ -102,20 +88,13 @@ def shrink_pipeline_parallel(
         pipeline_parallel_from=old.pp,
         pipeline_parallel_to=pp,
     )
-    peers = [members.index(m) for m in new_members]
-    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests, new_rank, peers))
-    scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None
-    state = None
-    if not stays:
-        leave_job(engine, rec)
+    moved = hand_over(engine, plan, rec)
+    if moved is None:
         return None
     t = time.perf_counter()
-    t_group = time.perf_counter()
-    rec.group_reused = form_generation(dt, g, new_members, dt.group_timeout_s, step=dt.published_step[g])
-    rec.group_s = time.perf_counter() - t_group
-    dt.members, dt.generation = new_members, g
+    form_shrunk(engine, g, rec)
     rebuild_pipeline_at(engine, new, split)
-    install_moved_state(engine, dests, scalars)
+    install_moved_state(engine, *moved)
     dt.pp_layout = new
     check_pipeline_layout(engine)
     evict_groups(dt)

@@ -15,17 +15,15 @@ of the processes that stay chosen anew (a scheduled shrink, or a preemption that
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Tuple
-
-import torch.distributed as tdist
+from typing import Optional, Sequence, Tuple
 
 from ..batch import split_global_batch
-from ..errors import LayoutMismatchError, ResizeRefusedError
+from ..errors import ResizeRefusedError
 from ..planner.box_plan import assign_box_members_best
 from ..planner.tp_plan import plan_tp_transition
-from ..zero.state import extract_partitions
-from .box_state import count_transfer, install_moved_state, kinds_of, move_state, new_partitions, new_scalars
-from .members import evict_groups, form_generation, leave_job, request_joiners
+from .band_shrink import agree_on_plan, form_shrunk, hand_over, publish_shrink
+from .box_state import install_moved_state
+from .members import evict_groups
 from .pending import publish
 from .records import ResizeRecord
 from .tp_switch import new_layout, rebuild_at, tp_record
@@ -75,40 +73,16 @@ def shrink_tensor_parallel(engine, world_size: int, tp: int, must_leave: Sequenc
     old = dt.tp_layout
     new = new_layout(engine, tp, world_size)
     new_members, _ = assign_box_members_best(old, new, members, (), tuple(must_leave))
-    g = dt.generation + 1
-    dt.assigned[(g, world_size, tuple(must_leave))] = new_members
-    request_joiners(engine, world_size, tuple(must_leave))  # publishes generation g (no joiner)
-    if engine.global_rank == 0:
-        dt.membership.go(g)
+    g = publish_shrink(engine, world_size, must_leave, new_members)
     plan = plan_tp_transition(old, new, members, new_members)
-    digests: List[Optional[str]] = [None] * len(members)
-    tdist.all_gather_object(digests, plan.digest())
-    if len(set(digests)) != 1:
-        raise LayoutMismatchError(f"the processes planned the TP resize differently: digests {sorted(set(digests))}")
-    rank = members.index(dt.member)
-    stays = dt.member in new_members
-    new_rank = new_members.index(dt.member) if stays else None
-    state = extract_partitions(engine)
-    dests = new_partitions(new, new_rank, kinds_of(state)) if stays else None
+    agree_on_plan(plan, len(members), "TP resize")
     rec = tp_record(engine, len(members), world_size, g, old.tp, tp, t0)
-    peers = [members.index(m) for m in new_members]
-    count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests, new_rank, peers))
-    scalars = new_scalars(old, rank, new, new_rank, state.scalars) if stays else None
-    state = None
-    if not stays:
-        leave_job(engine, rec)
+    moved = hand_over(engine, plan, rec)
+    if moved is None:
         return None
     t = time.perf_counter()
-
-    def form() -> None:
-        t_group = time.perf_counter()
-        rec.group_reused = form_generation(dt, g, new_members, dt.group_timeout_s, step=dt.published_step[g])
-        rec.group_s = time.perf_counter() - t_group
-        dt.members = new_members
-        dt.generation = g
-
-    rebuild_at(engine, tp, split, before_groups=form, same_world=False)
-    install_moved_state(engine, dests, scalars)
+    rebuild_at(engine, tp, split, before_groups=lambda: form_shrunk(engine, g, rec), same_world=False)
+    install_moved_state(engine, *moved)
     dt.tp_layout = new
     evict_groups(dt)
     rec.rebuild_s = time.perf_counter() - t - rec.group_s
