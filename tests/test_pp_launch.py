@@ -41,10 +41,10 @@ def _config(out) -> dict:
 def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path):
     """PP 2 x DP 2 over 4 processes. Asked for a TP degree after step 1 (refused) and for PP 1
     after step 2 (served after step 3: PP 1 x DP 4). The last process gets a preemption notice
-    (SIGTERM) after step 3: at step 4's boundary it hands its state over and leaves with one more,
-    and the job goes on at the largest layout its 3 survivors serve whose DP size splits the
-    global batch of 4: PP 1 x DP 2 (DP 3 would not). Asked for one process after step 5: PP 1 x DP
-    1 after step 6. No restart: one generation of processes throughout. Oracle: a 2-process job
+    (SIGTERM) after step 3: at step 4's boundary it hands its state over and leaves, and the job
+    goes on at the largest layout its 3 survivors serve whose DP size splits the global batch of
+    4: PP 3 x DP 1 (PP 1 x DP 3 would not split it). Asked for one process, no PP degree, after
+    step 5: PP 1 x DP 1 after step 6. No restart: one generation of processes throughout. Oracle: a 2-process job
     without any of it (PP 2 x DP 1), every loss within 1e-5 relative (the same micro-batches in the
     same order; a DP size other than 1 rounds a gradient differently)."""
     static, shrunk = tmp_path / "static", tmp_path / "shrunk"
@@ -61,8 +61,8 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
         (1, 4, 2, 0),
         (2, 4, 2, 0),
         (3, 4, 1, 0),  # the request switched the job to PP 1 x DP 4 after step 3
-        (4, 2, 1, 0),  # the preemption: PP 1 x DP 2
-        (5, 2, 1, 0),
+        (4, 3, 3, 0),  # the preemption: PP 3 x DP 1
+        (5, 3, 3, 0),
         (6, 1, 1, 0),  # the request for one process
         (7, 1, 1, 0),
     ]
@@ -76,7 +76,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert "PP 2 x DP 2 -> PP 1 x DP 4 after step 3" in served["output"], served
     resized = [r for r in read_jsonl(str(shrunk / "metrics.jsonl")) if r["event"] == "resize"]
     figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
-    assert figures == [(3, 4, 4, 2, 1), (4, 4, 2, 1, 1), (6, 2, 1, 1, 1)]
+    assert figures == [(3, 4, 4, 2, 1), (4, 4, 3, 1, 3), (6, 3, 1, 3, 1)]
     assert all(r["bytes_moved"] > 0 for r in resized[:2])
     log = (shrunk / "job.log").read_text()
     assert "restarting" not in log and "failed" not in log, log[-3000:]
@@ -107,7 +107,9 @@ def test_a_pipeline_job_restarts_from_its_snapshot_at_another_pp_after_a_worker_
     log = (killed / "job.log").read_text()
     assert "worker g0r1 failed (signal SIGKILL); restarting the job on 1 rank from snapshot global_step4" in log
     restore = [r for r in read_jsonl(str(killed / "metrics.jsonl")) if r["event"] == "restore"]
-    assert [(r["step"], r["world_size"], r["lost_steps"], r["skipped"]) for r in restore] == [(4, 1, 0, [])]
+    assert [(r["step"], r["world_size"], r["lost_steps"], r["skipped"], r["pipeline_parallel"]) for r in restore] == [
+        (4, 1, 0, [], 1)
+    ]
 
 
 @pytest.mark.slow  # the stop's path is the DP job's (tests/test_launcher_signals.py), reached from train_batch

@@ -80,6 +80,17 @@ def _cmd_launch(a) -> int:
         return 2
 
 
+def _positive_seconds(text: str) -> float:
+    """``--timeout``: a number of seconds above 0 (argparse's error names the flag otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} s: it must be above 0")
+    return value
+
+
 def _cmd_resize(a) -> int:
     from ..elastic.requests import request_resize
 
@@ -354,7 +365,7 @@ def _add_query_commands(sub) -> None:
         required=True,
         help="the new world size (data-parallel; an AutoTP job's number of processes, TP x DP)",
     )
-    rp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job's answer")
+    rp.add_argument("--timeout", type=_positive_seconds, default=600.0, help="seconds to wait for the job's answer")
     rp.add_argument(
         "--tensor-parallel",
         type=int,

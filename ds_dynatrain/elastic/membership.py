@@ -153,19 +153,18 @@ class Membership:
             tuple(d.get("previous", ())),
         )
 
-    def publish_job(self, global_batch: int, micro_batch: int, max_world_size, world_size: int) -> None:
-        """What a resize requester checks a world size against (rank 0, at start)."""
-        self.store.set(
-            JOB_KEY,
-            json.dumps(
-                {
-                    "global_batch": global_batch,
-                    "micro_batch": micro_batch,
-                    "max_world_size": max_world_size,
-                    "world_size": world_size,
-                }
-            ),
-        )
+    def publish_job(
+        self, global_batch: int, micro_batch: int, max_world_size, world_size: int, pipeline: bool = False
+    ) -> None:
+        """What a resize requester checks a world size against (rank 0, at start); ``pipeline``: a
+        ``PipelineModule`` job (it picks the PP degree of a request that names none)."""
+        job = {
+            "global_batch": global_batch,
+            "micro_batch": micro_batch,
+            "max_world_size": max_world_size,
+            "world_size": world_size,
+        }
+        self.store.set(JOB_KEY, json.dumps({**job, "pipeline": True} if pipeline else job))
 
     def job(self) -> dict:
         """What :meth:`publish_job` published: the job's global batch, largest micro-batch,

@@ -57,7 +57,8 @@ def request_resize(
         if world_size % degree:
             raise ResizeRefusedError(f"{what} degree {degree} does not divide the world size {world_size}")
         dp = world_size // degree
-    split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])
+    if not (job.get("pipeline") and pipeline_parallel is None):  # a pipeline job picks the degree itself
+        split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])
     check_slots(store, world_size)
     i = int(store.add(REQUEST_COUNT, 1)) - 1
     body = {"world_size": world_size}
@@ -79,7 +80,7 @@ def request_resize(
                 "failed"
             ) from None
         raise TransitionAbortedError(
-            f"request {i} (world size {world_size}) got no answer within {timeout_s:.0f} s; it stays queued"
+            f"request {i} (world size {world_size}) got no answer within {timeout_s:g} s; it stays queued"
         ) from None
     if not answer["ok"]:
         if answer.get("aborted"):

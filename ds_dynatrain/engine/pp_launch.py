@@ -26,9 +26,9 @@ from ..config import DynatrainConfig
 from ..elastic.launch_env import LaunchContext
 from ..elastic.membership import GenerationRecord, Membership
 from ..errors import ResizeRefusedError
-from ..log import logger
+from ..log import logger, plural
 from .lifecycle import stop_job
-from .pp_resize import largest_pp_layout, shrink_pipeline_parallel
+from .pp_resize import largest_pp_layout, pp_for_world, shrink_pipeline_parallel
 from .pp_switch import switch_pipeline_parallel
 
 
@@ -49,7 +49,7 @@ def publish_launched(engine) -> None:
     if engine.global_rank == 0:
         world = len(dt.members)
         dt.membership.publish(GenerationRecord(dt.generation, world, dt.members, engine.global_steps))
-        dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world)
+        dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world, pipeline=True)
 
 
 def _read_request(engine) -> Tuple[int, int, int]:
@@ -64,7 +64,7 @@ def _read_request(engine) -> Tuple[int, int, int]:
         if "join" not in body and body.get("tensor_parallel") is None and 0 < world <= len(dt.members):
             return index, world, int(pp or 0)
         why = (
-            f"a PipelineModule job of {len(dt.members)} processes changes its PP degree "
+            f"a PipelineModule job of {plural(len(dt.members), 'process', 'processes')} changes its PP degree "
             f"(dynatrain resize --world-size {len(dt.members)} --pipeline-parallel P) or shrinks; it does not grow "
             "and has no TP degree"
         )
@@ -83,7 +83,7 @@ def _serve(engine, index: int, world: int, pp: int) -> None:
             pp = pp or dt.pp_layout.pp
             rec = switch_pipeline_parallel(engine, pp).to_dict() if pp != dt.pp_layout.pp else None
         else:
-            pp = pp or largest_pp_layout(engine, world)[1] or dt.pp_layout.pp
+            pp = pp or pp_for_world(engine, world) or dt.pp_layout.pp  # none: the shrink refuses, saying why
             rec = shrink_pipeline_parallel(engine, world, pp)
             rec = rec.to_dict() if rec is not None else None
     except ResizeRefusedError as err:

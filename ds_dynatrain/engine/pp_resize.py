@@ -34,22 +34,33 @@ from .pp_switch import layout_for, rebuild_pipeline_at
 from .records import ResizeRecord
 
 
-def largest_pp_layout(engine, at_most: int) -> Tuple[int, int]:
-    """The largest ``(world size, PP degree)`` of at most ``at_most`` processes the job can take:
-    the current PP degree where it divides the world, else the largest smaller one; the layers,
-    the optimizer groups and the global batch must allow it. ``(0, 0)`` if none."""
+def pp_for_world(engine, world: int) -> int:
+    """The PP degree the job takes over ``world`` processes: the current one where it divides
+    them, else the largest smaller one, else the smallest larger one (up to the number of layers);
+    the layers, the optimizer groups and the global batch (split over ``world / PP`` DP ranks)
+    must allow it. 0 if none."""
     dt = engine._dt
     names, pp = layer_type_names(engine.module), dt.pp_layout.pp
+    order = [*range(min(pp, world), 0, -1), *range(pp + 1, min(world, len(dt.pp_layout.layers)) + 1)]
+    for p in order:
+        if world % p:
+            continue
+        try:
+            layout_for(dt.pp_layout, names, p, world, dt.config.pipeline_partition_method)
+            dt.split(world // p, "DP size")
+            return p
+        except ResizeRefusedError:
+            continue
+    return 0
+
+
+def largest_pp_layout(engine, at_most: int) -> Tuple[int, int]:
+    """The largest ``(world size, PP degree)`` of at most ``at_most`` processes the job can take
+    (:func:`pp_for_world`: the current PP degree first). ``(0, 0)`` if none."""
     for world in range(at_most, 0, -1):
-        for p in range(min(pp, world), 0, -1):
-            if world % p:
-                continue
-            try:
-                layout_for(dt.pp_layout, names, p, world, dt.config.pipeline_partition_method)
-                dt.split(world // p, "DP size")
-                return world, p
-            except ResizeRefusedError:
-                continue
+        pp = pp_for_world(engine, world)
+        if pp:
+            return world, pp
     return 0, 0
 
 

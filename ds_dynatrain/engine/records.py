@@ -256,11 +256,14 @@ class RestoreRecord(Record):
 
     EVENT: ClassVar[str] = "restore"
     step: int = _f("step the job goes on after")
-    world_size: int = _f("world size of the restarted job")
+    world_size: int = _f("world size of the restarted job (its DP size in an AutoTP or pipeline job)")
     lost_steps: int = _f("steps completed after that snapshot, lost")
     last_step: int = _f("last step the failed job completed")
     dir: str = _f("snapshot directory restored", "")
     skipped: Sequence[str] = _f("tags of newer snapshots found damaged and skipped (empty: none)", ())
+    pipeline_parallel: Optional[int] = _f(
+        "a PipelineModule job's PP degree after the restart (processes: PP x `world_size`)", None, optional=True
+    )
 
 
 @dataclass

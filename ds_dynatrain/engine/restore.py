@@ -108,11 +108,20 @@ def restore(engine, snapshot_dir: str) -> None:
                 last_step=last,
                 dir=os.path.dirname(path),
                 skipped=[s.split(":", 1)[0] for s in skipped],
+                pipeline_parallel=dt.pp_layout.pp if dt.pp_layout is not None else None,
             )
         )
         instead = f" (skipped as damaged: {', '.join(s.split(':', 1)[0] for s in skipped)})" if skipped else ""
         logger.info(
-            f"restored {os.path.dirname(path)} on {plural(engine.dp_world_size, 'rank')}{instead}: "
+            f"restored {os.path.dirname(path)} on {_where(engine)}{instead}: "
             "the job goes on after step "
             f"{engine.global_steps}; {plural(lost, 'step')} since that snapshot {'was' if lost == 1 else 'were'} lost"
         )
+
+
+def _where(engine) -> str:
+    """``"2 ranks"``; a pipeline job's ``"2 ranks (PP 2 x DP 1)"``."""
+    layout = engine._dt.pp_layout
+    if layout is None:
+        return plural(engine.dp_world_size, "rank")
+    return f"{plural(layout.world_size, 'rank')} (PP {layout.pp} x DP {layout.world_size // layout.pp})"
