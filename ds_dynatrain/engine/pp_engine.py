@@ -32,7 +32,7 @@ from .construct import ds_config_for, latest_by_commit
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .pp_launch import at_step_boundary, launched_membership, publish_launched
-from .pp_resize import largest_pp_layout, shrink_pipeline_parallel
+from .pp_resize import pp_for_world, shrink_pipeline_parallel
 from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
@@ -66,8 +66,8 @@ class ElasticPipelineEngine(PipelineEngine):
         """Change the pipeline degree to ``pipeline_parallel`` now, in memory (DP becomes
         ``world_size / pipeline_parallel``); the processes stay. Under ``dynatrain launch`` a
         smaller ``world_size`` shrinks the job (:func:`~ds_dynatrain.engine.pp_resize.
-        shrink_pipeline_parallel`; ``pipeline_parallel`` None: the current degree where it divides
-        the new world, else the largest smaller one the job can take); the processes left out
+        shrink_pipeline_parallel`; ``pipeline_parallel`` None: the degree
+        :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks); the processes left out
         leave (``is_member`` False, the record None in them).
 
         Collective: every process calls it at the same step boundary (between ``train_batch``
@@ -91,7 +91,7 @@ class ElasticPipelineEngine(PipelineEngine):
             )
         world = tdist.get_world_size()
         if world_size < world and self._dt.membership is not None and world_size >= 1:  # dynatrain launch
-            pp = pipeline_parallel or largest_pp_layout(self, world_size)[1] or self._dt.pp_layout.pp
+            pp = pipeline_parallel or pp_for_world(self, world_size) or self._dt.pp_layout.pp
             rec = shrink_pipeline_parallel(self, world_size, pp)
             return rec.to_dict() if rec is not None else None
         if world_size != world:

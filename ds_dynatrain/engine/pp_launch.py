@@ -7,8 +7,8 @@ The script starts ``torch.distributed`` itself before it builds its ``PipelineMo
 and the module's groups are made on that group, so the job keeps it. What the launcher needs from
 the job goes through the job's store: the generation and the global batch a restart's world size is
 checked against, and the last step (a restart from a snapshot counts the steps it loses); a signal
-to the launcher ends the job at the next step, after a final snapshot. A worker
-that dies is the launcher's restart on the processes left (``snapshot.restore_on_failure``); the
+to the launcher ends the job at the next step, after a final snapshot. A worker that dies is the
+launcher's restart on the processes left (``snapshot.restore_on_failure``); the
 restarted script builds its module at the PP degree it picks for its world, and
 :func:`~ds_dynatrain.engine.restore.restore` loads the snapshot there (any PP and DP degree).
 """
@@ -74,9 +74,9 @@ def _read_request(engine) -> Tuple[int, int, int]:
 
 
 def _serve(engine, index: int, world: int, pp: int) -> None:
-    """Every rank: request ``index`` (``world`` processes at PP degree ``pp``; 0: the current one
-    where it divides the world, else the largest smaller one the job can take); rank 0 answers it
-    (the record, or why it was refused: nothing changed then)."""
+    """Every rank: request ``index`` (``world`` processes at PP degree ``pp``; 0: the degree
+    :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks); rank 0 answers it (the record, or
+    why it was refused: nothing changed then)."""
     dt = engine._dt
     try:
         if world == len(dt.members):
