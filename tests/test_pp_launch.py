@@ -1,6 +1,7 @@
 """A pipeline job under ``dynatrain launch``: it trains on its script's group; at its step
 boundary it serves a PP change at its world size, shrinks on a preemption notice and on a request
-for fewer processes (the largest layout the processes left serve), refuses what it cannot do with
+for fewer processes (the largest layout the processes left serve), grows by new processes the
+launcher starts, refuses what it cannot do with
 the reason, and stops on a signal to the launcher; a worker that dies without notice is the
 launcher's restart on the processes left, from the last snapshot, at another PP degree.
 
@@ -38,7 +39,33 @@ def _config(out) -> dict:
     }
 
 
-def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path):
+@pytest.fixture(scope="module")
+def static_steps(tmp_path_factory):
+    """The oracle of the online changes: the 2-process job (PP 2 x DP 1) undisturbed, 24 steps."""
+    out = tmp_path_factory.mktemp("static")
+    job = launch(out, SCRIPT, 2, _config(out), ["--out", str(out), "--steps", "24"], timeout=300, name="job")
+    assert job.returncode == 0, job.output[-4000:]
+    want = read_jsonl(str(out / "steps.jsonl"))
+    assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 25)]
+    return want
+
+
+def _steps(out) -> list:
+    """The step records of a job, one a step: rank 0 before and after a change may both write one
+    (the same loss: every stage gets the last stage's)."""
+    got: dict = {}
+    for r in read_jsonl(str(out / "steps.jsonl")):
+        assert got.setdefault(r["step"], r)["loss"] == r["loss"], r
+    return [got[s] for s in sorted(got)]
+
+
+def _close(got, want) -> bool:
+    """Every loss of ``got`` within 1e-5 relative of ``want``'s at its step."""
+    by_step = {w["step"]: w["loss"] for w in want}
+    return all(abs(g["loss"] - by_step[g["step"]]) <= 1e-5 * abs(by_step[g["step"]]) for g in got)
+
+
+def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path, static_steps):
     """PP 2 x DP 2 over 4 processes. Asked for a TP degree after step 1 (refused) and for PP 1
     after step 2 (served after step 3: PP 1 x DP 4). The last process gets a preemption notice
     (SIGTERM) after step 3: at step 4's boundary it hands its state over and leaves, and the job
@@ -47,16 +74,11 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     step 5: PP 1 x DP 1 after step 6. No restart: one generation of processes throughout. Oracle: a 2-process job
     without any of it (PP 2 x DP 1), every loss within 1e-5 relative (the same micro-batches in the
     same order; a DP size other than 1 rounds a gradient differently)."""
-    static, shrunk = tmp_path / "static", tmp_path / "shrunk"
-    for out, nproc, extra in (
-        (static, 2, ["--steps", "7"]),
-        (shrunk, 4, ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7"]),
-    ):
-        out.mkdir()
-        job = launch(out, SCRIPT, nproc, _config(out), ["--out", str(out), *extra], timeout=300, name="job")
-        assert job.returncode == 0, job.output[-4000:]
-    want = read_jsonl(str(static / "steps.jsonl"))
-    got = read_jsonl(str(shrunk / "steps.jsonl"))
+    shrunk = tmp_path
+    extra = ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7"]
+    job = launch(shrunk, SCRIPT, 4, _config(shrunk), ["--out", str(shrunk), *extra], timeout=300, name="job")
+    assert job.returncode == 0, job.output[-4000:]
+    got = _steps(shrunk)
     assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
         (1, 4, 2, 0),
         (2, 4, 2, 0),
@@ -66,8 +88,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
         (6, 1, 1, 0),  # the request for one process
         (7, 1, 1, 0),
     ]
-    assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 8)]
-    assert all(abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) for g, w in zip(got, want)), (got, want)
+    assert _close(got, static_steps), (got, static_steps)
     refused, served = json.loads((shrunk / "request.json").read_text())
     assert refused["returncode"] == 2, refused
     assert "a PipelineModule job of 4 processes changes its PP degree" in refused["output"], refused
@@ -80,6 +101,69 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert all(r["bytes_moved"] > 0 for r in resized[:2])
     log = (shrunk / "job.log").read_text()
     assert "restarting" not in log and "failed" not in log, log[-3000:]
+
+
+def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path, static_steps):
+    """PP 2 x DP 1 over 2 processes. Asked for 4 processes at PP 4 after step 2: the launcher
+    starts two joiners (each builds the module at PP 1 in its world of one) while the job trains
+    on; once every process has the new generation's group the job switches to PP 4 x DP 1 (whole
+    layers moved to the new stages, joiners receiving) at a step the test does not know. A request
+    queued while the grow is prepared waits for it. Asked for 2 processes 2 steps after the grow
+    (no PP degree: the job picks PP 2, the largest its world takes): PP 2 x DP 1, two of the 4
+    leaving. Oracle: the job undisturbed; the DP size stays 1, so every loss is bitwise its loss.
+    The snapshots of the 4-process world (joiners writing their stages) commit; the step whose
+    boundary grew the job takes none (its joiners enter at the next step)."""
+    extra = ["--grow-at", "2", "--grow-to", "4", "--grow-pp", "4", "--shrink-after", "2", "--shrink-to", "2"]
+    job = launch(tmp_path, SCRIPT, 2, _config(tmp_path), ["--out", str(tmp_path), "--steps", "24", *extra], timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    got = _steps(tmp_path)
+    grew = next(r["step"] for r in got if r["world"] == 4)  # the boundary of this step grew the job
+    assert grew >= 3, got
+    worlds = [(r["step"], r["world"], r["pp"]) for r in got]
+    assert worlds == [(s, 2, 2) for s in range(1, grew)] + [(s, 4, 4) for s in range(grew, grew + 3)] + [
+        (grew + 3, 2, 2),  # asked for after step grew + 2: the shrink after step grew + 3
+        (grew + 4, 2, 2),
+    ], worlds
+    by_step = {w["step"]: w["loss"] for w in static_steps}
+    assert [r["loss"] for r in got] == [by_step[r["step"]] for r in got]
+    grow = json.loads((tmp_path / "grow.json").read_text())
+    assert grow["returncode"] == 0, grow
+    assert f"PP 2 x DP 1 -> PP 4 x DP 1 after step {grew} in " in grow["output"], grow
+    assert "prepared in the background" in grow["output"], grow
+    metrics = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    resized = [r for r in metrics if r["event"] == "resize"]
+    figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
+    assert figures == [(grew, 2, 4, 2, 4), (grew + 3, 4, 2, 4, 2)]
+    assert all(r["bytes_moved"] > 0 for r in resized) and resized[0]["prepare_s"] > 0
+    snaps = [(r["step"], r["ok"]) for r in metrics if r["event"] == "snapshot"]
+    assert snaps == [(s, True) for s in range(1, grew + 5) if s != grew], snaps
+    log = (tmp_path / "job.log").read_text()
+    assert log.count("starting joiner") == 2, log[-3000:]
+    assert "restarting" not in log and "failed" not in log, log[-3000:]
+
+
+@pytest.mark.slow  # the grow's other branch: blocking (no background_groups), DP inside the new stages
+def test_a_pipeline_job_grows_at_its_pp_degree_waiting_for_its_joiners(tmp_path, static_steps):
+    """As above with ``background_groups`` off and no PP degree asked: the request is served at
+    the step boundary after it, the survivors waiting at the rendezvous for the joiners' start-up,
+    and the job keeps PP 2, now over DP 2 (each stage's fp32 master and moments re-partitioned
+    in its DP group, half of each moving to a joiner). Oracle: the job undisturbed, every loss
+    within 1e-5 relative (DP 2 rounds gradients differently)."""
+    config = _config(tmp_path)
+    config["dynatrain"]["background_groups"] = False
+    extra = ["--grow-at", "2", "--grow-to", "4", "--shrink-after", "2", "--shrink-to", "2"]
+    job = launch(tmp_path, SCRIPT, 2, config, ["--out", str(tmp_path), "--steps", "24", *extra], timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    got = _steps(tmp_path)
+    assert [(r["step"], r["world"], r["pp"]) for r in got] == [(1, 2, 2), (2, 2, 2)] + [
+        (s, 4, 2) for s in (3, 4, 5)
+    ] + [(6, 2, 2), (7, 2, 2)]
+    assert _close(got, static_steps), (got, static_steps)
+    grow = json.loads((tmp_path / "grow.json").read_text())
+    assert grow["returncode"] == 0 and "PP 2 x DP 1 -> PP 2 x DP 2 after step 3 in " in grow["output"], grow
+    resized = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "resize"]
+    assert [(r["step"], r["from"], r["to"]) for r in resized] == [(3, 2, 4), (6, 4, 2)]
+    assert resized[0]["bytes_moved"] > 0 and "prepare_s" not in resized[0]
 
 
 @pytest.mark.slow  # the restart is the launcher's (test_elastic_requests.py), the load at another PP test_pp_load's

@@ -29,15 +29,13 @@ from ..elastic.launch_env import (
     other_launcher,
 )
 from ..elastic.membership import GenerationRecord, Membership
-from ..elastic.priority import return_to_job_priority
 from ..elastic.threads import one_thread_unless_fixed
-from ..errors import NotAMemberError
 from ..log import logger
 from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
 from .construct import construct, ds_config_for
 from .device import bind_device
 from .elastic_engine import ElasticEngine
-from .join import join_generation
+from .join import join_generation, joined_generation
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
 from .members import form_generation
 from .records import MetricsWriter
@@ -180,16 +178,7 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     tensor_parallel = is_tensor_parallel_job(dt.ds_config)
     if not tensor_parallel:  # an AutoTP grow waits for its joiners at the rendezvous: no warm-up
         dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s, hold=dt.held)
-    dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
-    started_at = return_to_job_priority()  # the agent started it below the workers: back to their priority
-    rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
-    if ctx.member not in rec.members:
-        raise NotAMemberError(
-            f"member {ctx.member} is not in generation {rec.generation} ({list(rec.members)}): it was cancelled"
-        )
-    lower = f" (started at nice {started_at} until now)" if started_at is not None else ""
-    where = f"as rank {ctx.rank} of {rec.world_size}"
-    logger.info(f"member {ctx.member} joining generation {rec.generation} {where}{lower}")
+    rec = joined_generation(dt, ctx)
     groups = client_groups(model, optimizer, model_parameters)
     if tensor_parallel:
         join_tensor_parallel(engine, rec, model, optimizer, model_parameters, lr_scheduler, groups)

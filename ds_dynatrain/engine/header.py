@@ -47,6 +47,8 @@ class TransitionHeader:
         standby: who stands by after this transition.  history: recent memberships.
         tensor_parallel_to: an AutoTP job's new TP degree (its ``old_layout`` is then
         ``{"tensor_parallel", "data_parallel"}``, the old degrees; None: a ZeRO layout).
+        pipeline_parallel_to: a pipeline job's new PP degree (its ``old_layout`` is then
+        ``{"pipeline_parallel", "data_parallel"}``, the old degrees; None: no pipeline).
     """
 
     digest: str
@@ -66,6 +68,7 @@ class TransitionHeader:
     standby: List[str] = field(default_factory=list)
     history: List[List[str]] = field(default_factory=list)
     tensor_parallel_to: Optional[int] = None
+    pipeline_parallel_to: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -81,8 +84,8 @@ class TransitionHeader:
 
 
 def make_header(engine, plan, state: PartitionState, must_leave: Tuple[str, ...] = ()) -> TransitionHeader:
-    """Old rank 0's header for ``plan`` (a :class:`Plan`, or an AutoTP job's
-    :class:`~ds_dynatrain.planner.tp_plan.BoxPlan`) from its live ``engine`` and partitions ``state``.
+    """Old rank 0's header for ``plan`` (a :class:`Plan`, or an AutoTP or pipeline job's
+    :class:`~ds_dynatrain.planner.box_plan.BoxPlan`) from its live ``engine`` and partitions ``state``.
 
     ``loss_scaler``: the attributes of the ZeRO optimizer's loss scaler (DeepSpeed's
     ``DynamicLossScaler`` in fp16: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
@@ -93,12 +96,19 @@ def make_header(engine, plan, state: PartitionState, must_leave: Tuple[str, ...]
     sched = engine.lr_scheduler
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     leaving = [m for m in plan.old_members if m not in plan.new_members and m not in must_leave]
-    tp_new = getattr(plan.new_layout, "tp", None)
+    tp_new, pp_new = getattr(plan.new_layout, "tp", None), getattr(plan.new_layout, "pp", None)
     old = plan.old_layout
+    if tp_new is not None:
+        old_layout = {"tensor_parallel": old.tp, "data_parallel": old.dp}
+    elif pp_new is not None:
+        old_layout = {"pipeline_parallel": old.pp, "data_parallel": old.dp}
+    else:
+        old_layout = old.to_dict()
     return TransitionHeader(
         digest=plan.digest(),
-        old_layout=old.to_dict() if tp_new is None else {"tensor_parallel": old.tp, "data_parallel": old.dp},
+        old_layout=old_layout,
         tensor_parallel_to=tp_new,
+        pipeline_parallel_to=pp_new,
         old_members=list(plan.old_members),
         new_members=list(plan.new_members),
         kinds=list(state_kinds(state)),

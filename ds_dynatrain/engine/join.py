@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
+from ..elastic.launch_env import LaunchContext
 from ..elastic.membership import GenerationRecord
-from ..errors import TransitionAbortedError
+from ..elastic.priority import return_to_job_priority
+from ..errors import NotAMemberError, TransitionAbortedError
 from ..log import logger
 from ..planner.plan import scalars_for
 from .construct import construct, ds_config_for, keep_returned_optimizer, own_layout
@@ -39,6 +41,28 @@ def wait_unless_given_up(
         if time.monotonic() > deadline:
             raise TransitionAbortedError(f"generation {rec.generation}: {what} within {timeout_s:.0f} s")
         time.sleep(POLL_S)
+
+
+def joined_generation(dt: ElasticState, ctx: LaunchContext) -> GenerationRecord:
+    """A joiner waits until its generation forms (the survivors decided to switch), returns to the
+    workers' priority, and reads the generation.
+
+    Raises:
+        NotAMemberError: the generation does not name this process (it was cancelled).
+        TransitionAbortedError: the generation was not published within the timeout.
+    """
+    dt.membership.wait_go(ctx.generation, dt.group_timeout_s)
+    started_at = return_to_job_priority()  # the agent started it below the workers: back to their priority
+    rec = dt.membership.read(ctx.generation, dt.group_timeout_s)
+    if ctx.member not in rec.members:
+        raise NotAMemberError(
+            f"member {ctx.member} is not in generation {rec.generation} ({list(rec.members)}): it was cancelled"
+        )
+    lower = f" (started at nice {started_at} until now)" if started_at is not None else ""
+    logger.info(
+        f"member {ctx.member} joining generation {rec.generation} as rank {ctx.rank} of {rec.world_size}{lower}"
+    )
+    return rec
 
 
 def join_generation(

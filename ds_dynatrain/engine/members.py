@@ -95,6 +95,13 @@ def form_generation(dt: ElasticState, generation: int, members: Sequence[str], t
     return reused
 
 
+def reports(dt: ElasticState, first: str) -> bool:
+    """Whether this process answers a request and writes the record of a change that the process
+    ``first`` (old rank 0) took part in: ``first`` where it stays in the job, else new rank 0 (a
+    grow may give rank 0 to a joiner, which read no request and has no resize record)."""
+    return not dt.retired and dt.member == (first if first in dt.members else dt.members[0])
+
+
 def evict_groups(dt: ElasticState) -> None:
     """Shut down cached groups with a member that is neither in the job nor standing by."""
     alive = set(dt.members) | set(dt.standby)

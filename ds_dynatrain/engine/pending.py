@@ -9,6 +9,7 @@ from typing import Optional
 from ..errors import TransitionAbortedError
 from ..log import logger
 from ..zero.state import install_optimizer_state
+from .members import reports
 from .records import Record, ResizeRecord, format_resize
 
 
@@ -41,13 +42,15 @@ def complete_pending(engine) -> Optional[Record]:
     return pending.record
 
 
-def publish(engine, rec: Record) -> None:
-    """Keep a completed resize or join record; rank 0 writes and prints a resize's."""
+def publish(engine, rec: Record, first: Optional[str] = None) -> None:
+    """Keep a completed resize or join record; rank 0 writes and prints a resize's (``first``: old
+    rank 0's member id, which writes it where it stays, :func:`~ds_dynatrain.engine.members.reports`)."""
     dt = engine._dt
     if dt.retired:
         return
     dt.resizes.append(rec)
-    if engine.global_rank == 0 and isinstance(rec, ResizeRecord):
+    writes = reports(dt, first) if first is not None else engine.global_rank == 0
+    if writes and isinstance(rec, ResizeRecord):
         dt.metrics.write(rec)
         logger.info(format_resize(rec))
 

@@ -1,6 +1,7 @@
-"""Building a pipeline engine: ``PipelineEngine.__init__`` run on our object (at start, and again in
-place at a change of PP degree) as ``deepspeed.initialize`` runs it for a ``PipelineModule``, and
-the check that DeepSpeed's build is the job's pipeline layout."""
+"""Building a pipeline engine: the job's pipeline layout from its ``PipelineModule`` and optimizer
+groups, ``PipelineEngine.__init__`` run on our object (at start, again in place at a change of PP
+degree, and in a joiner) as ``deepspeed.initialize`` runs it for a ``PipelineModule``, and the
+check that DeepSpeed's build is the job's pipeline layout."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..config import ConfigError, DynatrainConfig
 from ..elastic.launch_env import local_rank
 from ..errors import LayoutMismatchError
+from ..zero.geometry import working_dtype, zero12_settings
+from ..zero.pipeline import pipeline_layout
 from ..zero.quiet import scheduler_start_quiet
 from ..zero.rebuild import light_rebuild
 from .construct import attach_snapshot_engine
@@ -79,3 +83,54 @@ def check_pipeline_layout(engine) -> None:
         raise LayoutMismatchError(
             f"this rank's fp32 partitions hold {sizes} elements, the pipeline layout says {expected}"
         )
+
+
+def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int, optimizer_groups=()):
+    """The job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` at ``pp`` stages."""
+    dtype = str(working_dtype(ds_config, module)).replace("torch.", "")
+    method = dt_cfg.pipeline_partition_method
+    zero = dict(stage=1, optimizer_groups=optimizer_groups, **zero12_settings(ds_config))
+    return pipeline_layout(module, pp, world, dtype, method, **zero)
+
+
+def gather_optimizer_groups(module, optimizer, model_parameters):
+    """``(key, index)`` of every trainable parameter of the whole pipeline outside the optimizer's
+    group 0 (each process names its stage's; collective), for :class:`PipelineLayout`: the
+    parameter groups of ``optimizer`` (a torch optimizer) or of ``model_parameters`` (a list of
+    ``{"params": ...}`` dicts); one group otherwise.
+
+    Raises:
+        ConfigError: (on every rank) a process with another number of groups than the others, a
+            trainable parameter of the stage in no group or in two, a tied parameter in different
+            groups on different stages.
+    """
+    groups = optimizer.param_groups if optimizer is not None else list(model_parameters or [])
+    if not groups or not isinstance(groups[0], dict):
+        groups = [{"params": list(module.parameters())}]
+    name = {id(p): n for n, p in module.named_parameters()}
+    mine, problem = {}, None
+    for g, group in enumerate(groups):
+        for p in group["params"]:
+            key = name.get(id(p))
+            if key is None:
+                problem = problem or f"optimizer group {g} holds a tensor that is no parameter of the stage"
+            elif key in mine:
+                problem = problem or f"parameter {key} is in optimizer groups {mine[key]} and {g}"
+            mine[key] = g
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and n not in mine]
+    if missing:
+        problem = problem or f"parameter {missing[0]} is in no optimizer group"
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, (len(groups), mine, problem))
+    merged: dict = {}
+    for r, (count, theirs, said) in enumerate(every):
+        if said is None and count != len(groups):
+            said = f"{count} optimizer parameter groups on rank {r}, {len(groups)} on rank {tdist.get_rank()}"
+        for key, g in theirs.items():
+            if merged.setdefault(key, g) != g and said is None:
+                said = f"tied parameter {key} is in optimizer group {merged[key]} on one stage and {g} on another"
+        if said is not None:
+            raise ConfigError(
+                f"a PipelineModule job's optimizer groups (rank {r}): {said}; every stage needs the same groups"
+            )
+    return tuple(sorted((k, g) for k, g in merged.items() if g))

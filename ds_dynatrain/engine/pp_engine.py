@@ -5,8 +5,8 @@ What a pipeline job gets today: ``engine.train_batch()`` as with DeepSpeed (over
 data handed to ``initialize``, in the global sample order across changes, or a ``data_iter``),
 ``engine.resize(world_size, pipeline_parallel=P)`` (:mod:`.pp_switch`) and the resize schedule,
 snapshots, and under ``dynatrain launch`` (:mod:`.pp_launch`) requests, a shrink on a preemption
-or a request (:mod:`.pp_resize`), a stop, and a restart from its snapshots after a worker died. A
-grow is refused with the reason.
+or a request (:mod:`.pp_resize`), a grow by new processes (:mod:`.pp_grow`, a joiner built here),
+a stop, and a restart from its snapshots after a worker died.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.collective import raise_on_every_rank
 from ..elastic.launch_env import LaunchContext, member_id
 from ..errors import LayoutMismatchError, ResizeRefusedError
-from ..zero.geometry import working_dtype, zero12_settings
+from ..log import logger
 from ..zero.pipe_module import check_rebuildable
-from ..zero.pipeline import layer_type_names, pipeline_layout
+from ..zero.pipeline import layer_type_names
 from ..zero.state import relink_optimizer_state
 from . import loading
 from .construct import ds_config_for, latest_by_commit
+from .join import joined_generation
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
-from .pp_build import check_pipeline_layout, construct_pipeline
+from .pp_build import check_pipeline_layout, construct_pipeline, gather_optimizer_groups, job_layout
+from .pp_grow import grow_pipeline_parallel, join_pipeline_parallel
 from .pp_launch import at_step_boundary, launched_membership, publish_launched
 from .pp_resize import pp_for_world, shrink_pipeline_parallel
 from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
@@ -66,9 +68,11 @@ class ElasticPipelineEngine(PipelineEngine):
         """Change the pipeline degree to ``pipeline_parallel`` now, in memory (DP becomes
         ``world_size / pipeline_parallel``); the processes stay. Under ``dynatrain launch`` a
         smaller ``world_size`` shrinks the job (:func:`~ds_dynatrain.engine.pp_resize.
-        shrink_pipeline_parallel`; ``pipeline_parallel`` None: the degree
-        :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks); the processes left out
-        leave (``is_member`` False, the record None in them).
+        shrink_pipeline_parallel`; the processes left out leave: ``is_member`` False, the
+        record None in them) and a larger one grows it (:func:`~ds_dynatrain.engine.pp_grow.
+        grow_pipeline_parallel`: the launcher starts the new processes and this call waits for
+        their start-up); ``pipeline_parallel`` None: the degree
+        :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks.
 
         Collective: every process calls it at the same step boundary (between ``train_batch``
         calls).
@@ -78,7 +82,7 @@ class ElasticPipelineEngine(PipelineEngine):
             ``seconds``, ...); None when the degree does not change.
 
         Raises:
-            ResizeRefusedError: a grow, a shrink outside ``dynatrain launch``, a degree that does
+            ResizeRefusedError: a grow or shrink outside ``dynatrain launch``, a degree that does
                 not divide the world size, more stages than layers, a split that leaves a stage
                 without a trainable parameter, or a DP size that cannot keep the global batch; a
                 ``tensor_parallel`` degree (a pipeline job has no TP axis); nothing has changed.
@@ -90,14 +94,16 @@ class ElasticPipelineEngine(PipelineEngine):
                 "(its PP and DP degrees change; a PipelineModule with a model axis is not supported)"
             )
         world = tdist.get_world_size()
-        if world_size < world and self._dt.membership is not None and world_size >= 1:  # dynatrain launch
+        if world_size != world and self._dt.membership is not None and world_size >= 1:  # dynatrain launch
             pp = pipeline_parallel or pp_for_world(self, world_size) or self._dt.pp_layout.pp
+            if world_size > world:
+                return grow_pipeline_parallel(self, world_size, pp).to_dict()
             rec = shrink_pipeline_parallel(self, world_size, pp)
             return rec.to_dict() if rec is not None else None
         if world_size != world:
             raise ResizeRefusedError(
                 f"world size {world_size} refused: a pipeline job changes its PP degree over its {world} "
-                "processes; it does not grow yet, and it shrinks under `dynatrain launch`"
+                "processes; it grows and shrinks under `dynatrain launch`"
             )
         pp = self._dt.pp_layout.pp if pipeline_parallel is None else pipeline_parallel
         if pp == self._dt.pp_layout.pp:
@@ -148,22 +154,30 @@ class ElasticPipelineEngine(PipelineEngine):
         :func:`~ds_dynatrain.engine.pp_launch.at_step_boundary` (a stop of the job ends the process
         here with ``SystemExit(0)``); every ``snapshot.interval_steps``, a snapshot of this step;
         and at a step the resize schedule names, the switch to its PP degree (every process reaches
-        the same step; a snapshot of that step is of the layout before the switch)."""
+        the same step; a snapshot of that step is of the layout before the switch). A step whose
+        boundary grew the job takes neither: its joiners enter at the next step."""
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
         if not dt.hp_linked:  # DeepSpeed 0.19.8 links group 0's fragments only (boundary.after_optimizer_step)
             relink_optimizer_state(self)
             dt.hp_linked = True
+        world = len(dt.members)
         if dt.membership is not None:  # dynatrain launch: a stop (SystemExit), preemptions, requests
             at_step_boundary(self)
             if dt.retired:
                 return loss
+        if len(dt.members) > world:  # the joiners enter at the next step: no snapshot or switch of this one
+            return loss
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
         pp = dt.pp_schedule.get(step)
         if pp is not None and pp != dt.pp_layout.pp:
-            switch_pipeline_parallel(self, pp)
+            try:  # checked at launch, but a shrink or grow may have changed the world since
+                switch_pipeline_parallel(self, pp)
+            except ResizeRefusedError as err:
+                if self.global_rank == 0:
+                    logger.warning(f"the PP switch scheduled after step {step} was refused: {err}")
         return loss
 
     def _exec_optimizer_step(self, lr_kwargs=None):
@@ -200,8 +214,7 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
 
     Raises:
         ConfigError: a ZeRO stage other than 1 (DeepSpeed's pipeline engine refuses 2 and 3; the
-            layout change moves ZeRO partitions), peer replicas, or a process ``dynatrain launch``
-            started to join a running job (a grow).
+            layout change moves ZeRO partitions), or peer replicas.
     """
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage != 1:
@@ -214,18 +227,14 @@ def refuse_pipeline_config(ds_config: dict, dt_cfg: DynatrainConfig) -> None:
             "dynatrain.recovery.peer_replicas: a PipelineModule job has no in-place recovery from peer replicas "
             "yet; under `dynatrain launch` a dead worker restarts it from its snapshots (snapshot.restore_on_failure)"
         )
-    ctx = LaunchContext.from_environ()
-    if ctx is not None and ctx.joiner:
-        raise ConfigError(
-            "a PipelineModule job cannot take new processes yet (a grow under `dynatrain launch`); it changes "
-            "its PP degree over its processes and restarts from its snapshots on the processes left"
-        )
 
 
 def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_config: dict, dt_cfg: DynatrainConfig):
     """An :class:`ElasticPipelineEngine` over ``module`` (a ``PipelineModule``, whose
     construction started ``torch.distributed``), with the job's layout checked against DeepSpeed's
-    build.
+    build; in a process ``dynatrain launch`` started to join the running job (a grow), the engine
+    of the generation it joins (:func:`~ds_dynatrain.engine.pp_grow.join_pipeline_parallel`:
+    ``module``, built at one stage in the joiner's world of one, gives the layer list).
 
     Raises:
         ConfigError: as :func:`refuse_pipeline_config`; batch keys the DP size cannot serve;
@@ -246,21 +255,58 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     optimizer_groups = gather_optimizer_groups(module, optimizer, model_parameters)
     world, rank = tdist.get_world_size(), tdist.get_rank()
     pp = module.num_stages
-    global_batch, micro = check_elastic_config(ds_config, dt_cfg, world // pp, elastic=False)
     ctx = LaunchContext.from_environ()
+    joiner = ctx is not None and ctx.joiner
+    membership = launched_membership(ctx, dt_cfg)
+    if joiner:  # the job's batch, not the one its world of one would take
+        job = membership.job()
+        global_batch, micro = int(job["global_batch"]), int(job["micro_batch"])
+    else:
+        global_batch, micro = check_elastic_config(ds_config, dt_cfg, world // pp, elastic=False)
     generation = ctx.generation if ctx is not None else 0
     dt = ElasticState(
         config=dt_cfg,
         ds_config=ds_config,
         global_batch=global_batch,
         micro_batch=micro,
-        membership=launched_membership(ctx, dt_cfg),
+        membership=membership,
         member=ctx.member if ctx is not None else member_id(0, rank),
-        members=tuple(member_id(generation, r) for r in range(world)),
+        members=() if joiner else tuple(member_id(generation, r) for r in range(world)),
         generation=generation,
         backend=tdist.get_backend(),
         metrics=MetricsWriter(dt_cfg.metrics_path),
     )
+    engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
+    if joiner:
+        engine._dt = dt
+        rec = joined_generation(dt, ctx)
+        join_pipeline_parallel(engine, rec, module, optimizer, model_parameters, lr_scheduler, optimizer_groups)
+    else:
+        _build_first(engine, dt, module, optimizer, model_parameters, lr_scheduler, optimizer_groups)
+    dt.returned_optimizer = engine.optimizer
+    atexit.register(shutdown)
+    if dt.membership is not None:
+        if not joiner:
+            publish_launched(engine)
+            dt.requests_seen = dt.membership.served()  # a restarted job does not serve the answered ones again
+        take_preemption_notices(dt)  # SIGTERM to a worker: it leaves at the next step, the others shrink
+        if ctx.restore_dir and not joiner:
+            restore(engine, ctx.restore_dir)
+    at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
+    return engine
+
+
+def _build_first(engine, dt: ElasticState, module, optimizer, model_parameters, lr_scheduler, optimizer_groups):
+    """Build the engine of the job's first generation (or of a restart) on the script's
+    ``module``, its layout checked against DeepSpeed's build.
+
+    Raises:
+        ConfigError: a ``pipeline_partition_method`` that does not give the module's stage bounds,
+            optimizer groups a stage lacks, or a schedule entry the job cannot take.
+        LayoutMismatchError: DeepSpeed's partitions are not the layout's.
+    """
+    ds_config, dt_cfg = dt.ds_config, dt.config
+    world, pp = tdist.get_world_size(), module.num_stages
     dt.pp_layout = job_layout(module, ds_config, dt_cfg, pp, world, optimizer_groups)
     if tuple(int(x) for x in module.parts) != dt.pp_layout.parts:
         raise ConfigError(
@@ -273,20 +319,9 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     except LayoutMismatchError as err:
         raise ConfigError(f"a PipelineModule job's optimizer groups: {err}") from None
     check_pipeline_schedule(dt, layer_type_names(module))
-    engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
     split = dt.split(world // pp, "DP size")
     construct_pipeline(engine, dt, module, optimizer, model_parameters, lr_scheduler, ds_config_for(dt, split, False))
     check_pipeline_layout(engine)
-    dt.returned_optimizer = engine.optimizer
-    atexit.register(shutdown)
-    if dt.membership is not None:
-        publish_launched(engine)
-        take_preemption_notices(dt)  # SIGTERM to a worker: it leaves at the next step, the others shrink
-        dt.requests_seen = dt.membership.served()  # a restarted job does not serve the answered ones again
-        if ctx.restore_dir:
-            restore(engine, ctx.restore_dir)
-    at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
-    return engine
 
 
 def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
@@ -303,7 +338,7 @@ def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
         if e.world_size != world:
             raise ConfigError(
                 f"{entry}: world size {e.world_size}: a PipelineModule job changes its PP degree over its "
-                f"{world} processes; growing or shrinking it is not supported yet"
+                f"{world} processes at its entries; it grows and shrinks by `dynatrain resize` requests"
             )
         if e.pipeline_parallel is None:
             raise ConfigError(f"{entry} gives no pipeline_parallel: a PipelineModule job changes its PP degree")
@@ -312,54 +347,3 @@ def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
             dt.split(world // e.pipeline_parallel, "DP size")
         except ResizeRefusedError as err:
             raise ConfigError(f"{entry}: {err}") from None
-
-
-def job_layout(module, ds_config: dict, dt_cfg: DynatrainConfig, pp: int, world: int, optimizer_groups=()):
-    """The job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` at ``pp`` stages."""
-    dtype = str(working_dtype(ds_config, module)).replace("torch.", "")
-    method = dt_cfg.pipeline_partition_method
-    zero = dict(stage=1, optimizer_groups=optimizer_groups, **zero12_settings(ds_config))
-    return pipeline_layout(module, pp, world, dtype, method, **zero)
-
-
-def gather_optimizer_groups(module, optimizer, model_parameters):
-    """``(key, index)`` of every trainable parameter of the whole pipeline outside the optimizer's
-    group 0 (each process names its stage's; collective), for :class:`PipelineLayout`: the
-    parameter groups of ``optimizer`` (a torch optimizer) or of ``model_parameters`` (a list of
-    ``{"params": ...}`` dicts); one group otherwise.
-
-    Raises:
-        ConfigError: (on every rank) a process with another number of groups than the others, a
-            trainable parameter of the stage in no group or in two, a tied parameter in different
-            groups on different stages.
-    """
-    groups = optimizer.param_groups if optimizer is not None else list(model_parameters or [])
-    if not groups or not isinstance(groups[0], dict):
-        groups = [{"params": list(module.parameters())}]
-    name = {id(p): n for n, p in module.named_parameters()}
-    mine, problem = {}, None
-    for g, group in enumerate(groups):
-        for p in group["params"]:
-            key = name.get(id(p))
-            if key is None:
-                problem = problem or f"optimizer group {g} holds a tensor that is no parameter of the stage"
-            elif key in mine:
-                problem = problem or f"parameter {key} is in optimizer groups {mine[key]} and {g}"
-            mine[key] = g
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and n not in mine]
-    if missing:
-        problem = problem or f"parameter {missing[0]} is in no optimizer group"
-    every = [None] * tdist.get_world_size()
-    tdist.all_gather_object(every, (len(groups), mine, problem))
-    merged: dict = {}
-    for r, (count, theirs, said) in enumerate(every):
-        if said is None and count != len(groups):
-            said = f"{count} optimizer parameter groups on rank {r}, {len(groups)} on rank {tdist.get_rank()}"
-        for key, g in theirs.items():
-            if merged.setdefault(key, g) != g and said is None:
-                said = f"tied parameter {key} is in optimizer group {merged[key]} on one stage and {g} on another"
-        if said is not None:
-            raise ConfigError(
-                f"a PipelineModule job's optimizer groups (rank {r}): {said}; every stage needs the same groups"
-            )
-    return tuple(sorted((k, g) for k, g in merged.items() if g))

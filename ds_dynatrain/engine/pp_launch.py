@@ -1,6 +1,7 @@
 """A pipeline job under ``dynatrain launch``: the job's membership beside the group its script
 started, what rank 0 publishes for the launcher, and the step boundary: a stop of the job,
-preemption notices and resize requests.
+preemption notices, a grow prepared behind training, and resize requests
+(:mod:`~ds_dynatrain.engine.pp_requests`).
 
 The script starts ``torch.distributed`` itself before it builds its ``PipelineModule``
 (``deepspeed.init_distributed()`` over the store the launcher hands processes started together),
@@ -16,7 +17,7 @@ restarted script builds its module at the PP degree it picks for its world, and
 from __future__ import annotations
 
 import signal
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -25,11 +26,11 @@ from deepspeed.accelerator import get_accelerator
 from ..config import DynatrainConfig
 from ..elastic.launch_env import LaunchContext
 from ..elastic.membership import GenerationRecord, Membership
-from ..errors import ResizeRefusedError
 from ..log import logger, plural
 from .lifecycle import stop_job
-from .pp_resize import largest_pp_layout, pp_for_world, shrink_pipeline_parallel
-from .pp_switch import switch_pipeline_parallel
+from .pp_requests import finish_grow, read_request, serve
+from .pp_resize import largest_pp_layout, shrink_pipeline_parallel
+from .requests import abandon
 
 
 def launched_membership(ctx: Optional[LaunchContext], dt_cfg: DynatrainConfig) -> Optional[Membership]:
@@ -50,57 +51,6 @@ def publish_launched(engine) -> None:
         world = len(dt.members)
         dt.membership.publish(GenerationRecord(dt.generation, world, dt.members, engine.global_steps))
         dt.membership.publish_job(dt.global_batch, dt.micro_batch, dt.config.max_world_size, world, pipeline=True)
-
-
-def _read_request(engine) -> Tuple[int, int, int]:
-    """Rank 0: ``(index, world size, PP degree)`` of the next request this job serves at this step
-    (a PP change at its world size, or fewer processes; PP 0: the job's choice), else
-    ``(-1, 0, 0)``; any other request (a grow, ``dynatrain join``) is answered as refused here."""
-    dt = engine._dt
-    while (request := dt.membership.pending_request(dt.requests_seen)) is not None:
-        index, body = request
-        dt.requests_seen = index + 1
-        world, pp = int(body.get("world_size", 0)), body.get("pipeline_parallel")
-        if "join" not in body and body.get("tensor_parallel") is None and 0 < world <= len(dt.members):
-            return index, world, int(pp or 0)
-        why = (
-            f"a PipelineModule job of {plural(len(dt.members), 'process', 'processes')} changes its PP degree "
-            f"(dynatrain resize --world-size {len(dt.members)} --pipeline-parallel P) or shrinks; it does not grow "
-            "and has no TP degree"
-        )
-        dt.membership.answer(index, False, why)
-        logger.info(f"resize request {index}: refused: {why}")
-    return -1, 0, 0
-
-
-def _serve(engine, index: int, world: int, pp: int) -> None:
-    """Every rank: request ``index`` (``world`` processes at PP degree ``pp``; 0: the degree
-    :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks); rank 0 answers it (the record, or
-    why it was refused: nothing changed then)."""
-    dt = engine._dt
-    try:
-        if world == len(dt.members):
-            pp = pp or dt.pp_layout.pp
-            rec = switch_pipeline_parallel(engine, pp).to_dict() if pp != dt.pp_layout.pp else None
-        else:
-            pp = pp or pp_for_world(engine, world) or dt.pp_layout.pp  # none: the shrink refuses, saying why
-            rec = shrink_pipeline_parallel(engine, world, pp)
-            rec = rec.to_dict() if rec is not None else None
-    except ResizeRefusedError as err:
-        if engine.global_rank == 0:
-            dt.membership.answer(index, False, str(err))
-            logger.info(f"resize request {index}: {err}")
-        return
-    if dt.retired or engine.global_rank != 0:
-        return
-    msg = (
-        f"PP {rec['pipeline_parallel_from']} x DP {rec['from'] // rec['pipeline_parallel_from']} -> "
-        f"PP {rec['pipeline_parallel_to']} x DP {rec['to'] // rec['pipeline_parallel_to']} after step {rec['step']} "
-        f"in {rec['seconds']:.2f} s"
-        if rec
-        else f"the job already runs at PP {pp}"
-    )
-    dt.membership.answer(index, True, msg, rec)
 
 
 def _leave_preempted(engine, preempted: Sequence[int]) -> None:
@@ -124,31 +74,44 @@ def at_step_boundary(engine) -> None:
     """After each ``train_batch`` of a launched pipeline job, before its periodic snapshot: a
     signal to the launcher (SIGTERM, SIGINT) ends the job here on every rank, after a final
     snapshot of this step (:func:`~ds_dynatrain.engine.lifecycle.stop_job`); else preempted
-    members leave (a preemption notice, SIGTERM to a worker: the others shrink without them); else
-    the next request is served (a PP change at the job's world size, or fewer processes) or
-    answered as refused. Rank 0 reads the store; one all-reduce of ``4 + world`` numbers tells
-    every rank, each adding its own preemption notice. Collective.
+    members leave (a preemption notice, SIGTERM to a worker: the others shrink without them, and a
+    grow being prepared is given up); else a prepared grow whose group every process has built is
+    finished, or one whose build failed given up; else the next request is served or answered as
+    refused (:mod:`~ds_dynatrain.engine.pp_requests`). Rank 0 reads the store; one all-reduce of
+    ``6 + world`` numbers tells every rank, each adding its own preemption notice and whether its
+    part of a prepared grow is ready or failed. Collective.
 
     Raises:
         SystemExit: the job was stopped (status 0).
     """
     dt = engine._dt
-    world, rank = len(dt.members), engine.global_rank
-    said = [0.0] * (4 + world)
-    said[4 + rank] = float(dt.preempted)
+    world, rank, prep = len(dt.members), engine.global_rank, dt.preparing
+    said = [0.0] * (6 + world)
+    said[6 + rank] = float(dt.preempted)
+    error = None
+    if prep is not None:
+        ready, error = prep.state(dt, rank == 0)
+        said[4:6] = [float(ready), float(error is not None)]
     if rank == 0:
         dt.membership.set_last_step(engine.global_steps)  # a restart from a snapshot counts the steps it loses
         said[0] = float(dt.membership.stop_requested())
-        said[1:4] = [float(x) for x in _read_request(engine)] if not said[0] else [-1.0, 0.0, 0.0]
+        reading = not said[0] and prep is None  # one change at a time: a request waits for a prepared grow
+        said[1:4] = [float(x) for x in read_request(engine)] if reading else [-1.0, 0.0, 0.0]
     flat = torch.tensor(said, dtype=torch.float64).to(get_accelerator().current_device_name())
     tdist.all_reduce(flat)
-    signum, index, req_world, pp, *flags = (int(x) for x in flat.tolist())
+    signum, index, req_world, pp, ready, failed, *flags = (int(x) for x in flat.tolist())
     if signum:
-        stop_job(engine, signum, "the launcher was signalled")
+        stop_job(engine, signum, "the launcher was signalled")  # a prepared grow is given up there
     preempted = [r for r, f in enumerate(flags) if f]
+    if prep is not None and (preempted or failed):
+        unbuilt = f"{plural(failed, 'process', 'processes')} could not build the new generation's group"
+        why = "a preemption came first" if preempted else f"the new world could not be formed: {error or unbuilt}"
+        abandon(engine, prep, why)
+    elif prep is not None and ready == world:
+        finish_grow(engine, prep)
     if preempted:  # a request read now waits for the next step (it is not answered yet)
         _leave_preempted(engine, preempted)
     elif index >= 0:
-        _serve(engine, index, req_world, pp)
+        serve(engine, index, req_world, pp)
     if len(dt.members) != world and not dt.retired:  # the new world's rank 0 reads on from the answered ones
         dt.requests_seen = dt.membership.served()

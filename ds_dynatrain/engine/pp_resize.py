@@ -30,7 +30,7 @@ from .box_state import install_moved_state
 from .members import evict_groups
 from .pending import publish
 from .pp_build import check_pipeline_layout
-from .pp_switch import layout_for, rebuild_pipeline_at
+from .pp_switch import layout_for, pp_record, rebuild_pipeline_at
 from .records import ResizeRecord
 
 
@@ -73,7 +73,8 @@ def shrink_pipeline_parallel(
     None in one that left (it has torn its engine down and left the process group).
 
     Raises:
-        ResizeRefusedError: a grow, or a layout the layers, the optimizer groups or the global
+        ResizeRefusedError: not fewer processes (a grow is :func:`~ds_dynatrain.engine.pp_grow.
+            grow_pipeline_parallel`), or a layout the layers, the optimizer groups or the global
             batch cannot take; nothing has changed.
         LayoutMismatchError: the processes computed different plans.
         TransitionAbortedError: a peer failed during the transfer.
@@ -82,7 +83,7 @@ def shrink_pipeline_parallel(
     t0 = time.perf_counter()
     members = tuple(dt.members)
     if world_size > len(members):
-        raise ResizeRefusedError(f"world size {world_size} refused: a pipeline job does not grow yet")
+        raise ResizeRefusedError(f"world size {world_size} refused: a shrink needs fewer than {len(members)} processes")
     old = dt.pp_layout
     new = layout_for(old, layer_type_names(engine.module), pp, world_size, dt.config.pipeline_partition_method)
     split = dt.split(world_size // pp, "DP size")
@@ -90,15 +91,7 @@ def shrink_pipeline_parallel(
     g = publish_shrink(engine, world_size, must_leave, new_members)
     plan = plan_pp_transition(old, new, members, new_members)
     agree_on_plan(plan, len(members), "PP resize")
-    rec = ResizeRecord(
-        step=engine.global_steps,
-        from_world_size=len(members),
-        to_world_size=world_size,
-        generation=g,
-        plan_s=time.perf_counter() - t0,
-        pipeline_parallel_from=old.pp,
-        pipeline_parallel_to=pp,
-    )
+    rec = pp_record(engine, len(members), world_size, g, old.pp, pp, t0)
     moved = hand_over(engine, plan, rec)
     if moved is None:
         return None

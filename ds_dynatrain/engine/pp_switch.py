@@ -116,15 +116,7 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
     new = new_pipeline_layout(engine, pp)
     split = dt.split(world // pp, "DP size")  # ResizeRefusedError: the global batch cannot be kept
     plan = plan_pp_transition(old, new, dt.members, dt.members)
-    rec = ResizeRecord(
-        step=engine.global_steps,
-        from_world_size=world,
-        to_world_size=world,
-        generation=dt.generation,
-        plan_s=time.perf_counter() - t0,
-        pipeline_parallel_from=old.pp,
-        pipeline_parallel_to=pp,
-    )
+    rec = pp_record(engine, world, world, dt.generation, old.pp, pp, t0)
 
     def rebuild():
         rebuild_pipeline_at(engine, new, split)
@@ -132,6 +124,21 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
         check_pipeline_layout(engine)
 
     return switch_in_place(engine, plan, rec, t0, rebuild)
+
+
+def pp_record(engine, from_world: int, to_world: int, generation: int, pp_from: int, pp_to: int, t0: float):
+    """The resize record of a pipeline job's layout change decided at ``t0``
+    (``time.perf_counter()``; its planning time so far), ``from_world`` -> ``to_world`` processes
+    at PP ``pp_from`` -> ``pp_to``, into ``generation``."""
+    return ResizeRecord(
+        step=engine.global_steps,
+        from_world_size=from_world,
+        to_world_size=to_world,
+        generation=generation,
+        plan_s=time.perf_counter() - t0,
+        pipeline_parallel_from=pp_from,
+        pipeline_parallel_to=pp_to,
+    )
 
 
 def rebuild_pipeline_at(engine, new, split) -> None:

@@ -13,7 +13,7 @@ from ..errors import ResizeRefusedError
 from ..log import logger, plural
 from ..transition.execute import transition_members
 from ..zero.geometry import zero_optimizer_of
-from .members import request_joiners
+from .members import reports, request_joiners
 from .records import ResizeRecord
 from .resize import resize
 from .state import Preparation
@@ -32,6 +32,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
     (:func:`prepare`): training goes on while the next world is built, and the switch happens at
     the first step boundary where every rank has it ready (:func:`finish_request`)."""
     dt = engine._dt
+    first = dt.members[0]  # old rank 0 answers where it stays (a grow may give its rank to a joiner)
     dt.requests_seen = index + 1  # before the resize: its header hands the count to joiners
     if world_size == REFUSED:
         return  # rank 0 refused it when it read it (no free slots) and answered the requester
@@ -59,7 +60,7 @@ def serve_request(engine, index: int, world_size: int) -> None:
         return
     if rec is not None and rec.get("event") != "resize":
         return  # this process stood by and was taken back by a later resize
-    if engine.is_member and engine.global_rank == 0:
+    if engine.is_member and reports(dt, first):
         tp = (
             f" (TP {rec['tensor_parallel_from']} -> {rec['tensor_parallel_to']})"
             if rec and "tensor_parallel_to" in rec
@@ -88,11 +89,15 @@ def requested_tensor_parallel(dt, index: int) -> Optional[int]:
     return None if tp is None else int(tp)
 
 
-def prepare(engine, index: int, world_size: int, tensor_parallel: Optional[int] = None) -> None:
+def prepare(
+    engine, index: int, world_size: int, tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None
+) -> None:
     """Publish the next generation, start its joiners (or take back standby processes) and build
-    its default group and (``tensor_parallel`` None) transition group in background threads;
+    its default group and (a data-parallel resize) transition group in background threads;
     return at once. ``tensor_parallel``: an AutoTP job's grow to that TP degree (its members
-    assigned already, :func:`prepare_tensor_parallel_grow`)."""
+    assigned already, :func:`prepare_tensor_parallel_grow`); ``pipeline_parallel``: a pipeline
+    job's grow to that PP degree (its members assigned already,
+    :func:`~ds_dynatrain.engine.pp_grow.assign_pp_grow`)."""
     dt = engine._dt
     t0 = time.perf_counter()
     members = request_joiners(engine, world_size)
@@ -103,13 +108,15 @@ def prepare(engine, index: int, world_size: int, tensor_parallel: Optional[int] 
     timeout = dt.group_timeout_s
     dt.membership.prepare(g, members, step, timeout)
     xfer = None
-    if tensor_parallel is None:
+    band = tensor_parallel is not None or pipeline_parallel is not None
+    if not band:
         xfer = background_xfer(dt, transition_members(dt.members, members), g, step, timeout)
-    dt.preparing = Preparation(index, world_size, g, members, step, xfer, t0, tensor_parallel=tensor_parallel)
+    degrees = dict(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    dt.preparing = Preparation(index, world_size, g, members, step, xfer, t0, **degrees)
     if engine.global_rank == 0:
         logger.info(
             f"resize request {index}: preparing generation {g} ({len(dt.members)} -> {world_size} "
-            f"{'processes' if tensor_parallel else 'ranks'}) while training goes on"
+            f"{'processes' if band else 'ranks'}) while training goes on"
         )
 
 
@@ -132,13 +139,14 @@ def finish_request(engine, prep: Preparation) -> None:
     """Every rank has the prepared groups: switch to the new world now."""
     dt = engine._dt
     dt.preparing = None
+    first = dt.members[0]
     if prep.tensor_parallel is not None:
         rec = grow_tensor_parallel(engine, prep.world_size, prep.tensor_parallel, prepared=prep)
     else:
         rec = resize(engine, prep.world_size, dt.split(prep.world_size), prepared=prep)
     if not isinstance(rec, ResizeRecord):
         return  # this process left (or stood by and was taken back later: a join record)
-    if engine.is_member and engine.global_rank == 0:
+    if engine.is_member and reports(dt, first):
         tp = "" if rec.tensor_parallel_to is None else f" (TP {rec.tensor_parallel_from} -> {rec.tensor_parallel_to})"
         dt.membership.answer(
             prep.index,

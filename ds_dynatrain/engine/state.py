@@ -155,10 +155,11 @@ class Preparation:
         generation, members, step: the generation being formed (members in rank order), published
             at optimizer step ``step``.
         xfer: the transition group being built (:class:`~ds_dynatrain.elastic.groups.BackgroundGroup`;
-            None for an AutoTP job's grow, whose transfer runs over the new default group).
+            None for an AutoTP or pipeline job's grow, whose transfer runs over the new default group).
         started: ``time.perf_counter()`` when it was decided.  ready_at: when this process saw its
             groups built (None before).  tensor_parallel: an AutoTP job's TP degree after the grow
-            (None: a data-parallel resize).
+            (None: a data-parallel resize).  pipeline_parallel: a pipeline job's PP degree after
+            the grow.
     """
 
     index: int
@@ -170,6 +171,7 @@ class Preparation:
     started: float
     ready_at: Optional[float] = None
     tensor_parallel: Optional[int] = None
+    pipeline_parallel: Optional[int] = None
 
     def state(self, dt: ElasticState, check_joiners: bool = False) -> Tuple[bool, Optional[str]]:
         """``(ready, error)`` of this process's builds, without waiting. ``check_joiners`` (rank 0):

@@ -26,53 +26,28 @@ start-up.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
-import torch
-import torch.distributed as tdist
+from typing import List, Optional, Tuple
 
 from ..batch import BatchSplit
-from ..elastic.launch_env import member_id
 from ..elastic.membership import GenerationRecord
 from ..errors import ResizeRefusedError
-from ..planner.box_plan import BoxPlan, assign_box_members_best
+from ..planner.box_plan import BoxPlan
 from ..planner.tp_plan import plan_tp_transition
-from ..transition.boxes import BoxTransferStats, execute_box_plan
 from ..vps.tensor_parallel import TensorParallelLayout
-from ..zero.state import extract_partitions
 from ..zero.tp_module import reset_tp_groups
+from .band_grow import grow_members, joiner_receives, publish_join, survivors_move
 from .box_state import (
-    count_transfer,
     install_moved_state,
-    kinds_of,
-    message_bytes,
-    new_partitions,
-    new_scalars,
-    transfer_group,
 )
 from .construct import construct, ds_config_for, keep_returned_optimizer
-from .header import agree_on_header, header_failures, install_header_state, make_header
+from .header import agree_on_header, header_failures, install_header_state
 from .join import enter_generation, wait_for_switch
-from .members import evict_groups, form_generation, request_joiners
+from .members import evict_groups, request_joiners
 from .pending import publish
 from .records import JoinRecord, ResizeRecord
 from .resize import count_preparation
 from .state import Preparation
 from .tp_switch import check_layout, new_layout, rebuild_at, tp_layout_for_model, tp_record
-
-_JOINER = "\0tp-joiner-"  # placeholder of a joiner before it is named after its rank (no id starts with NUL)
-
-
-def grow_members(
-    old: TensorParallelLayout, new: TensorParallelLayout, members: Sequence[str], generation: int
-) -> Tuple[str, ...]:
-    """The processes of ``new``'s ranks: every old member at the rank that keeps the most of its
-    state in place (:func:`~ds_dynatrain.planner.box_plan.assign_box_members_best`), a joiner named
-    ``member_id(generation, rank)`` at each other rank. In rank order."""
-    placeholders = tuple(f"{_JOINER}{i}" for i in range(new.world_size - len(members)))
-    drafted, _ = assign_box_members_best(old, new, members, placeholders)
-    return tuple(member_id(generation, r) if m.startswith(_JOINER) else m for r, m in enumerate(drafted))
 
 
 def assign_grow(engine, world_size: int, tp: int) -> Tuple[BatchSplit, TensorParallelLayout, Tuple[str, ...]]:
@@ -116,28 +91,8 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
     split, new, new_members = assign_grow(engine, world_size, tp)
     request_joiners(engine, world_size)  # publishes generation g; the agents start its joiners
     plan = plan_tp_transition(old, new, members, new_members)
-    state = extract_partitions(engine)
-    header = make_header(engine, plan, state) if engine.global_rank == 0 else None
     rec = tp_record(engine, len(members), world_size, g, old.tp, tp, t0)
-    step = dt.published_step[g]
-    if engine.global_rank == 0:
-        dt.membership.go(g)
-        dt.membership.switching(g, step)  # the joiners enter the header's broadcast once formed
-    t = time.perf_counter()
-    rec.group_reused = form_generation(dt, g, new_members, dt.group_timeout_s, step=step)
-    rec.group_s = time.perf_counter() - t
-    t = time.perf_counter()
-    header = agree_on_header(
-        header,
-        lambda h: "plan digest differs" if h.digest != plan.digest() else None,
-        src=new_members.index(members[0]),
-    )
-    rec.plan_s += time.perf_counter() - t
-    new_rank = new_members.index(dt.member)
-    dests = new_partitions(new, new_rank, kinds_of(state))
-    count_transfer(rec, plan, state, move_into_new_world(dt, plan, state.tensors, dests, tuple(state.tensors[0])))
-    scalars = new_scalars(old, members.index(dt.member), new, new_rank, state.scalars)
-    state = None
+    dests, scalars, header = survivors_move(engine, plan, g, rec)
     t = time.perf_counter()
     dt.members, dt.generation = new_members, g  # before the rebuild: its snapshot engine keys by generation
     rebuild_at(engine, tp, split, same_world=False)
@@ -149,26 +104,8 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
     rec.seconds = time.perf_counter() - t0
     if prepared is not None:
         count_preparation(rec, prepared, t0)
-    publish(engine, rec)
+    publish(engine, rec, first=members[0])
     return rec
-
-
-def move_into_new_world(
-    dt, plan: BoxPlan, old: Sequence[Dict[str, torch.Tensor]], dests, kinds: Sequence[str]
-) -> BoxTransferStats:
-    """Move this process's rows of a grow's ``plan`` over the new generation's group (every old
-    member is in it): the plan's old ranks become the ranks their processes have there. ``old``:
-    this process's old partitions (empty in a joiner); ``dests``: its new ones (written)."""
-    rank_in_new = {m: j for j, m in enumerate(plan.new_members)}
-    table = plan.table.copy()
-    table[:, 0] = np.asarray([rank_in_new[m] for m in plan.old_members], dtype=np.int64)[table[:, 0]]
-    me = rank_in_new[dt.member]
-    group = transfer_group()
-    try:
-        return execute_box_plan(table, me, list(old), dests, tuple(kinds), group, me, None, message_bytes(dt))
-    finally:
-        if group is not None:
-            tdist.destroy_process_group(group)
 
 
 def join_tensor_parallel(
@@ -206,13 +143,8 @@ def join_tensor_parallel(
     with header_failures(rec.generation):
         header = agree_on_header(None, check, src=rec.header_rank)
     plan: BoxPlan = box["plan"]
-    old, new = plan.old_layout, plan.new_layout
-    new_rank = rec.members.index(dt.member)
-    kinds = {k: getattr(torch, header.dtype) for k in header.kinds}
-    dests = new_partitions(new, new_rank, kinds)
-    stats = move_into_new_world(dt, plan, (), dests, tuple(kinds))
-    # every partition of old rank 0 steps with all others: its scalars are every rank's
-    scalars = new_scalars(old, 0, new, new_rank, header.scalars)
+    new = plan.new_layout
+    dests, scalars, stats = joiner_receives(dt, plan, header)
     dt.members, dt.generation, dt.retired = plan.new_members, rec.generation, False
     dt.ds_config.setdefault("tensor_parallel", {})["autotp_size"] = new.tp
     dt.tp_layout = new
@@ -225,14 +157,4 @@ def join_tensor_parallel(
     install_moved_state(engine, dests, scalars)
     install_header_state(engine, header, None, joiner=True)
     evict_groups(dt)
-    record = JoinRecord(
-        step=engine.global_steps,
-        generation=rec.generation,
-        group_reused=reused,
-        seconds=time.perf_counter() - t0,
-        warmup_s=dt.warmup_s,
-    )
-    record.transfer_s, record.messages = stats.exchange_seconds, stats.messages
-    record.bytes_received, record.peak_staging_bytes = stats.bytes_received, stats.peak_staging_bytes
-    publish(engine, record)
-    return record
+    return publish_join(engine, rec.generation, reused, t0, stats)

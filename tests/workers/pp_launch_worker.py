@@ -4,7 +4,9 @@ The script starts ``torch.distributed`` itself (``deepspeed.init_distributed()``
 ``PipelineModule`` of :mod:`pp_switch_worker` at PP 2 when its world is even, else PP 1, and trains
 ``--steps`` steps with ``train_batch`` on the batch of each step (DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i``), one snapshot a step (the config's). Rank 0 appends
-``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``.
+``{"step", "loss", "world", "pp", "generation"}`` per step to ``--out``/``steps.jsonl``
+(rank 0 before and after the step: a grow may give rank 0 to a joiner, a shrink take it from a
+leaver; a step may so be written twice).
 
 ``--request``: rank 0 asks ``dynatrain resize --world-size W --tensor-parallel 1`` after step 1
 and ``dynatrain resize --world-size W --pipeline-parallel 1`` after step 2 (``W``: its world),
@@ -15,8 +17,18 @@ refused, the second served), and writes each requester's exit status and output 
 ``--hold-at K --flag F``: every rank writes ``held_<rank>`` after step ``K`` and waits for ``F``.
 
 ``--preempt-at K``: the last rank of the first generation sends itself SIGTERM after step ``K``
-(a preemption notice). ``--shrink-at K``: rank 0 asks ``dynatrain resize --world-size 1`` after
-step ``K`` (answered at the next step's boundary; rank 0 does not wait for the requester).
+(a preemption notice). ``--shrink-at K``: rank 0 asks ``dynatrain resize --world-size 1`` (or
+``--shrink-to W``) after step ``K`` (answered at the next step's boundary; rank 0 does not wait for the requester).
+
+``--grow-at K --grow-to W [--grow-pp P] --shrink-after N``: rank 0 asks ``dynatrain resize
+--world-size W [--pipeline-parallel P]`` after step ``K`` (a grow: the launcher starts the new
+processes, each builds the module at PP 1 in its world of one; the job prepares the new world
+while it trains and switches once it is ready, at a step the test does not know), writes the
+requester's exit status and output to ``grow.json`` once the world has grown, and (the same
+process, wherever its rank went) asks for ``--shrink-to`` processes ``N`` steps after that; the
+job ends one step after that shrink (``--steps``: at most). While a grow is being prepared every
+step sleeps 1 s after it (as long as a real step, so the joiners' start-up spans a few steps, not
+dozens).
 
 ``--kill-at K``: in the first generation, rank 1 waits for the snapshot of step ``K`` and kills
 itself with SIGKILL (a worker dying without notice: the fault injected at this seam);
@@ -63,6 +75,11 @@ def main() -> None:
     p.add_argument("--preempt-at", type=int, default=0, help="the last rank of generation 0 gets SIGTERM after it")
     p.add_argument("--shrink-at", type=int, default=0, help="rank 0 asks for one process after this step")
     p.add_argument("--request", action="store_true")
+    p.add_argument("--grow-at", type=int, default=0, help="rank 0 asks for --grow-to processes after this step")
+    p.add_argument("--grow-to", type=int, default=0)
+    p.add_argument("--grow-pp", type=int, default=0)
+    p.add_argument("--shrink-to", type=int, default=1)
+    p.add_argument("--shrink-after", type=int, default=0, help="ask for --shrink-to this many steps after a grow")
     p.add_argument("--hold-at", type=int, default=0, help="after this step, wait for --flag to exist")
     p.add_argument("--flag", default="")
     p.add_argument("--deepspeed_config", required=True)
@@ -71,6 +88,7 @@ def main() -> None:
 
     import ds_dynatrain
 
+    ds_dynatrain.log_to_console()
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     module = module_at(2 if world % 2 == 0 else 1, "parameters")
@@ -78,20 +96,24 @@ def main() -> None:
         cfg = json.load(f)
     engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     generation = int(os.environ["DYNATRAIN_GEN"])
-    requests, answers = [], []
-    while engine.is_member and engine.global_steps < a.steps:
+    requests, answers, grow = [], [], None
+    grown_at = 0 if generation == 0 else 1  # a joiner comes into the grown world
+    shrunk_at = 0
+    while engine.is_member and engine.global_steps < a.steps and not (shrunk_at and engine.global_steps > shrunk_at):
         s = engine.global_steps
         dp, d = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
         batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(s))
         rows = [batch[i * dp + d : i * dp + d + 1] for i in range(GLOBAL_BATCH // dp)]
+        before = tdist.get_rank()  # rank 0 before and after the step write its record (a change may move rank 0)
         loss = float(engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows])))
         if not engine.is_member:  # it left the job at this step's boundary (a shrink without it)
             break
         step, rank = engine.global_steps, tdist.get_rank()
-        if rank == 0:
+        if 0 in (before, rank):
             with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
                 rec = {"step": step, "loss": loss, "world": tdist.get_world_size(), "pp": engine._dt.pp_layout.pp}
                 f.write(json.dumps({**rec, "generation": generation}) + "\n")
+        if rank == 0:
             if a.request and step in (1, 2):  # a TP degree (refused), then PP 1 at its world (served)
                 degree = ["--tensor-parallel", "1"] if step == 1 else ["--pipeline-parallel", "1"]
                 requests.append(_request(engine, ["--world-size", str(world), *degree], step - 1))
@@ -106,8 +128,24 @@ def main() -> None:
                 time.sleep(0.1)
         if generation == 0 and rank == world - 1 and step == a.preempt_at:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: taken at the next step's boundary
+        if rank == 0 and step == a.grow_at:
+            degree = ["--pipeline-parallel", str(a.grow_pp)] if a.grow_pp else []
+            grow = _request(engine, ["--world-size", str(a.grow_to), *degree], engine._dt.membership.served())
+        if engine._dt.preparing is not None:
+            time.sleep(1.0)  # a step as long as a real one while the joiners start
+        world_now = tdist.get_world_size()
+        if a.grow_to and not grown_at and world_now == a.grow_to:
+            grown_at = step
+            if grow is not None:
+                out, _ = grow.communicate(timeout=90)
+                with open(os.path.join(a.out, "grow.json"), "w") as f:
+                    json.dump({"returncode": grow.returncode, "output": out}, f)
+        if grown_at and not shrunk_at and a.shrink_after and world_now == a.shrink_to:
+            shrunk_at = step
+        if grow is not None and grown_at and a.shrink_after and step == grown_at + a.shrink_after:  # its requester
+            requests.append(_request(engine, ["--world-size", str(a.shrink_to)], engine._dt.membership.served()))
         if rank == 0 and step == a.shrink_at:
-            requests.append(_request(engine, ["--world-size", "1"], engine._dt.membership.served()))
+            requests.append(_request(engine, ["--world-size", str(a.shrink_to)], engine._dt.membership.served()))
         if generation == 0 and rank == 1 and step == a.kill_at:
             engine.checkpoint_engine.wait()  # the snapshot of this step is committed
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice
