@@ -91,7 +91,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert _close(got, static_steps), (got, static_steps)
     refused, served = json.loads((shrunk / "request.json").read_text())
     assert refused["returncode"] == 2, refused
-    assert "a PipelineModule job of 4 processes changes its PP degree" in refused["output"], refused
+    assert "a PipelineModule job of 4 processes changes its PP and DP degrees" in refused["output"], refused
     assert "has no TP degree" in refused["output"], refused
     assert served["returncode"] == 0, served
     assert "PP 2 x DP 2 -> PP 1 x DP 4 after step 3" in served["output"], served
@@ -164,6 +164,44 @@ def test_a_pipeline_job_grows_at_its_pp_degree_waiting_for_its_joiners(tmp_path,
     resized = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "resize"]
     assert [(r["step"], r["from"], r["to"]) for r in resized] == [(3, 2, 4), (6, 4, 2)]
     assert resized[0]["bytes_moved"] > 0 and "prepare_s" not in resized[0]
+
+
+@pytest.mark.slow  # the grow is the one above; this is the request another host's agent makes
+def test_dynatrain_join_grows_a_pipeline_job_by_the_joining_hosts_slots(tmp_path, static_steps):
+    """PP 2 x DP 1 over 2 processes, held after step 3 while a second agent (`dynatrain join
+    --nproc 2`, node 1) asks the job to grow by its 2 slots: the job grows to 4 processes at PP 2 x
+    DP 2 (the degree it picks), both joiners started on node 1. Oracle: the job undisturbed, every
+    loss within 1e-5 relative (DP 2 rounds gradients differently)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_config(tmp_path)))
+    flag, log, join_log = tmp_path / "go", tmp_path / "job.log", tmp_path / "join.log"
+    cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", str(cfg), SCRIPT]
+    args = ["--out", str(tmp_path), "--steps", "12", "--hold-at", "3", "--flag", str(flag)]
+    with background_job(cmd + args, str(log)) as job:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"held_{r}").exists() for r in (0, 1)):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        store = ""
+        for line in log.read_text().splitlines():
+            if "agent: store at " in line:
+                store = line.split("agent: store at ")[1].split(",")[0]
+        join = [sys.executable, "-m", "ds_dynatrain.cli", "join", "--store", store, "--nproc", "2"]
+        with background_job(join + ["--config", str(cfg), SCRIPT, *args[:4]], str(join_log)) as joining:
+            while "asks the job to grow by 2" not in join_log.read_text():
+                assert joining.poll() is None and time.monotonic() < deadline, join_log.read_text()[-3000:]
+                time.sleep(0.1)
+            flag.write_text("")
+            assert job.wait(timeout=240) == 0, log.read_text()[-3000:]
+            joining.wait(timeout=60)
+    got = _steps(tmp_path)
+    grew = next(r["step"] for r in got if r["world"] == 4)
+    assert [(r["step"], r["world"], r["pp"]) for r in got] == [(s, 2 if s < grew else 4, 2) for s in range(1, 13)]
+    assert _close(got, static_steps), (got, static_steps)
+    joined = join_log.read_text()
+    assert "starting joiner g1r" in joined and joined.count("starting joiner") == 2, joined[-3000:]
+    resized = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "resize"]
+    assert [(r["step"], r["from"], r["to"], r["pipeline_parallel_to"]) for r in resized] == [(grew, 2, 4, 2)]
 
 
 @pytest.mark.slow  # the restart is the launcher's (test_elastic_requests.py), the load at another PP test_pp_load's

@@ -19,20 +19,23 @@ from .state import Preparation
 
 def read_request(engine) -> Tuple[int, int, int]:
     """Rank 0: ``(index, world size, PP degree)`` of the next request this job serves at this step
-    (a PP change at its world size, fewer processes or more; PP 0: the job's choice), else
-    ``(-1, 0, 0)``; any other request (``dynatrain join``, a TP degree, a grow the hosts have no
-    free slots for) is answered as refused here."""
+    (a PP change at its world size, fewer processes or more, a ``dynatrain join`` of a host's slots:
+    a grow by them, its joiners on that host; PP 0: the job's choice), else ``(-1, 0, 0)``; any
+    other request (a TP degree, a grow the hosts have no free slots for) is answered as refused
+    here."""
     dt = engine._dt
     while (request := dt.membership.pending_request(dt.requests_seen)) is not None:
         index, body = request
         dt.requests_seen = index + 1
+        if "join" in body:
+            dt.join_node = (index, int(body["join"]))  # the joiners start on the joining host
+            return index, len(dt.members) + int(body["slots"]), 0
         world, pp = int(body.get("world_size", 0)), body.get("pipeline_parallel")
         why = None
-        if "join" in body or body.get("tensor_parallel") is not None or world < 1:
+        if body.get("tensor_parallel") is not None or world < 1:
             why = (
-                f"a PipelineModule job of {plural(len(dt.members), 'process', 'processes')} changes its PP degree "
-                f"(dynatrain resize --world-size W --pipeline-parallel P); it has no TP degree, and it takes new "
-                "processes by `dynatrain resize`, not `dynatrain join`"
+                f"a PipelineModule job of {plural(len(dt.members), 'process', 'processes')} changes its PP and DP "
+                f"degrees (dynatrain resize --world-size W [--pipeline-parallel P]); it has no TP degree"
             )
         elif world > len(dt.members):
             try:
