@@ -41,9 +41,12 @@ def _config(out) -> dict:
 
 @pytest.fixture(scope="module")
 def static_steps(tmp_path_factory):
-    """The oracle of the online changes: the 2-process job (PP 2 x DP 1) undisturbed, 24 steps."""
+    """The oracle of the online changes: the 2-process job (PP 2 x DP 1) undisturbed, 24 steps over
+    the training data handed to ``initialize`` (``--data``, as every job compared with it: the
+    samples of each step follow the global order whatever the layout, so a joiner or a process at
+    another DP rank that read other samples would show in the losses)."""
     out = tmp_path_factory.mktemp("static")
-    job = launch(out, SCRIPT, 2, _config(out), ["--out", str(out), "--steps", "24"], timeout=300, name="job")
+    job = launch(out, SCRIPT, 2, _config(out), ["--out", str(out), "--steps", "24", "--data"], timeout=300, name="job")
     assert job.returncode == 0, job.output[-4000:]
     want = read_jsonl(str(out / "steps.jsonl"))
     assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 25)]
@@ -75,7 +78,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     without any of it (PP 2 x DP 1), every loss within 1e-5 relative (the same micro-batches in the
     same order; a DP size other than 1 rounds a gradient differently)."""
     shrunk = tmp_path
-    extra = ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7"]
+    extra = ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7", "--data"]
     job = launch(shrunk, SCRIPT, 4, _config(shrunk), ["--out", str(shrunk), *extra], timeout=300, name="job")
     assert job.returncode == 0, job.output[-4000:]
     got = _steps(shrunk)
@@ -113,7 +116,7 @@ def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path,
     leaving. Oracle: the job undisturbed; the DP size stays 1, so every loss is bitwise its loss.
     The snapshots of the 4-process world (joiners writing their stages) commit; the step whose
     boundary grew the job takes none (its joiners enter at the next step)."""
-    extra = ["--grow-at", "2", "--grow-to", "4", "--grow-pp", "4", "--shrink-after", "2", "--shrink-to", "2"]
+    extra = ["--grow-at", "2", "--grow-to", "4", "--grow-pp", "4", "--shrink-after", "2", "--shrink-to", "2", "--data"]
     job = launch(tmp_path, SCRIPT, 2, _config(tmp_path), ["--out", str(tmp_path), "--steps", "24", *extra], timeout=300)
     assert job.returncode == 0, job.output[-4000:]
     got = _steps(tmp_path)
@@ -151,7 +154,7 @@ def test_a_pipeline_job_grows_at_its_pp_degree_waiting_for_its_joiners(tmp_path,
     within 1e-5 relative (DP 2 rounds gradients differently)."""
     config = _config(tmp_path)
     config["dynatrain"]["background_groups"] = False
-    extra = ["--grow-at", "2", "--grow-to", "4", "--shrink-after", "2", "--shrink-to", "2"]
+    extra = ["--grow-at", "2", "--grow-to", "4", "--shrink-after", "2", "--shrink-to", "2", "--data"]
     job = launch(tmp_path, SCRIPT, 2, config, ["--out", str(tmp_path), "--steps", "24", *extra], timeout=300)
     assert job.returncode == 0, job.output[-4000:]
     got = _steps(tmp_path)
@@ -176,7 +179,7 @@ def test_dynatrain_join_grows_a_pipeline_job_by_the_joining_hosts_slots(tmp_path
     cfg.write_text(json.dumps(_config(tmp_path)))
     flag, log, join_log = tmp_path / "go", tmp_path / "job.log", tmp_path / "join.log"
     cmd = [sys.executable, "-m", "ds_dynatrain.cli", "launch", "--nproc", "2", "--config", str(cfg), SCRIPT]
-    args = ["--out", str(tmp_path), "--steps", "12", "--hold-at", "3", "--flag", str(flag)]
+    args = ["--out", str(tmp_path), "--steps", "12", "--data", "--hold-at", "3", "--flag", str(flag)]
     with background_job(cmd + args, str(log)) as job:
         deadline = time.monotonic() + 240
         while not all((tmp_path / f"held_{r}").exists() for r in (0, 1)):
@@ -187,7 +190,7 @@ def test_dynatrain_join_grows_a_pipeline_job_by_the_joining_hosts_slots(tmp_path
             if "agent: store at " in line:
                 store = line.split("agent: store at ")[1].split(",")[0]
         join = [sys.executable, "-m", "ds_dynatrain.cli", "join", "--store", store, "--nproc", "2"]
-        with background_job(join + ["--config", str(cfg), SCRIPT, *args[:4]], str(join_log)) as joining:
+        with background_job(join + ["--config", str(cfg), SCRIPT, *args[:5]], str(join_log)) as joining:
             while "asks the job to grow by 2" not in join_log.read_text():
                 assert joining.poll() is None and time.monotonic() < deadline, join_log.read_text()[-3000:]
                 time.sleep(0.1)

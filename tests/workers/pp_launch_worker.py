@@ -30,6 +30,10 @@ job ends one step after that shrink (``--steps``: at most). While a grow is bein
 step sleeps 1 s after it (as long as a real step, so the joiners' start-up spans a few steps, not
 dozens).
 
+``--data``: the training data is handed to ``initialize`` (:class:`pp_switch_worker.Numbered`, 16
+samples: an epoch of 4 steps, each shuffled anew) and ``train_batch()`` reads it, in the global sample order whatever
+the layout; else each step's batch is made here and passed as ``data_iter``.
+
 ``--kill-at K``: in the first generation, rank 1 waits for the snapshot of step ``K`` and kills
 itself with SIGKILL (a worker dying without notice: the fault injected at this seam);
 the launcher restarts the job on the one process left, which restores the snapshot at PP 1.
@@ -51,7 +55,7 @@ import torch.distributed as tdist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from tests.workers.pipeline_layout_worker import VOCAB  # noqa: E402
-from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, module_at  # noqa: E402
+from tests.workers.pp_switch_worker import GLOBAL_BATCH, SEQ, Numbered, module_at  # noqa: E402
 
 
 def _request(engine, args, index: int):
@@ -75,6 +79,7 @@ def main() -> None:
     p.add_argument("--preempt-at", type=int, default=0, help="the last rank of generation 0 gets SIGTERM after it")
     p.add_argument("--shrink-at", type=int, default=0, help="rank 0 asks for one process after this step")
     p.add_argument("--request", action="store_true")
+    p.add_argument("--data", action="store_true", help="the training data handed to initialize")
     p.add_argument("--grow-at", type=int, default=0, help="rank 0 asks for --grow-to processes after this step")
     p.add_argument("--grow-to", type=int, default=0)
     p.add_argument("--grow-pp", type=int, default=0)
@@ -94,7 +99,12 @@ def main() -> None:
     module = module_at(2 if world % 2 == 0 else 1, "parameters")
     with open(a.deepspeed_config) as f:
         cfg = json.load(f)
-    engine, *_ = ds_dynatrain.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    data = Numbered(4 * GLOBAL_BATCH) if a.data else None
+    engine, *_ = ds_dynatrain.initialize(
+        model=module, model_parameters=module.parameters(), config=cfg, training_data=data
+    )
+    if data is not None:
+        data.engine = engine  # it logs the step of each fetch
     generation = int(os.environ["DYNATRAIN_GEN"])
     requests, answers, grow = [], [], None
     grown_at = 0 if generation == 0 else 1  # a joiner comes into the grown world
@@ -105,7 +115,8 @@ def main() -> None:
         batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(s))
         rows = [batch[i * dp + d : i * dp + d + 1] for i in range(GLOBAL_BATCH // dp)]
         before = tdist.get_rank()  # rank 0 before and after the step write its record (a change may move rank 0)
-        loss = float(engine.train_batch(iter([(x, torch.roll(x, -1, 1)) for x in rows])))
+        given = None if a.data else iter([(x, torch.roll(x, -1, 1)) for x in rows])
+        loss = float(engine.train_batch(given))
         if not engine.is_member:  # it left the job at this step's boundary (a shrink without it)
             break
         step, rank = engine.global_steps, tdist.get_rank()
