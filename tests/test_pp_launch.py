@@ -169,6 +169,28 @@ def test_a_pipeline_job_grows_at_its_pp_degree_waiting_for_its_joiners(tmp_path,
     assert resized[0]["bytes_moved"] > 0 and "prepare_s" not in resized[0]
 
 
+@pytest.mark.slow  # the grow and shrink are the requests' above; this is the config's schedule reaching them
+def test_a_pipeline_jobs_schedule_grows_and_shrinks_it_under_launch(tmp_path, static_steps):
+    """PP 2 x DP 1 over 2 processes with ``resize_schedule`` [step 3: 4 processes at PP 4, step 6:
+    2 at PP 2]: the launcher accepts the entries (their DP sizes are the job's to check, against
+    its layout), the joiners start a few steps ahead of step 3, the job grows after step 3 and
+    shrinks after step 6. Oracle: the job undisturbed, every loss bitwise (DP 1 throughout)."""
+    config = _config(tmp_path)
+    config["dynatrain"]["resize_schedule"] = [
+        {"step": 3, "world_size": 4, "pipeline_parallel": 4},
+        {"step": 6, "world_size": 2, "pipeline_parallel": 2},
+    ]
+    job = launch(tmp_path, SCRIPT, 2, config, ["--out", str(tmp_path), "--steps", "8", "--data"], timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    got = _steps(tmp_path)
+    worlds = [(r["step"], r["world"], r["pp"]) for r in got]
+    assert worlds == [(1, 2, 2), (2, 2, 2), (3, 4, 4), (4, 4, 4), (5, 4, 4), (6, 2, 2), (7, 2, 2), (8, 2, 2)]
+    by_step = {w["step"]: w["loss"] for w in static_steps}
+    assert [r["loss"] for r in got] == [by_step[r["step"]] for r in got]
+    resized = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "resize"]
+    assert [(r["step"], r["from"], r["to"], r["pipeline_parallel_to"]) for r in resized] == [(3, 2, 4, 4), (6, 4, 2, 2)]
+
+
 @pytest.mark.slow  # the grow is the one above; this is the request another host's agent makes
 def test_dynatrain_join_grows_a_pipeline_job_by_the_joining_hosts_slots(tmp_path, static_steps):
     """PP 2 x DP 1 over 2 processes, held after step 3 while a second agent (`dynatrain join

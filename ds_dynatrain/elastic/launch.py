@@ -64,8 +64,14 @@ def launch(
         host, port, nnodes, node_rank, (global_batch, micro) = _join_place(store, ds_config)
     else:
         host, port, nnodes, node_rank = _launch_place(nnodes, node_rank, store)
-        tp = check_tensor_parallel(ds_config, dt_cfg, nproc * nnodes, launched=True)  # an AutoTP job: DP ranks
-        global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes // tp, elastic=True)
+        if any(e.pipeline_parallel is not None for e in dt_cfg.resize_schedule):
+            # a PipelineModule job's schedule: its DP sizes depend on the PP degrees its script and
+            # entries pick, which its start checks against its layout (a schedule naming PP degrees
+            # for any other model is refused there); here the batch keys only
+            global_batch, micro = check_elastic_config(ds_config, dt_cfg, 1, elastic=True)
+        else:
+            tp = check_tensor_parallel(ds_config, dt_cfg, nproc * nnodes, launched=True)  # an AutoTP job: DP ranks
+            global_batch, micro = check_elastic_config(ds_config, dt_cfg, nproc * nnodes // tp, elastic=True)
         _check_schedule_slots(dt_cfg, nnodes, slots, allow_oversubscribe)
     restore = dt_cfg.snapshot.dir if dt_cfg.snapshot.interval_steps and dt_cfg.snapshot.restore_on_failure else None
 

@@ -29,6 +29,7 @@ from ..zero.state import relink_optimizer_state
 from . import replicas
 from .lifecycle import stop_job
 from .members import request_joiners
+from .pp_grow import assign_pp_grow
 from .records import StepRecord, format_step
 from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
@@ -235,11 +236,14 @@ def spawn_ahead(engine) -> None:
         return
     if step - engine.global_steps > dt.config.spawn_lookahead_steps:
         return
-    if dt.tp_layout is not None:  # an AutoTP job: its joiners take the ranks its grow will give them
+    if dt.tp_layout is not None or dt.pp_layout is not None:  # joiners take the ranks the grow gives them
         if dt.published.get(dt.generation + 1) is not None:
             return
         try:
-            assign_grow(engine, world_size, tp_degree_for(dt, world_size, dt.tp_schedule.get(step)))
+            if dt.tp_layout is not None:
+                assign_grow(engine, world_size, tp_degree_for(dt, world_size, dt.tp_schedule.get(step)))
+            else:
+                assign_pp_grow(engine, world_size, dt.pp_schedule[step])
         except ResizeRefusedError:
             return  # refused at the grow itself, with the reason
     request_joiners(engine, world_size)

@@ -28,6 +28,7 @@ from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names
 from ..zero.state import relink_optimizer_state
 from . import loading
+from .boundary import spawn_ahead
 from .construct import ds_config_for, latest_by_commit
 from .join import joined_generation
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
@@ -35,7 +36,7 @@ from .pp_build import check_pipeline_layout, construct_pipeline, gather_optimize
 from .pp_grow import grow_pipeline_parallel, join_pipeline_parallel
 from .pp_launch import at_step_boundary, launched_membership, publish_launched
 from .pp_resize import pp_for_world, shrink_pipeline_parallel
-from .pp_switch import check_stage_groups, layout_at, switch_pipeline_parallel
+from .pp_switch import check_stage_groups, layout_for, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
@@ -171,13 +172,15 @@ class ElasticPipelineEngine(PipelineEngine):
         snap = dt.config.snapshot
         if snap.interval_steps and step % snap.interval_steps == 0:
             self.save_checkpoint(snap.dir, tag=f"global_step{step}")
-        pp = dt.pp_schedule.get(step)
-        if pp is not None and pp != dt.pp_layout.pp:
-            try:  # checked at launch, but a shrink or grow may have changed the world since
-                switch_pipeline_parallel(self, pp)
+        target, pp = dt.schedule.get(step), dt.pp_schedule.get(step)
+        if target is not None and (target != len(dt.members) or pp != dt.pp_layout.pp):
+            try:  # checked at launch, but a request or a preemption may have changed the world since
+                self.resize(target, pipeline_parallel=pp)
             except ResizeRefusedError as err:
                 if self.global_rank == 0:
-                    logger.warning(f"the PP switch scheduled after step {step} was refused: {err}")
+                    logger.warning(f"the change scheduled after step {step} was refused: {err}")
+        if dt.membership is not None and not dt.retired:
+            spawn_ahead(self)  # the joiners of a scheduled grow start a few steps early
         return loss
 
     def _exec_optimizer_step(self, lr_kwargs=None):
@@ -325,25 +328,29 @@ def _build_first(engine, dt: ElasticState, module, optimizer, model_parameters, 
 
 
 def check_pipeline_schedule(dt: ElasticState, type_names) -> None:
-    """Every entry of the resize schedule is a PP degree the job can take, in order, at its world
-    size (``type_names``: each layer's class name, for ``type:`` partition methods).
+    """Every entry of the resize schedule is a layout the job can take, in order (``type_names``:
+    each layer's class name, for ``type:`` partition methods): a PP degree at the world size the
+    entry names, which under ``dynatrain launch`` may differ from the job's before it (a shrink or
+    a grow), and outside it may not.
 
     Raises:
-        ConfigError: naming the entry: another world size, a TP degree, no PP degree, a PP degree
-            the layers or the world cannot take, or a DP size that cannot keep the global batch.
+        ConfigError: naming the entry: another world size outside ``dynatrain launch``, no PP
+            degree, a PP degree the layers or the world cannot take, or a DP size that cannot keep
+            the global batch.
     """
     world = dt.pp_layout.world_size
     for e in dt.config.resize_schedule:
         entry = f"invalid DeepSpeed config: dynatrain.resize_schedule (step {e.step})"
-        if e.world_size != world:
+        if e.world_size != world and dt.membership is None:
             raise ConfigError(
                 f"{entry}: world size {e.world_size}: a PipelineModule job changes its PP degree over its "
-                f"{world} processes at its entries; it grows and shrinks by `dynatrain resize` requests"
+                f"{world} processes; it grows and shrinks under `dynatrain launch`"
             )
         if e.pipeline_parallel is None:
-            raise ConfigError(f"{entry} gives no pipeline_parallel: a PipelineModule job changes its PP degree")
+            raise ConfigError(f"{entry} gives no pipeline_parallel: a PipelineModule job's entries name its PP degree")
         try:
-            layout_at(dt.pp_layout, type_names, e.pipeline_parallel, dt.config.pipeline_partition_method)
-            dt.split(world // e.pipeline_parallel, "DP size")
+            layout_for(dt.pp_layout, type_names, e.pipeline_parallel, e.world_size, dt.config.pipeline_partition_method)
+            dt.split(e.world_size // e.pipeline_parallel, "DP size")
         except ResizeRefusedError as err:
             raise ConfigError(f"{entry}: {err}") from None
+        world = e.world_size
