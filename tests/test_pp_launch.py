@@ -110,7 +110,8 @@ def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path,
     """PP 2 x DP 1 over 2 processes. Asked for 4 processes at PP 4 after step 2: the launcher
     starts two joiners (each builds the module at PP 1 in its world of one) while the job trains
     on; once every process has the new generation's group the job switches to PP 4 x DP 1 (whole
-    layers moved to the new stages, joiners receiving) at a step the test does not know. A request
+    layers moved to the new stages, joiners receiving) at a step the test does not know; each
+    joiner warmed up first (rank 0's modules, forward and backward on a synthetic batch). A request
     queued while the grow is prepared waits for it. Asked for 2 processes 2 steps after the grow
     (no PP degree: the job picks PP 2, the largest its world takes): PP 2 x DP 1, two of the 4
     leaving. Oracle: the job undisturbed; the DP size stays 1, so every loss is bitwise its loss.
@@ -142,6 +143,7 @@ def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path,
     assert snaps == [(s, True) for s in range(1, grew + 5) if s != grew], snaps
     log = (tmp_path / "job.log").read_text()
     assert log.count("starting joiner") == 2, log[-3000:]
+    assert log.count("joiner warmed up in") == 2, log[-3000:]  # rank 0's input described, both warmed
     assert "restarting" not in log and "failed" not in log, log[-3000:]
 
 

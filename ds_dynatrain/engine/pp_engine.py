@@ -40,6 +40,7 @@ from .pp_switch import check_stage_groups, layout_for, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .warmup import publish_inputs, publish_modules, warm_joiner
 
 
 class ElasticPipelineEngine(PipelineEngine):
@@ -159,6 +160,9 @@ class ElasticPipelineEngine(PipelineEngine):
         boundary grew the job takes neither: its joiners enter at the next step."""
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
+        if not dt.modules_published and dt.membership is not None and self.global_rank == 0:
+            dt.modules_published = True  # what a joiner imports before it joins (names only)
+            publish_modules(dt.membership.store)
         if not dt.hp_linked:  # DeepSpeed 0.19.8 links group 0's fragments only (boundary.after_optimizer_step)
             relink_optimizer_state(self)
             dt.hp_linked = True
@@ -182,6 +186,17 @@ class ElasticPipelineEngine(PipelineEngine):
         if dt.membership is not None and not dt.retired:
             spawn_ahead(self)  # the joiners of a scheduled grow start a few steps early
         return loss
+
+    def _next_batch(self):
+        """DeepSpeed's next micro-batch; rank 0 describes its first one's inputs (shapes and dtypes)
+        in the job's store under ``dynatrain launch``: what a joiner warms up on
+        (:func:`~ds_dynatrain.engine.warmup.warm_joiner`)."""
+        batch = super()._next_batch()
+        dt = self._dt
+        if not dt.inputs_published and dt.membership is not None and self.global_rank == 0 and batch is not None:
+            dt.inputs_published = True
+            publish_inputs(dt.membership.store, (batch[0] if isinstance(batch, (tuple, list)) else batch,), {})
+        return batch
 
     def _exec_optimizer_step(self, lr_kwargs=None):
         """DeepSpeed's optimizer step, after the capture of a snapshot being taken (the step is the
@@ -282,6 +297,9 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
     engine = ElasticPipelineEngine.__new__(ElasticPipelineEngine)
     if joiner:
         engine._dt = dt
+        # warm while the survivors train (until the generation forms): rank 0's modules imported,
+        # forward and backward of the whole layer list on a synthetic micro-batch, no collective
+        dt.warmup_s = warm_joiner(membership.store, module, ctx.generation, dt.group_timeout_s, hold=dt.held)
         rec = joined_generation(dt, ctx)
         join_pipeline_parallel(engine, rec, module, optimizer, model_parameters, lr_scheduler, optimizer_groups)
     else:

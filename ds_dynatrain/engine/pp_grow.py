@@ -136,6 +136,7 @@ def join_pipeline_parallel(
     timeout = dt.group_timeout_s
     reused = enter_generation(dt, rec, timeout)
     wait_for_switch(dt, rec, timeout)
+    dt.held.clear()  # the warm-up's memory, touched and held until now: the set-up and first step reuse it
     method, names = dt.config.pipeline_partition_method, layer_type_names(module)
     box: dict = {}
 
