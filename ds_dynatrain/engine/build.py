@@ -5,6 +5,7 @@ restarted job and the exit hooks."""
 from __future__ import annotations
 
 import atexit
+import threading
 from typing import List
 
 import torch
@@ -31,6 +32,7 @@ from ..elastic.launch_env import (
 from ..elastic.membership import GenerationRecord, Membership
 from ..elastic.threads import one_thread_unless_fixed
 from ..log import logger
+from ..planner.assignment import import_solver
 from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
 from .construct import construct, ds_config_for
 from .device import bind_device
@@ -128,6 +130,8 @@ def start_engine(
         if ctx.restore_dir and not ctx.joiner:
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)
+    if ctx is not None:  # a later shrink or grow plans at once: the solver's import off its path
+        threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
     return engine
 
 

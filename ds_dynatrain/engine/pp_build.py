@@ -13,6 +13,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import ConfigError, DynatrainConfig
 from ..elastic.launch_env import local_rank
+from ..elastic.threads import share_cpus
 from ..errors import LayoutMismatchError
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipeline import pipeline_layout
@@ -29,10 +30,14 @@ def construct_pipeline(
     """Run ``PipelineEngine.__init__`` on ``engine`` (a new object or one being rebuilt), as
     ``deepspeed.initialize`` does for a ``PipelineModule`` (its ``mpu`` is the module's grid),
     then give it the snapshot engine. ``light``: the optimizer state is installed right after (a
-    layout change)."""
+    layout change). Under ``dynatrain launch`` its intra-op threads are first set to its share of
+    the host's CPUs among the generation's workers there (:func:`~ds_dynatrain.elastic.threads.
+    share_cpus`), as a DP job's."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    if dt.membership is not None:  # this host's CPUs shared among the generation's workers on it
+        share_cpus(dt.membership.store, dt.members, dt.member)
     engine._dt = dt
     mpu = module.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)

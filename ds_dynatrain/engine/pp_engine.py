@@ -12,6 +12,7 @@ a stop, and a restart from its snapshots after a worker died.
 from __future__ import annotations
 
 import atexit
+import threading
 from typing import List, Optional
 
 import torch
@@ -22,8 +23,10 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..config import ConfigError, DynatrainConfig, check_elastic_config
 from ..elastic.collective import raise_on_every_rank
 from ..elastic.launch_env import LaunchContext, member_id
+from ..elastic.threads import one_thread_unless_fixed
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..log import logger
+from ..planner.assignment import import_solver
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names
 from ..zero.state import relink_optimizer_state
@@ -299,6 +302,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
         engine._dt = dt
         # warm while the survivors train (until the generation forms): rank 0's modules imported,
         # forward and backward of the whole layer list on a synthetic micro-batch, no collective
+        one_thread_unless_fixed()  # beside the host's running workers until its share is set at the build
         dt.warmup_s = warm_joiner(membership.store, module, ctx.generation, dt.group_timeout_s, hold=dt.held)
         rec = joined_generation(dt, ctx)
         join_pipeline_parallel(engine, rec, module, optimizer, model_parameters, lr_scheduler, optimizer_groups)
@@ -314,6 +318,8 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
         if ctx.restore_dir and not joiner:
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
+    if dt.membership is not None:  # a later shrink or grow plans at once: the solver's import off its path
+        threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
     return engine
 
 
