@@ -58,7 +58,8 @@ def request_resize(
             raise ResizeRefusedError(f"{what} degree {degree} does not divide the world size {world_size}")
         dp = world_size // degree
     if not (job.get("pipeline") and pipeline_parallel is None):  # a pipeline job picks the degree itself
-        split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"])
+        what = "world size" if dp == world_size else "DP size"
+        split_global_batch(int(job["global_batch"]), int(job["micro_batch"]), dp, job["max_world_size"], what)
     check_slots(store, world_size)
     i = int(store.add(REQUEST_COUNT, 1)) - 1
     body = {"world_size": world_size}

@@ -168,7 +168,9 @@ def abandon(engine, prep: Preparation, why: str) -> None:
         if stale:
             dt.membership.cancel_spawn(prep.generation, stale)
         dt.membership.abandon(prep.generation)
-        message = f"resize to {plural(prep.world_size, 'rank')} abandoned: {why}"
+        band = prep.tensor_parallel is not None or prep.pipeline_parallel is not None  # its size counts processes
+        size = plural(prep.world_size, "process", "processes") if band else plural(prep.world_size, "rank")
+        message = f"resize to {size} abandoned: {why}"
         dt.membership.answer(prep.index, False, message, aborted=True)
         logger.info(f"resize request {prep.index} abandoned: {why}")
     dt.published.pop(prep.generation, None)
