@@ -91,6 +91,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    """``--world-size``: a whole number of ranks or processes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a job needs at least 1")
+    return value
+
+
 def _cmd_resize(a) -> int:
     from ..elastic.requests import request_resize
 
@@ -361,9 +372,9 @@ def _add_query_commands(sub) -> None:
     rp.add_argument("--store", required=True, help="HOST:PORT of the job's store (dynatrain launch --store)")
     rp.add_argument(
         "--world-size",
-        type=int,
+        type=_at_least_one,
         required=True,
-        help="the new world size (data-parallel; an AutoTP job's number of processes, TP x DP)",
+        help="the new world size (data-parallel; an AutoTP or PipelineModule job's processes, TP x DP, PP x DP)",
     )
     rp.add_argument("--timeout", type=_positive_seconds, default=600.0, help="seconds to wait for the job's answer")
     rp.add_argument(
@@ -376,7 +387,7 @@ def _add_query_commands(sub) -> None:
         "--pipeline-parallel",
         type=int,
         default=None,
-        help="a PipelineModule job's new PP degree at its world size (--world-size: PP x DP processes)",
+        help="a PipelineModule job's new PP degree (--world-size: PP x DP processes, at its world size a switch)",
     )
     rp.set_defaults(func=_cmd_resize)
 

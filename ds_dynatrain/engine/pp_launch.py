@@ -65,7 +65,7 @@ def _leave_preempted(engine, preempted: Sequence[int]) -> None:
     if engine.global_rank == 0:
         logger.info(
             f"preemption of {list(gone)} after step {engine.global_steps}: the job goes on with "
-            f"{world} ranks at PP {pp} x DP {world // pp}"
+            f"{plural(world, 'process', 'processes')} at PP {pp} x DP {world // pp}"
         )
     shrink_pipeline_parallel(engine, world, pp, must_leave=gone)
 

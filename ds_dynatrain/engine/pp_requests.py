@@ -32,7 +32,9 @@ def read_request(engine) -> Tuple[int, int, int]:
             return index, len(dt.members) + int(body["slots"]), 0
         world, pp = int(body.get("world_size", 0)), body.get("pipeline_parallel")
         why = None
-        if body.get("tensor_parallel") is not None or world < 1:
+        if world < 1:
+            why = f"world size {world} refused: a job needs at least 1 process"
+        elif body.get("tensor_parallel") is not None:
             why = (
                 f"a PipelineModule job of {plural(len(dt.members), 'process', 'processes')} changes its PP and DP "
                 f"degrees (dynatrain resize --world-size W [--pipeline-parallel P]); it has no TP degree"
