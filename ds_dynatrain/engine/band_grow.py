@@ -1,13 +1,13 @@
 """The steps a grow of a band layout shares (AutoTP, :mod:`.tp_grow`; pipeline, :mod:`.pp_grow`):
 who takes the new world's ranks (the survivors where they keep the most state, joiners at the
 others); the survivors' way into the new generation (its group formed with the joiners, old rank
-0's header agreed, their state sent by the plan); a joiner's receipt of its state; and a joiner's
-record."""
+0's header agreed, their state sent by the plan, the engine rebuilt and the state installed); a
+joiner's receipt of its state; and a joiner's record."""
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,11 +17,20 @@ from ..elastic.launch_env import member_id
 from ..planner.box_plan import BoxPlan, assign_box_members_best
 from ..transition.boxes import BoxTransferStats, execute_box_plan
 from ..zero.state import extract_partitions
-from .box_state import count_transfer, kinds_of, message_bytes, new_partitions, new_scalars, transfer_group
-from .header import TransitionHeader, agree_on_header, make_header
-from .members import form_generation
+from .box_state import (
+    count_transfer,
+    install_moved_state,
+    kinds_of,
+    message_bytes,
+    new_partitions,
+    new_scalars,
+    transfer_group,
+)
+from .header import TransitionHeader, agree_on_header, install_header_state, make_header
+from .members import evict_groups, form_generation
 from .pending import publish
 from .records import JoinRecord, ResizeRecord
+from .resize import count_preparation
 
 _JOINER = "\0joiner-"  # placeholder of a joiner before it is named after its rank (no id starts with NUL)
 
@@ -89,6 +98,36 @@ def survivors_move(engine, plan: BoxPlan, g: int, rec: ResizeRecord) -> Tuple[di
     count_transfer(rec, plan, state, move_into_new_world(dt, plan, state.tensors, dests, tuple(state.tensors[0])))
     scalars = new_scalars(plan.old_layout, members.index(dt.member), plan.new_layout, new_rank, state.scalars)
     return dests, scalars, header
+
+
+def grow_in_place(
+    engine, plan: BoxPlan, g: int, rec: ResizeRecord, t0: float, rebuild: Callable[[], None], prepared=None
+) -> ResizeRecord:
+    """A survivor's grow to generation ``g`` by ``plan``, once it is published and its joiners
+    asked for: :func:`survivors_move`, then ``rebuild()`` (the engine rebuilt at the new layout,
+    which it makes the job's), the moved state and the header's installed; ``rec`` completed
+    (``t0``: ``time.perf_counter()`` at the decision; ``prepared``: the request's
+    :class:`~ds_dynatrain.engine.state.Preparation`, whose time behind training it counts) and
+    published by old rank 0. The grow's counterpart of
+    :func:`~ds_dynatrain.engine.box_state.switch_in_place`.
+
+    Raises:
+        TransitionAbortedError: as :func:`survivors_move`.
+    """
+    dt = engine._dt
+    dests, scalars, header = survivors_move(engine, plan, g, rec)
+    t = time.perf_counter()
+    dt.members, dt.generation = plan.new_members, g  # before the rebuild: its snapshot engine keys by generation
+    rebuild()
+    install_moved_state(engine, dests, scalars)
+    install_header_state(engine, header, None, joiner=False)
+    evict_groups(dt)
+    rec.rebuild_s = time.perf_counter() - t
+    rec.seconds = time.perf_counter() - t0
+    if prepared is not None:
+        count_preparation(rec, prepared, t0)
+    publish(engine, rec, first=plan.old_members[0])
+    return rec
 
 
 def joiner_receives(dt, plan: BoxPlan, header: TransitionHeader) -> Tuple[dict, list, BoxTransferStats]:

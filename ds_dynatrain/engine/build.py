@@ -5,7 +5,6 @@ restarted job and the exit hooks."""
 from __future__ import annotations
 
 import atexit
-import threading
 from typing import List
 
 import torch
@@ -32,7 +31,7 @@ from ..elastic.launch_env import (
 from ..elastic.membership import GenerationRecord, Membership
 from ..elastic.threads import one_thread_unless_fixed
 from ..log import logger
-from ..planner.assignment import import_solver
+from ..planner.assignment import import_solver_in_background
 from ..zero.comm import reset_deepspeed_comm, skip_cpu_shm_op
 from .construct import construct, ds_config_for
 from .device import bind_device
@@ -131,7 +130,7 @@ def start_engine(
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)
     if ctx is not None:  # a later shrink or grow plans at once: the solver's import off its path
-        threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
+        import_solver_in_background()
     return engine
 
 

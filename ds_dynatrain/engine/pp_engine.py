@@ -12,7 +12,6 @@ a stop, and a restart from its snapshots after a worker died.
 from __future__ import annotations
 
 import atexit
-import threading
 from typing import List, Optional
 
 import torch
@@ -26,7 +25,7 @@ from ..elastic.launch_env import LaunchContext, member_id
 from ..elastic.threads import one_thread_unless_fixed
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..log import logger
-from ..planner.assignment import import_solver
+from ..planner.assignment import import_solver_in_background
 from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names
 from ..zero.state import relink_optimizer_state
@@ -319,7 +318,7 @@ def start_pipeline_engine(module, optimizer, model_parameters, lr_scheduler, ds_
             restore(engine, ctx.restore_dir)
     at_thread_shutdown(close_at_exit, engine)  # the last snapshot finishes and publishes
     if dt.membership is not None:  # a later shrink or grow plans at once: the solver's import off its path
-        threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
+        import_solver_in_background()
     return engine
 
 

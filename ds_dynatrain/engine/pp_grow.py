@@ -39,17 +39,15 @@ from ..errors import ResizeRefusedError
 from ..planner.pp_plan import plan_pp_transition
 from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
 from ..zero.pipeline import layer_type_names
-from .band_grow import grow_members, joiner_receives, publish_join, survivors_move
+from .band_grow import grow_in_place, grow_members, joiner_receives, publish_join
 from .box_state import install_moved_state
 from .construct import ds_config_for, keep_returned_optimizer
 from .header import agree_on_header, header_failures, install_header_state
 from .join import enter_generation, wait_for_switch
 from .members import evict_groups, request_joiners
-from .pending import publish
 from .pp_build import check_pipeline_layout, construct_pipeline, job_layout
-from .pp_switch import layout_for, pp_record, rebuild_pipeline_at
+from .pp_switch import layout_for, pp_record, rebuild_pipeline_at, stage_groups
 from .records import JoinRecord, ResizeRecord
-from .resize import count_preparation
 from .state import Preparation
 
 
@@ -96,21 +94,13 @@ def grow_pipeline_parallel(engine, world_size: int, pp: int, prepared: Optional[
     request_joiners(engine, world_size)  # publishes generation g; the agents start its joiners
     plan = plan_pp_transition(old, new, members, new_members)
     rec = pp_record(engine, len(members), world_size, g, old.pp, pp, t0)
-    dests, scalars, header = survivors_move(engine, plan, g, rec)
-    t = time.perf_counter()
-    dt.members, dt.generation = new_members, g  # before the rebuild: its snapshot engine keys by generation
-    rebuild_pipeline_at(engine, new, split)
-    install_moved_state(engine, dests, scalars)
-    install_header_state(engine, header, None, joiner=False)
-    dt.pp_layout = new
-    check_pipeline_layout(engine)
-    evict_groups(dt)
-    rec.rebuild_s = time.perf_counter() - t
-    rec.seconds = time.perf_counter() - t0
-    if prepared is not None:
-        count_preparation(rec, prepared, t0)
-    publish(engine, rec, first=members[0])
-    return rec
+
+    def rebuild():
+        rebuild_pipeline_at(engine, new, split)
+        dt.pp_layout = new
+        check_pipeline_layout(engine)
+
+    return grow_in_place(engine, plan, g, rec, t0, rebuild, prepared)
 
 
 def join_pipeline_parallel(
@@ -179,9 +169,7 @@ def _on_stage(stage_module, layout, optimizer, model_parameters):
     parameters: a torch optimizer's groups (or ``{"params": ...}`` dicts) each hold the stage's
     parameters of that group in module order (DeepSpeed leaves the empty ones out); else the
     stage's parameters for the config's optimizer."""
-    by_group: dict = {}
-    for n, p in stage_module.named_parameters():
-        by_group.setdefault(layout.group_of(n), []).append(p)
+    by_group = stage_groups(stage_module, layout)
     if isinstance(optimizer, torch.optim.Optimizer):
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = by_group.get(g, [])

@@ -141,6 +141,16 @@ def pp_record(engine, from_world: int, to_world: int, generation: int, pp_from: 
     )
 
 
+def stage_groups(module, layout) -> dict:
+    """``{optimizer group: [parameter, ...]}`` of a stage's ``module`` (its parameters in module
+    order, by ``layout``'s group of each name): what each torch optimizer group holds there
+    (DeepSpeed leaves a stage's empty groups out)."""
+    by_group: dict = {}
+    for n, p in module.named_parameters():
+        by_group.setdefault(layout.group_of(n), []).append(p)
+    return by_group
+
+
 def rebuild_pipeline_at(engine, new, split) -> None:
     """Rebuild ``engine`` in place on a new ``PipelineModule`` of the same layers at ``new.pp``
     stages (``new``: the job's :class:`~ds_dynatrain.vps.pipeline.PipelineLayout` there), with the
@@ -154,8 +164,9 @@ def rebuild_pipeline_at(engine, new, split) -> None:
         teardown(engine)
         reset_pipeline_globals()
         module = pipeline_module_at(old_module, new.pp, dt.config.pipeline_partition_method)
+        by_group = stage_groups(module, new)
         for g, group in enumerate(basic.param_groups):
-            group["params"] = [p for n, p in module.named_parameters() if new.group_of(n) == g]
+            group["params"] = by_group.get(g, [])
         dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
         construct_pipeline(engine, dt, module, basic, None, scheduler, ds_config_for(dt, split, True), light=True)
     if dt.pipeline_data is not None:  # the first and last stages read it (new ones among them)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import random
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -21,7 +20,7 @@ import torch
 
 from ..elastic.keys import MEMBER_NODE_KEY, group_prefix
 from ..errors import TransitionAbortedError
-from ..planner.assignment import import_solver
+from ..planner.assignment import import_solver_in_background
 from ..planner.recovery import replica_ring
 from ..transition.execute import transition_group
 from ..transition.replicas import ReplicaSet
@@ -111,7 +110,7 @@ def after_vote(engine) -> None:
 
 def _new_set(dt: ElasticState, engine, state) -> ReplicaSet:
     # a recovery plans at once: the assignment solver's import must not be on its path
-    threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
+    import_solver_in_background()
     store = dt.membership.store
     nodes = {}
     for m in dt.members:

@@ -35,7 +35,7 @@ from ..planner.box_plan import BoxPlan
 from ..planner.tp_plan import plan_tp_transition
 from ..vps.tensor_parallel import TensorParallelLayout
 from ..zero.tp_module import reset_tp_groups
-from .band_grow import grow_members, joiner_receives, publish_join, survivors_move
+from .band_grow import grow_in_place, grow_members, joiner_receives, publish_join
 from .box_state import (
     install_moved_state,
 )
@@ -43,9 +43,7 @@ from .construct import construct, ds_config_for, keep_returned_optimizer
 from .header import agree_on_header, header_failures, install_header_state
 from .join import enter_generation, wait_for_switch
 from .members import evict_groups, request_joiners
-from .pending import publish
 from .records import JoinRecord, ResizeRecord
-from .resize import count_preparation
 from .state import Preparation
 from .tp_switch import check_layout, new_layout, rebuild_at, tp_layout_for_model, tp_record
 
@@ -92,20 +90,12 @@ def grow_tensor_parallel(engine, world_size: int, tp: int, prepared: Optional[Pr
     request_joiners(engine, world_size)  # publishes generation g; the agents start its joiners
     plan = plan_tp_transition(old, new, members, new_members)
     rec = tp_record(engine, len(members), world_size, g, old.tp, tp, t0)
-    dests, scalars, header = survivors_move(engine, plan, g, rec)
-    t = time.perf_counter()
-    dt.members, dt.generation = new_members, g  # before the rebuild: its snapshot engine keys by generation
-    rebuild_at(engine, tp, split, same_world=False)
-    install_moved_state(engine, dests, scalars)
-    install_header_state(engine, header, None, joiner=False)
-    dt.tp_layout = new
-    evict_groups(dt)
-    rec.rebuild_s = time.perf_counter() - t
-    rec.seconds = time.perf_counter() - t0
-    if prepared is not None:
-        count_preparation(rec, prepared, t0)
-    publish(engine, rec, first=members[0])
-    return rec
+
+    def rebuild():
+        rebuild_at(engine, tp, split, same_world=False)
+        dt.tp_layout = new
+
+    return grow_in_place(engine, plan, g, rec, t0, rebuild, prepared)
 
 
 def join_tensor_parallel(

@@ -49,6 +49,13 @@ def import_solver() -> None:
     from scipy.optimize import linear_sum_assignment  # noqa: F401
 
 
+def import_solver_in_background() -> None:
+    """:func:`import_solver` in a daemon thread of its own; returns at once."""
+    import threading
+
+    threading.Thread(target=import_solver, name="dynatrain-import-solver", daemon=True).start()
+
+
 def assign_members_best(
     old: ZeroLayout,
     new: ZeroLayout,
