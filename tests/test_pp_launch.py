@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -295,7 +296,9 @@ def test_a_signal_to_the_launcher_stops_a_pipeline_job_with_a_final_snapshot(tmp
 
 def test_a_pp_request_is_checked_before_it_is_queued():
     """``dynatrain resize --pipeline-parallel`` against a real store: a degree that does not divide
-    the world size, or a TP and a PP degree at once, is refused by the requester; nothing is queued."""
+    the world size, a TP and a PP degree at once, a DP size that cannot split the global batch
+    (named as the DP size, not the world size) and (the command line) a world size of 0 are
+    refused by the requester; nothing is queued."""
     from torch.distributed import TCPStore
 
     from ds_dynatrain.elastic.keys import JOB_KEY, REQUEST_COUNT
@@ -308,4 +311,9 @@ def test_a_pp_request_is_checked_before_it_is_queued():
         request_resize("127.0.0.1", store.port, 2, 5, pipeline_parallel=3)
     with pytest.raises(ResizeRefusedError, match="a TP and a PP degree: a request changes one of the two"):
         request_resize("127.0.0.1", store.port, 2, 5, tensor_parallel=1, pipeline_parallel=1)
+    with pytest.raises(ResizeRefusedError, match=r"^DP size 3 refused: the global batch"):
+        request_resize("127.0.0.1", store.port, 6, 5, pipeline_parallel=2)  # 6 processes at PP 2: DP 3
+    cli = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{store.port}"]
+    zero = subprocess.run([*cli, "--world-size", "0"], capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "argument --world-size: 0: a job needs at least 1" in zero.stderr, zero.stderr
     assert int(store.add(REQUEST_COUNT, 0)) == 0
