@@ -8,12 +8,14 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Callable, List
 
 from benchmarks.reconfig import JobFailed, parse_transitions, read_json, run_job, run_plain
+from benchmarks.switch_worker import PREPARE_AHEAD
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,16 @@ class SwitchKind:
     ours_load: bool = False
 
 
-def run_ours(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
-    """Our switch A -> B in one job of ``--world`` processes. Returns rank 0's result."""
-    name = f"ours_{kind.flag}{a_from}to{b_to}"
+def run_ours(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str], prepare: bool) -> dict:
+    """Our switch A -> B in one job of ``--world`` processes; ``prepare``: announced
+    :data:`~benchmarks.switch_worker.PREPARE_AHEAD` steps ahead with ``engine.prepare_resize``.
+    Returns rank 0's result."""
+    name = f"ours_{kind.flag}{a_from}to{b_to}{'_prepared' if prepare else ''}"
     out = os.path.join(work, f"{name}.json")
     args = [
         *("--mode", "ours", *model_args, f"--{kind.flag}-from", str(a_from), f"--{kind.flag}-to", str(b_to)),
         *("--steps-before", str(a.steps_before), "--steps-after", str(a.steps_after), "--out", out),
+        *(("--prepare",) if prepare else ()),
     ]
     run_plain(a.world, args, work, name, a.timeout, worker=kind.worker)
     return read_json(out, os.path.join(work, f"{name}_rank0.log"))
@@ -96,20 +101,25 @@ def run_deepspeed(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_
 
 
 def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
-    """Both routes for A -> B and the figures derived from them (seconds, bytes)."""
-    ours = run_ours(kind, a_from, b_to, a, work, model_args)
+    """Both routes for A -> B and the figures derived from them (seconds, bytes): ours prepared
+    (announced ahead, the headline) and cold (``engine.resize`` without notice)."""
+    ours = run_ours(kind, a_from, b_to, a, work, model_args, prepare=True)
+    cold = run_ours(kind, a_from, b_to, a, work, model_args, prepare=False)
     ds = run_deepspeed(kind, a_from, b_to, a, work, model_args)
     rec = ours["record"]
     excess = ours["first_step_excess_s"]
     ours_s = rec["seconds"] + excess
+    cold_s = cold["record"]["seconds"] + cold["first_step_excess_s"]
     # as for ours, the route's downtime ends at the first *normal* step at B: its first step counts
     # only by its excess over a normal iteration at B
     ds["relaunch_first_step_excess_s"] = max(0.0, ds["relaunch_first_step_s"] - ours["new_iter_s"])
     ds["relaunch_s"] = ds["relaunch_startup_s"] + ds["relaunch_load_s"] + ds["relaunch_first_step_excess_s"]
     route = ds["save_s"] + ds["convert_s"] + ds["relaunch_s"]
     ranks = ours["ranks"]
-    peak = max(r["hwm"] - r["rss_before"] for r in ranks)
-    transient = max(r["hwm"] - max(r["rss_before"], r["rss_after"]) for r in ranks)
+    # what the switch itself needs: the cold run's (the announced one frees its held memory at the
+    # start of the switch and takes it back, so its resident set before already holds it)
+    peak = max(r["hwm"] - r["rss_before"] for r in cold["ranks"])
+    transient = max(r["hwm"] - max(r["rss_before"], r["rss_after"]) for r in cold["ranks"])
     shard = max(max(r["state_bytes_before"], r["state_bytes_after"]) for r in ranks)
     first_loss_ours = ours["iterations_after"][0][1]
     out = {
@@ -130,11 +140,22 @@ def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: L
         "bytes_kept": rec["bytes_kept"],
         "bytes_sent": rec["bytes_sent"],
         "bytes_received": rec["bytes_received"],
+        "prepared_bytes": max(r.get("prepared_bytes", 0) for r in ranks),
+        "prepared_touch_s": max(r.get("prepared_touch_s", 0.0) for r in ranks),
+        "prepared_steps_s": [t for t, _ in ours["iterations_before"][-PREPARE_AHEAD:]],
+        "unprepared_iter_s": statistics.median(t for t, _ in ours["iterations_before"][1:-PREPARE_AHEAD]),
+        "cold_s": cold_s,
+        "cold_resize_s": cold["record"]["seconds"],
+        "cold_keep_s": cold["record"].get("keep_s"),
+        "cold_rebuild_s": cold["record"]["rebuild_s"],
+        "cold_first_step_excess_s": cold["first_step_excess_s"],
+        "prepared_peak_extra_bytes": max(r["hwm"] - r["rss_before"] + r.get("prepared_bytes", 0) for r in ranks),
         "old_iter_s": ours["old_iter_s"],
         "new_iter_s": ours["new_iter_s"],
         "deepspeed_route_s": route,
         **{k: v for k, v in ds.items() if k != "first_loss"},
         "ratio": route / ours_s if ours_s > 0 else None,
+        "cold_ratio": route / cold_s if cold_s > 0 else None,
         "peak_extra_bytes": peak,
         "transient_bytes": transient,
         "largest_shard_bytes": shard,
@@ -142,7 +163,7 @@ def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: L
         "ranks": ranks,
         "first_loss_ours": first_loss_ours,
         "first_loss_deepspeed": ds["first_loss"],
-        "same_loss": first_loss_ours == ds["first_loss"],
+        "same_loss": first_loss_ours == ds["first_loss"] == cold["iterations_after"][0][1],
         "record": rec,
     }
     if kind.ours_load:
@@ -157,22 +178,27 @@ def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
     """The table of switches, one line each, and its legend."""
     mib = 2**20
     print(
-        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} | "
-        f"{'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} | "
+        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} {'held MiB':>8} | "
+        f"{'cold':>6} {'excess':>6} | {'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} "
+        f"{'cold':>6} | "
         f"{'peak+ MiB':>9} {'shard MiB':>9} {'peak/shard':>10} | {'same loss':>9}"
     )
     for r in results:
         print(
             f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
-            f"{r['first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
-            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} | "
+            f"{r['first_step_excess_s']:>6.3f} {r['prepared_bytes'] / mib:>8.0f} | {r['cold_s']:>6.3f} "
+            f"{r['cold_first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
+            f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} "
+            f"{fmt(r['cold_ratio'], '.1f', 6)} | "
             f"{r['peak_extra_bytes'] / mib:>9.1f} {r['largest_shard_bytes'] / mib:>9.1f} {r['peak_ratio']:>10.2f} | "
             f"{'yes' if r['same_loss'] else 'no':>9}"
         )
     print(
-        "\nseconds; ours = switch record + first step's excess; route = save + ds_to_universal + relaunch (start, "
+        "\nseconds; ours = switch record + first step's excess, the switch announced two steps ahead "
+        "(engine.prepare_resize: held = memory touched in the background during those steps and freed at the "
+        "switch); cold = the same with engine.resize alone; route = save + ds_to_universal + relaunch (start, "
         f"load, first step's excess over ours at the new {label}); ratio = route / ours; peak+ = largest rise of a "
-        "rank's peak resident set during the switch over its resident set before; shard = largest fp32 master + "
+        "rank's peak resident set during the cold switch over its resident set before; shard = largest fp32 master + "
         "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
     )
 
@@ -203,7 +229,10 @@ def common_arguments(ap: argparse.ArgumentParser, label: str) -> None:
     )
     ap.add_argument("--global-batch", type=int, default=4, help="global batch, sequences (a multiple of every DP size)")
     ap.add_argument(
-        "--steps-before", type=int, default=3, help=f"optimizer steps at the old {label} before the switch (K)"
+        "--steps-before",
+        type=int,
+        default=5,
+        help=f"optimizer steps at the old {label} before the switch (K; the switch is announced before the last 2)",
     )
     ap.add_argument("--steps-after", type=int, default=4, help=f"optimizer steps at the new {label}")
     ap.add_argument("--convert-workers", type=int, default=2, help="ds_to_universal extract and merge workers")
@@ -214,8 +243,8 @@ def common_arguments(ap: argparse.ArgumentParser, label: str) -> None:
 
 def check_arguments(ap: argparse.ArgumentParser, a, label: str) -> None:
     """Refuse step counts and degrees the benchmark cannot run (``ap.error``)."""
-    if a.steps_before < 1 or a.steps_after < 2:
-        ap.error("--steps-before must be >= 1 and --steps-after >= 2")
+    if a.steps_before < PREPARE_AHEAD + 2 or a.steps_after < 2:
+        ap.error(f"--steps-before must be >= {PREPARE_AHEAD + 2} and --steps-after >= 2")
     for pair in a.switches:
         for d in pair:
             if a.world % d or a.global_batch % (a.world // d):

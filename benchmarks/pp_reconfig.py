@@ -18,6 +18,13 @@ goes from world/A to world/B):
   first normal step at B. Split: ``plan_s``, ``transfer_s`` (the point-to-point exchange of the
   fp32 master and both moments), ``rebuild_s`` (the new ``PipelineModule`` built, the engine
   rebuilt, the state installed).
+  The switch is announced two steps ahead (``--steps-before`` K, 5 by default):
+  ``engine.prepare_resize(world, pipeline_parallel=B)`` before step K - 1, whose background thread (at
+  nice 19) touches the memory the new layout will need while those steps train
+  (``prepared_bytes``, ``prepared_touch_s``; ``prepared_steps_s``: those steps' times,
+  ``unprepared_iter_s``: the median of the ones before, the first left out), as a scheduled
+  switch is by itself. ``cold_*``: the same job without the announcement
+  (``engine.resize`` alone), ``cold_ratio`` = ``deepspeed_route_s / cold_s``.
 * ``deepspeed``: plain ``deepspeed.initialize`` ranks at PP A train K steps and
   ``save_checkpoint`` (``save_s``); ``python -m deepspeed.checkpoint.ds_to_universal
   --inject_missing_state`` (``convert_s``, the whole command; the flag supplies the
@@ -31,8 +38,10 @@ goes from world/A to world/B):
   saved (unconverted) PP-A checkpoint with ``engine.load_checkpoint`` (``ours_load_s``) and train
   one step; against ``load_route_s`` = ``convert_s`` + ``relaunch_load_s`` (``load_ratio``), and
   ``same_loss_after_load``: their first losses are bitwise equal.
-* memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize`` minus
-  the resident set right before it (the largest over the ranks); ``largest_shard_bytes``:
+* memory, per rank: ``peak_extra_bytes`` = the peak resident set during the cold
+  ``engine.resize`` minus the resident set right before it (the largest over the ranks);
+  ``prepared_peak_extra_bytes``: the same for the announced switch with the memory it held (part
+  of the resident set before it) added back; ``largest_shard_bytes``:
   the largest ZeRO-1 partition of one rank of the fp32 master and both Adam moments (its stage's
   state), over the ranks and both layouts; ``peak_ratio`` = ``peak_extra_bytes /
   largest_shard_bytes``.

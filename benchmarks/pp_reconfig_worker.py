@@ -128,7 +128,8 @@ def run_ours(a) -> None:
     params = sum(p.numel for p in engine._dt.pp_layout.params)
     world = int(os.environ["WORLD_SIZE"])
     train = lambda e, s: train_iteration(e, s, a)  # noqa: E731
-    measure_switch(engine, a, params, train, train, lambda: engine.resize(world, pipeline_parallel=a.pp_to))
+    prepare = (lambda: engine.prepare_resize(world, pipeline_parallel=a.pp_to)) if a.prepare else None
+    measure_switch(engine, a, params, train, train, lambda: engine.resize(world, pipeline_parallel=a.pp_to), prepare)
 
 
 def plain_deepspeed(a, pp: int, load_universal: bool = False):
@@ -167,6 +168,9 @@ def main():
     p.add_argument("--pp-to", type=int, default=1)
     p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old PP")
     p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new PP")
+    p.add_argument(
+        "--prepare", action="store_true", help="ours: engine.prepare_resize right before the last step before it"
+    )
     p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
     p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
     p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")

@@ -11,6 +11,8 @@ import time
 
 from benchmarks.reconfig_worker import dir_bytes, write_json
 
+PREPARE_AHEAD = 2  # steps: dynatrain.warm_switch_steps' default
+
 
 def status_bytes(key: str) -> int:
     """A size of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), bytes."""
@@ -26,15 +28,23 @@ def state_bytes(engine) -> int:
     return 3 * sum(p.numel() * p.element_size() for p in engine.optimizer.single_partition_of_fp32_groups)
 
 
-def measure_switch(engine, a, params: int, train_before, train_after, switch) -> None:
+def measure_switch(engine, a, params: int, train_before, train_after, switch, prepare=None) -> None:
     """``--steps-before`` steps, ``switch()`` (the resize, returning its record), ``--steps-after``
-    steps; rank 0 writes ``a.out``: the record, every iteration, ``first_step_excess_s`` (the
-    first iteration after minus the median of the later ones, at least 0), and per rank the
-    resident set before and after the switch, its peak during it (``VmHWM`` after writing 5 to
-    ``/proc/self/clear_refs``) and :func:`state_bytes` before and after. Collective."""
+    steps; with ``prepare`` (``engine.prepare_resize`` of the switch), it is called
+    :data:`PREPARE_AHEAD` steps before the switch (as a scheduled switch is prepared by default),
+    so that its background touching runs beside those steps. Rank 0
+    writes ``a.out``: the record, every iteration, ``first_step_excess_s`` (the first iteration
+    after minus the median of the later ones, at least 0), and per rank the resident set before
+    and after the switch, its peak during it (``VmHWM`` after writing 5 to
+    ``/proc/self/clear_refs``), the memory held for it (``prepared_bytes``, part of the resident
+    set before) and :func:`state_bytes` before and after. Collective."""
     import torch.distributed as tdist
 
-    before = [train_before(engine, s) for s in range(a.steps_before)]
+    before = []
+    for s in range(a.steps_before):
+        if prepare is not None and s == max(0, a.steps_before - PREPARE_AHEAD):
+            prepare()
+        before.append(train_before(engine, s))
     state_before = state_bytes(engine)
     tdist.barrier()
     rss_before = status_bytes("VmRSS")
@@ -51,6 +61,8 @@ def measure_switch(engine, a, params: int, train_before, train_after, switch) ->
         "hwm": hwm,
         "state_bytes_before": state_before,
         "state_bytes_after": state_after,
+        "prepared_bytes": (record or {}).get("prepared_bytes") or 0,
+        "prepared_touch_s": (record or {}).get("prepared_touch_s") or 0.0,
     }
     ranks = [None] * tdist.get_world_size()
     tdist.all_gather_object(ranks, mem)

@@ -16,6 +16,13 @@ step in every job. Per switch A->B of the TP degree (DP goes from world/A to wor
   downtime between the last step at A and the first normal step at B. Split: ``plan_s``,
   ``transfer_s`` (the point-to-point exchange of the fp32 master and both moments),
   ``rebuild_s`` (the model cut again by AutoTP, the engine rebuilt, the state installed).
+  The switch is announced two steps ahead (``--steps-before`` K, 5 by default):
+  ``engine.prepare_resize(world, tensor_parallel=B)`` before step K - 1, whose background thread (at
+  nice 19) touches the memory the new layout will need while those steps train
+  (``prepared_bytes``, ``prepared_touch_s``; ``prepared_steps_s``: those steps' times,
+  ``unprepared_iter_s``: the median of the ones before, the first left out), as a scheduled
+  switch is by itself. ``cold_*``: the same job without the announcement
+  (``engine.resize`` alone), ``cold_ratio`` = ``deepspeed_route_s / cold_s``.
 * ``deepspeed``: plain ``deepspeed.initialize`` ranks at TP A train K steps and
   ``save_checkpoint`` (``save_s``); ``python -m deepspeed.checkpoint.ds_to_universal
   --inject_missing_state`` (``convert_s``, the whole command; the flag gives a TP-1 checkpoint,
@@ -30,10 +37,12 @@ step in every job. Per switch A->B of the TP degree (DP goes from world/A to wor
   saved (unconverted) TP-A checkpoint with ``engine.load_checkpoint`` (``ours_load_s``) and train
   one step; against ``load_route_s`` = ``convert_s`` + ``relaunch_load_s`` (``load_ratio``), and
   ``same_loss_after_load``: their first losses are bitwise equal.
-* memory, per rank: ``peak_extra_bytes`` = the peak resident set during ``engine.resize``
+* memory, per rank: ``peak_extra_bytes`` = the peak resident set during the cold ``engine.resize``
   (``VmHWM`` of ``/proc/self/status``, reset to the resident set by writing 5 to
   ``/proc/self/clear_refs`` right before the call) minus the resident set right before it: what
-  the switch needed on top of the job as it stood (the largest over the ranks);
+  the switch needed on top of the job as it stood (the largest over the ranks;
+  ``prepared_peak_extra_bytes``: the same for the announced switch with the memory it held, part
+  of the resident set before it, added back);
   ``transient_bytes``: the peak above both the resident set before and after (the part that is
   gone once the switch returned). ``largest_shard_bytes``: the largest ZeRO partition of one rank
   of the fp32 master and both Adam moments, over the ranks and both layouts; ``peak_ratio`` =

@@ -114,6 +114,7 @@ def run_ours(a) -> None:
         lambda e, s: train_iteration(e, s, a, a.tp_from),
         lambda e, s: train_iteration(e, s, a, a.tp_to),
         lambda: engine.resize(world, tensor_parallel=a.tp_to),
+        (lambda: engine.prepare_resize(world, tensor_parallel=a.tp_to)) if a.prepare else None,
     )
 
 
@@ -162,6 +163,9 @@ def main():
     p.add_argument("--tp-to", type=int, default=1)
     p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old TP")
     p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new TP")
+    p.add_argument(
+        "--prepare", action="store_true", help="ours: engine.prepare_resize right before the last step before it"
+    )
     p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
     p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
     p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")

@@ -177,6 +177,15 @@ class DynatrainConfig(_Strict):
         ge=0,
         description="start joiners of a scheduled grow this many steps early, so their start-up overlaps training",
     )
+    warm_switch_steps: int = Field(
+        2,
+        ge=0,
+        description="this many steps before a scheduled TP or PP switch at the job's world size (and at "
+        "`engine.prepare_resize`), a background thread touches the memory the new layout will need on top "
+        "of what each process holds (new partitions, larger working parameters and gradient buffers) and "
+        "holds it until the switch frees it for the new engine, so that neither the switch nor the first "
+        "step after it fault it in; 0: never",
+    )
     standby: bool = Field(
         False,
         description="processes that leave at a shrink (not a preemption) stay as "

@@ -73,6 +73,10 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     assert f"world size {world + 1} refused: a pipeline job changes its PP degree over its {world}" in refused[1]
     assert "PP degree 0 refused" in refused[2]
     assert "TP degree 2 refused: a PipelineModule job has no tensor-parallel axis" in refused[3]
+    assert f"PP degree {world + 1} refused: it must be >= 1 and divide the world size {world}" in refused[4]
+    # prepared by engine.prepare_resize just before: the memory held (at most what it announced,
+    # the switch stops the thread) was freed at the switch and counted in the record
+    assert 0 < rec["prepared_bytes"] <= switch[0]["prepared"] and rec["prepared_touch_s"] >= 0
     # the refusals changed nothing, the switch moved the state bitwise
     _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
     assert all(s["after"] == static["after"] for s in switch), (switch[0]["after"], static["after"])
@@ -83,6 +87,7 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     # the same change by the config's resize_schedule, inside train_batch: the same training
     scheduled = [json.loads((tmp_path / f"schedule_rank{r}.json").read_text()) for r in range(world)]
     assert scheduled[0]["record"]["pipeline_parallel_to"] == b and scheduled[0]["record"]["step"] == 2
+    assert scheduled[0]["record"]["prepared_bytes"] > 0  # touched ahead (dynatrain.warm_switch_steps)
     assert all(s["before"] == switch[0]["before"] and s["after"] == static["after"] for s in scheduled)
     _equal(torch.load(tmp_path / "final_schedule.pt"), torch.load(tmp_path / "final_static.pt"))
     # its snapshots, taken every step: the one of the switch's step is of the old layout and holds

@@ -117,6 +117,7 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
         assert not _equal(torch.load(tmp_path / "final_schedule.pt"), final_switch)
         (r,) = scheduled["records"]
         assert (r["step"], r["tensor_parallel_from"], r["tensor_parallel_to"]) == (2, tp_from, tp_to)
+        assert r["prepared_bytes"] > 0  # touched ahead (dynatrain.warm_switch_steps)
     if "--refuse" in args:
         assert switched["refusals"] == [
             f"TP degree 3 refused: it does not divide the world size {nproc}",

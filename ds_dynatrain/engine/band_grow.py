@@ -31,6 +31,7 @@ from .members import evict_groups, form_generation
 from .pending import publish
 from .records import JoinRecord, ResizeRecord
 from .resize import count_preparation
+from .switch_memory import release_switch_memory
 
 _JOINER = "\0joiner-"  # placeholder of a joiner before it is named after its rank (no id starts with NUL)
 
@@ -115,6 +116,7 @@ def grow_in_place(
         TransitionAbortedError: as :func:`survivors_move`.
     """
     dt = engine._dt
+    release_switch_memory(dt, rec)  # a hold for another layout: its pages serve this one
     dests, scalars, header = survivors_move(engine, plan, g, rec)
     t = time.perf_counter()
     dt.members, dt.generation = plan.new_members, g  # before the rebuild: its snapshot engine keys by generation

@@ -14,6 +14,7 @@ from ..zero.state import extract_partitions
 from .box_state import count_transfer, kinds_of, move_state, new_partitions, new_scalars
 from .members import form_generation, leave_job, request_joiners
 from .records import ResizeRecord
+from .switch_memory import release_switch_memory
 
 
 def publish_shrink(engine, world_size: int, must_leave: Sequence[str], new_members: Tuple[str, ...]) -> int:
@@ -49,6 +50,7 @@ def hand_over(engine, plan, rec: ResizeRecord) -> Optional[Tuple[list, list]]:
     rank = members.index(dt.member)
     stays = dt.member in new_members
     new_rank = new_members.index(dt.member) if stays else None
+    release_switch_memory(dt, rec if stays else None)  # a hold for another layout: its pages serve this one
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, new_rank, kinds_of(state)) if stays else None
     peers = [members.index(m) for m in new_members]

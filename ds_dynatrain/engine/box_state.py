@@ -16,6 +16,7 @@ from ..transition.boxes import execute_box_plan
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from .pending import publish
 from .records import ResizeRecord
+from .switch_memory import release_switch_memory
 
 
 def kinds_of(state) -> Dict[str, torch.dtype]:
@@ -111,13 +112,15 @@ def switch_in_place(engine, plan, rec: ResizeRecord, t0: float, rebuild: Callabl
     """A change of band layout over the same processes, once ``plan`` is made (a TP or a PP
     switch): this rank's fp32 master and moments moved by ``plan`` into new partitions,
     ``rebuild()`` (the engine rebuilt at the new layout, which it makes the job's), the moved
-    state installed; ``rec`` completed (``t0``: ``time.perf_counter()`` at the decision) and
+    state installed; memory held for the switch (:mod:`~ds_dynatrain.engine.switch_memory`) is
+    freed first; ``rec`` completed (``t0``: ``time.perf_counter()`` at the decision) and
     published. Collective: every rank calls it.
 
     Raises:
         TransitionAbortedError: a peer failed during the transfer.
     """
     dt, rank = engine._dt, tdist.get_rank()
+    release_switch_memory(dt, rec)  # held for this switch: the new partitions and engine take its pages
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, rank, kinds_of(state))
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))

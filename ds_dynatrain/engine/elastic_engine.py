@@ -113,6 +113,26 @@ class ElasticEngine(DeepSpeedEngine):
         rec = resize_now(self, world_size, split, tuple(must_leave))
         return None if rec is None else rec.to_dict()
 
+    def prepare_resize(self, world_size: int, tensor_parallel: Optional[int] = None) -> int:
+        """Prepare a later ``resize(world_size, tensor_parallel=...)`` that changes an AutoTP
+        job's TP degree at its world size: a background thread touches the memory the new layout
+        will need on this process (new partitions, larger working parameters and gradient
+        buffers) while training goes on, held until the switch frees it for the new engine
+        (:mod:`~ds_dynatrain.engine.switch_memory`). A scheduled switch is prepared by itself
+        (``dynatrain.warm_switch_steps`` steps early). Not collective; nothing for a DP job,
+        another world size, an unchanged degree, or ``warm_switch_steps`` 0.
+
+        Returns:
+            The bytes held (at most half the host's available memory over its processes).
+
+        Raises:
+            ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
+        """
+        dt = self._dt
+        if dt.tp_layout is None or world_size != len(dt.members) or tensor_parallel in (None, dt.tp):
+            return 0
+        return tp_switch.prepare_tensor_switch(self, tensor_parallel)
+
     def _resize_tensor_parallel(self, world_size: int, must_leave, tensor_parallel: Optional[int]) -> Optional[dict]:
         dt = self._dt
         if dt.tp_layout is None:

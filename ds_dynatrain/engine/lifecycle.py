@@ -19,6 +19,7 @@ from .pending import wait_transition
 from .replicas import close_replicas
 from .requests import cancel_pending_joiners
 from .state import ElasticState
+from .switch_memory import release_switch_memory
 
 
 def take_preemption_notices(dt: ElasticState) -> None:
@@ -134,6 +135,7 @@ def close_at_exit(engine) -> None:
         ce.close()
     if dt is not None:
         close_replicas(dt)  # the replica group's gloo threads end now too
+        release_switch_memory(dt)  # a prepared switch that did not come
         # an engine rebuilt in place (a resize, a TP switch) left its earlier engines' objects in
         # reference cycles that hold their process groups: collected at exit (``shutdown``)
         _AT_EXIT["collect"] |= engine.is_member and (dt.generation > 0 or bool(dt.resizes))

@@ -38,10 +38,11 @@ from .pp_build import check_pipeline_layout, construct_pipeline, gather_optimize
 from .pp_grow import grow_pipeline_parallel, join_pipeline_parallel
 from .pp_launch import at_step_boundary, launched_membership, publish_launched
 from .pp_resize import pp_for_world, shrink_pipeline_parallel
-from .pp_switch import check_stage_groups, layout_for, switch_pipeline_parallel
+from .pp_switch import check_stage_groups, layout_for, prepare_pipeline_switch, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
+from .switch_memory import prepare_scheduled, release_switch_memory
 from .warmup import publish_inputs, publish_modules, warm_joiner
 
 
@@ -114,6 +115,26 @@ class ElasticPipelineEngine(PipelineEngine):
             return None
         return switch_pipeline_parallel(self, pp).to_dict()
 
+    def prepare_resize(self, world_size: int, pipeline_parallel: Optional[int] = None) -> int:
+        """Prepare a later ``resize(world_size, pipeline_parallel=...)`` that changes the PP degree
+        at the job's world size: a background thread touches the memory the new layout will need
+        on this process (new partitions, larger working parameters and gradient buffers) while
+        training goes on, held until the switch frees it for the new engine
+        (:mod:`~ds_dynatrain.engine.switch_memory`). A scheduled switch is prepared by itself
+        (``dynatrain.warm_switch_steps`` steps early). Not collective; nothing for another world
+        size, an unchanged degree, or ``warm_switch_steps`` 0.
+
+        Returns:
+            The bytes held (at most half the host's available memory over its processes).
+
+        Raises:
+            ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
+        """
+        dt = self._dt
+        if world_size != len(dt.members) or pipeline_parallel in (None, dt.pp_layout.pp):
+            return 0
+        return prepare_pipeline_switch(self, pipeline_parallel)
+
     def load_checkpoint(
         self,
         load_dir,
@@ -183,10 +204,13 @@ class ElasticPipelineEngine(PipelineEngine):
             try:  # checked at launch, but a request or a preemption may have changed the world since
                 self.resize(target, pipeline_parallel=pp)
             except ResizeRefusedError as err:
+                release_switch_memory(dt)  # held for it
                 if self.global_rank == 0:
                     logger.warning(f"the change scheduled after step {step} was refused: {err}")
         if dt.membership is not None and not dt.retired:
             spawn_ahead(self)  # the joiners of a scheduled grow start a few steps early
+        if self.is_member:
+            prepare_scheduled(self)  # a scheduled switch's memory, touched in the background
         return loss
 
     def _next_batch(self):

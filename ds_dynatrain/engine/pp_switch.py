@@ -34,6 +34,7 @@ from .box_state import switch_in_place
 from .construct import close_snapshots, counters_kept, ds_config_for
 from .pp_build import check_pipeline_layout, construct_pipeline
 from .records import ResizeRecord
+from .switch_memory import prepare_switch
 
 
 def new_pipeline_layout(engine, pp: int):
@@ -124,6 +125,19 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
         check_pipeline_layout(engine)
 
     return switch_in_place(engine, plan, rec, t0, rebuild)
+
+
+def prepare_pipeline_switch(engine, pp: int) -> int:
+    """Start touching, in the background, the memory a switch of ``engine`` to ``pp`` stages at
+    its world size will need on this process, held until the switch
+    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes held. Not
+    collective.
+
+    Raises:
+        ResizeRefusedError: as :func:`new_pipeline_layout`; nothing has changed.
+    """
+    new = new_pipeline_layout(engine, pp)
+    return prepare_switch(engine, new, ("pp", new.world_size, pp))
 
 
 def pp_record(engine, from_world: int, to_world: int, generation: int, pp_from: int, pp_to: int, t0: float):

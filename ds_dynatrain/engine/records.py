@@ -207,6 +207,15 @@ class ResizeRecord(TransferTotals):
         "pipeline degree before (a PipelineModule job; `from`/`to` are then world sizes, PP x DP)", None, optional=True
     )
     pipeline_parallel_to: Optional[int] = _f("pipeline degree after", None, optional=True)
+    prepared_bytes: Optional[int] = _f(
+        "memory touched ahead in the background and freed at the switch for the new engine "
+        "(`dynatrain.warm_switch_steps`, `engine.prepare_resize`)",
+        None,
+        optional=True,
+    )
+    prepared_touch_s: Optional[float] = _f(
+        "seconds the background thread took to touch that memory, beside training", None, optional=True
+    )
 
 
 @dataclass

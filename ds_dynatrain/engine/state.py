@@ -85,6 +85,7 @@ class ElasticState:
     output_template: Any = None  # the last forward's output structure (recover.output_template)
     warmup_s: Optional[float] = None  # a joiner's warm-up before it joined, seconds (None: joined cold)
     held: list = field(default_factory=list)  # memory a joiner holds touched until the survivors switch
+    switch_hold: Any = None  # memory held for a prepared TP/PP switch (switch_memory.HeldMemory)
     tp_layout: Any = None  # an AutoTP job's layout (vps.tensor_parallel.TensorParallelLayout); None: DP only
     pp_layout: Any = None  # a PipelineModule job's layout (vps.pipeline.PipelineLayout); None: no pipeline
     pipeline_data: Any = None  # a PipelineModule job's iterator over the training data it was handed

@@ -37,6 +37,7 @@ from ..zero.zero3 import forget_zero3_module
 from .box_state import switch_in_place
 from .construct import close_snapshots, construct, counters_kept, ds_config_for, own_layout
 from .records import ResizeRecord
+from .switch_memory import prepare_switch
 
 
 def tp_layout_for_model(model: torch.nn.Module, groups, tp: int, world_size: int, dt) -> TensorParallelLayout:
@@ -95,6 +96,22 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
         dt.tp_layout = new
 
     return switch_in_place(engine, plan, rec, t0, rebuild)
+
+
+def prepare_tensor_switch(engine, tp: int) -> int:
+    """Start touching, in the background, the memory a switch of ``engine`` to TP ``tp`` at its
+    world size will need on this process, held until the switch
+    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes held. Not
+    collective.
+
+    Raises:
+        ResizeRefusedError: as :func:`new_layout`, or ``tp`` does not divide the world size;
+            nothing has changed.
+    """
+    world = len(engine._dt.members)
+    if tp < 1 or world % tp:
+        raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1 and divide the world size {world}")
+    return prepare_switch(engine, new_layout(engine, tp, world), ("tp", world, tp))
 
 
 def tp_degree_for(dt, world_size: int, tensor_parallel: Optional[int]) -> int:

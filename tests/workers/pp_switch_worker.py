@@ -316,7 +316,8 @@ def schedule_job(a, out: dict):
 
 
 def refusals(engine, world: int) -> list:
-    """What ``engine.resize`` says of layouts it cannot take (each must change nothing)."""
+    """What ``engine.resize`` says of layouts it cannot take (each must change nothing), and
+    ``engine.prepare_resize`` of one of them."""
     from ds_dynatrain.errors import ResizeRefusedError
 
     said = []
@@ -326,6 +327,10 @@ def refusals(engine, world: int) -> list:
             said.append(None)
         except ResizeRefusedError as err:
             said.append(str(err))
+    try:  # a preparation of a layout the switch would refuse: refused the same way, nothing held
+        said.append(engine.prepare_resize(world, pipeline_parallel=world + 1))
+    except ResizeRefusedError as err:
+        said.append(str(err) if engine._dt.switch_hold is None else "held")
     return said
 
 
@@ -366,6 +371,7 @@ def main() -> None:
         out["before"] = [train_step(engine, s) for s in range(a.steps_before)]
         before = gather_logical(engine)
         out["refused"] = refusals(engine, world)
+        out["prepared"] = engine.prepare_resize(world, pipeline_parallel=a.pp_to)  # touched in the background
         out["record"] = engine.resize(world, pipeline_parallel=a.pp_to)
         after = gather_logical(engine)
         out["parts"] = [int(x) for x in engine.module.parts]

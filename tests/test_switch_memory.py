@@ -1,0 +1,122 @@
+"""The memory a prepared TP/PP switch touches ahead (``engine/switch_memory.py``): the estimate
+against the layouts' own sizes, the schedule look-ahead, and the background hold (a real thread,
+real memory, measured by the process's resident set)."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ds_dynatrain.config import DynatrainConfig
+from ds_dynatrain.engine.switch_memory import (
+    CHUNK_BYTES,
+    WORKING_COPIES,
+    HeldMemory,
+    band_numel,
+    next_band_switch,
+    partition_numel,
+    release_switch_memory,
+    switch_bytes,
+)
+from ds_dynatrain.vps.layout import ParamMeta
+from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout
+
+
+def _model():
+    """A tied embedding (16 x 4), four blocks of 4 x 4 + 4, a norm of 4."""
+    embed = ParamMeta("tied_modules.embed.weight", (16, 4), "float32")
+    layers = [PipelineLayer((embed,), "embed")]
+    for i in range(1, 5):
+        layers.append(
+            PipelineLayer((ParamMeta(f"{i}.fc.weight", (4, 4), "float32"), ParamMeta(f"{i}.fc.bias", (4,), "float32")))
+        )
+    layers.append(PipelineLayer((ParamMeta("5.ln.weight", (4,), "float32"),)))
+    layers.append(PipelineLayer((embed,), "embed"))
+    return tuple(layers)
+
+
+def test_pp2_to_pp1_holds_the_new_partitions_and_the_growth_of_the_working_parameters():
+    layers = _model()
+    old = PipelineLayout(2, 1, layers, (0, 3, 7))  # stage 0: embed + blocks 1, 2; stage 1: blocks 3, 4, norm, embed
+    new = PipelineLayout(1, 2, layers, (0, 7))  # every parameter on both ranks, ZeRO-1 over DP 2
+    embed, block, norm = 64, 20, 4
+    assert band_numel(old, 0) == embed + 2 * block and band_numel(new, 0) == embed + 4 * block + norm
+    # each new rank's partition: half the flat model (padding included), at least half of it
+    assert 2 * partition_numel(new, 0) >= embed + 4 * block + norm
+    for rank in (0, 1):
+        growth = band_numel(new, rank) - band_numel(old, rank)
+        want = partition_numel(new, rank) * 4 * 3 + WORKING_COPIES * growth * 2  # fp32 state, bf16 working
+        assert switch_bytes(old, new, rank, working_size=2, state_kinds=3) == want
+    # the way back shrinks every rank's working parameters: only the new partitions are held
+    assert switch_bytes(new, old, 0, 4, 3) == partition_numel(old, 0) * 4 * 3
+
+
+def _dt(schedule, pp=2, members=2, ahead=2):
+    cfg = DynatrainConfig(resize_schedule=schedule, warm_switch_steps=ahead)
+    layout = SimpleNamespace(pp=pp)
+    return SimpleNamespace(
+        config=cfg,
+        pp_layout=layout,
+        tp=1,
+        members=("a",) * members,
+        schedule={e.step: e.world_size for e in cfg.resize_schedule},
+        pp_schedule={e.step: e.pipeline_parallel for e in cfg.resize_schedule if e.pipeline_parallel is not None},
+        tp_schedule={},
+    )
+
+
+@pytest.mark.parametrize(
+    "step,schedule,ahead,want",
+    [
+        (3, [{"step": 5, "world_size": 2, "pipeline_parallel": 1}], 2, (2, 1)),  # two steps ahead
+        (2, [{"step": 5, "world_size": 2, "pipeline_parallel": 1}], 2, None),  # three: not yet
+        (5, [{"step": 5, "world_size": 2, "pipeline_parallel": 1}], 2, None),  # its own step: done
+        (4, [{"step": 5, "world_size": 2, "pipeline_parallel": 2}], 2, None),  # the degree it has
+        (4, [{"step": 5, "world_size": 4, "pipeline_parallel": 1}], 2, None),  # a grow: its joiners' warm-up
+        (4, [{"step": 5, "world_size": 2, "pipeline_parallel": 1}], 0, None),  # off
+        (  # the next entry decides, not a later one
+            4,
+            [
+                {"step": 5, "world_size": 4, "pipeline_parallel": 2},
+                {"step": 6, "world_size": 2, "pipeline_parallel": 1},
+            ],
+            2,
+            None,
+        ),
+    ],
+)
+def test_next_band_switch_looks_ahead_at_the_schedule(step, schedule, ahead, want):
+    assert next_band_switch(_dt(schedule, ahead=ahead), step) == want
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_held_memory_is_touched_in_the_background_and_freed_at_release():
+    nbytes = 96 << 20  # two pieces
+    base = _rss()
+    hold = HeldMemory(nbytes, ("pp", 2, 1))
+    deadline = time.monotonic() + 30
+    while hold.touched < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hold.touched == nbytes
+    assert _rss() - base >= 0.9 * nbytes  # resident: every page written
+    dt = SimpleNamespace(switch_hold=hold)
+    rec = SimpleNamespace(prepared_bytes=None, prepared_touch_s=None)
+    release_switch_memory(dt, rec)
+    assert dt.switch_hold is None and rec.prepared_bytes == nbytes and rec.prepared_touch_s > 0
+    assert _rss() - base < 0.5 * nbytes  # given back
+    release_switch_memory(dt, rec)  # nothing held: nothing happens
+    assert rec.prepared_bytes == nbytes
+
+
+def test_a_release_stops_the_thread_after_the_piece_it_writes():
+    hold = HeldMemory(64 << 30, ("tp", 2, 1))  # far more than it may touch before the release
+    touched, seconds = hold.release()
+    assert touched < 64 << 30 and touched % CHUNK_BYTES == 0 and seconds >= 0
+    assert not hold._thread.is_alive()
