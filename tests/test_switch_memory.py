@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from test_pp_plan import _tied_model
 
 from ds_dynatrain.config import DynatrainConfig
 from ds_dynatrain.engine.switch_memory import (
@@ -21,25 +22,11 @@ from ds_dynatrain.engine.switch_memory import (
     release_switch_memory,
     switch_bytes,
 )
-from ds_dynatrain.vps.layout import ParamMeta
-from ds_dynatrain.vps.pipeline import PipelineLayer, PipelineLayout
-
-
-def _model():
-    """A tied embedding (16 x 4), four blocks of 4 x 4 + 4, a norm of 4."""
-    embed = ParamMeta("tied_modules.embed.weight", (16, 4), "float32")
-    layers = [PipelineLayer((embed,), "embed")]
-    for i in range(1, 5):
-        layers.append(
-            PipelineLayer((ParamMeta(f"{i}.fc.weight", (4, 4), "float32"), ParamMeta(f"{i}.fc.bias", (4,), "float32")))
-        )
-    layers.append(PipelineLayer((ParamMeta("5.ln.weight", (4,), "float32"),)))
-    layers.append(PipelineLayer((embed,), "embed"))
-    return tuple(layers)
+from ds_dynatrain.vps.pipeline import PipelineLayout
 
 
 def test_pp2_to_pp1_holds_the_new_partitions_and_the_growth_of_the_working_parameters():
-    layers = _model()
+    layers = _tied_model()  # a tied embedding (16 x 4), four blocks of 4 x 4 + 4, a norm of 4
     old = PipelineLayout(2, 1, layers, (0, 3, 7))  # stage 0: embed + blocks 1, 2; stage 1: blocks 3, 4, norm, embed
     new = PipelineLayout(1, 2, layers, (0, 7))  # every parameter on both ranks, ZeRO-1 over DP 2
     embed, block, norm = 64, 20, 4
