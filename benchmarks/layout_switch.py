@@ -141,6 +141,7 @@ def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: L
         "bytes_sent": rec["bytes_sent"],
         "bytes_received": rec["bytes_received"],
         "prepared_bytes": max(r.get("prepared_bytes", 0) for r in ranks),
+        "prepare_call_s": ours["prepare_call_s"],
         "prepared_touch_s": max(r.get("prepared_touch_s", 0.0) for r in ranks),
         "prepared_steps_s": [t for t, _ in ours["iterations_before"][-PREPARE_AHEAD:]],
         "unprepared_iter_s": statistics.median(t for t, _ in ours["iterations_before"][1:-PREPARE_AHEAD]),

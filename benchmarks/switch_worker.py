@@ -40,10 +40,12 @@ def measure_switch(engine, a, params: int, train_before, train_after, switch, pr
     set before) and :func:`state_bytes` before and after. Collective."""
     import torch.distributed as tdist
 
-    before = []
+    before, prepare_call_s = [], 0.0
     for s in range(a.steps_before):
         if prepare is not None and s == max(0, a.steps_before - PREPARE_AHEAD):
+            t0 = time.perf_counter()
             prepare()
+            prepare_call_s = time.perf_counter() - t0  # on the training thread: the layout computed
         before.append(train_before(engine, s))
     state_before = state_bytes(engine)
     tdist.barrier()
@@ -75,6 +77,7 @@ def measure_switch(engine, a, params: int, train_before, train_after, switch, pr
                 "params": params,
                 "record": record,
                 "old_iter_s": statistics.median(t for t, _ in before[1:]) if len(before) > 1 else None,
+                "prepare_call_s": prepare_call_s,
                 "new_iter_s": rest,
                 "first_step_excess_s": max(0.0, after[0][0] - rest),
                 "iterations_before": before,

@@ -19,7 +19,8 @@ step in every job. Per switch A->B of the TP degree (DP goes from world/A to wor
   The switch is announced two steps ahead (``--steps-before`` K, 5 by default):
   ``engine.prepare_resize(world, tensor_parallel=B)`` before step K - 1, whose background thread (at
   nice 19) touches the memory the new layout will need while those steps train
-  (``prepared_bytes``, ``prepared_touch_s``; ``prepared_steps_s``: those steps' times,
+  (``prepared_bytes``, ``prepared_touch_s``; ``prepare_call_s``: the call itself, on the
+  training thread; ``prepared_steps_s``: those steps' times,
   ``unprepared_iter_s``: the median of the ones before, the first left out), as a scheduled
   switch is by itself. ``cold_*``: the same job without the announcement
   (``engine.resize`` alone), ``cold_ratio`` = ``deepspeed_route_s / cold_s``.

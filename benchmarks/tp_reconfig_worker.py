@@ -164,7 +164,7 @@ def main():
     p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old TP")
     p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new TP")
     p.add_argument(
-        "--prepare", action="store_true", help="ours: engine.prepare_resize right before the last step before it"
+        "--prepare", action="store_true", help="ours: engine.prepare_resize before the last two steps before the switch"
     )
     p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
     p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")

@@ -183,8 +183,9 @@ class DynatrainConfig(_Strict):
         description="this many steps before a scheduled TP or PP switch at the job's world size (and at "
         "`engine.prepare_resize`), a background thread touches the memory the new layout will need on top "
         "of what each process holds (new partitions, larger working parameters and gradient buffers) and "
-        "holds it until the switch frees it for the new engine, so that neither the switch nor the first "
-        "step after it fault it in; 0: never",
+        "holds it until the switch, which frees it just before the new partitions and engine are allocated: "
+        "on a VM whose host takes back free pages they then come back with a fault in the guest only, not "
+        "on the host. CPU training only (on an accelerator nothing is held); 0: never",
     )
     standby: bool = Field(
         False,

@@ -116,7 +116,7 @@ def grow_in_place(
         TransitionAbortedError: as :func:`survivors_move`.
     """
     dt = engine._dt
-    release_switch_memory(dt, rec)  # a hold for another layout: its pages serve this one
+    release_switch_memory(dt)  # held for another layout: not this change's
     dests, scalars, header = survivors_move(engine, plan, g, rec)
     t = time.perf_counter()
     dt.members, dt.generation = plan.new_members, g  # before the rebuild: its snapshot engine keys by generation

@@ -50,7 +50,7 @@ def hand_over(engine, plan, rec: ResizeRecord) -> Optional[Tuple[list, list]]:
     rank = members.index(dt.member)
     stays = dt.member in new_members
     new_rank = new_members.index(dt.member) if stays else None
-    release_switch_memory(dt, rec if stays else None)  # a hold for another layout: its pages serve this one
+    release_switch_memory(dt)  # held for another layout: not this change's
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, new_rank, kinds_of(state)) if stays else None
     peers = [members.index(m) for m in new_members]

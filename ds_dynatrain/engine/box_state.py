@@ -120,7 +120,7 @@ def switch_in_place(engine, plan, rec: ResizeRecord, t0: float, rebuild: Callabl
         TransitionAbortedError: a peer failed during the transfer.
     """
     dt, rank = engine._dt, tdist.get_rank()
-    release_switch_memory(dt, rec)  # held for this switch: the new partitions and engine take its pages
+    release_switch_memory(dt, rec)  # held for this switch: freed just before the new partitions and engine
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, rank, kinds_of(state))
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))

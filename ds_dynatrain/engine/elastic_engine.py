@@ -31,6 +31,7 @@ from .construct import latest_by_commit
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
+from .switch_memory import release_switch_memory
 from .warmup import publish_inputs, publish_modules
 
 
@@ -119,17 +120,23 @@ class ElasticEngine(DeepSpeedEngine):
         will need on this process (new partitions, larger working parameters and gradient
         buffers) while training goes on, held until the switch frees it for the new engine
         (:mod:`~ds_dynatrain.engine.switch_memory`). A scheduled switch is prepared by itself
-        (``dynatrain.warm_switch_steps`` steps early). Not collective; nothing for a DP job,
-        another world size, an unchanged degree, or ``warm_switch_steps`` 0.
+        (``dynatrain.warm_switch_steps`` steps early). Not collective. Nothing is held for a DP
+        job, another world size, an unchanged degree (which also lets go of a hold made before),
+        working parameters on an accelerator, or ``warm_switch_steps`` 0; a hold lasts until the
+        next change of layout, a ``resize`` that refuses, or the engine's close.
 
         Returns:
-            The bytes held (at most half the host's available memory over its processes).
+            The bytes the thread will touch (at most half the host's available memory over its
+            processes; fewer are touched where the switch comes first).
 
         Raises:
             ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
+            NotAMemberError: this process left the job.
         """
+        self._require_member()
         dt = self._dt
         if dt.tp_layout is None or world_size != len(dt.members) or tensor_parallel in (None, dt.tp):
+            release_switch_memory(dt)  # a hold made before: not wanted any more
             return 0
         return tp_switch.prepare_tensor_switch(self, tensor_parallel)
 
@@ -145,7 +152,13 @@ class ElasticEngine(DeepSpeedEngine):
             logger.info(f"world size {world_size}: TP {dt.tp} does not divide it; the job goes on at TP {tp}")
         world = len(dt.members)
         if world_size == world and not must_leave:
-            return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()
+            if tp == dt.tp:
+                return None
+            try:
+                return tp_switch.switch_tensor_parallel(self, tp).to_dict()
+            except ResizeRefusedError:
+                release_switch_memory(dt)  # held for a switch that did not come
+                raise
         if dt.membership is None:
             raise ResizeRefusedError(
                 f"world size {world_size} refused: an AutoTP job started by {other_launcher()} changes its TP "

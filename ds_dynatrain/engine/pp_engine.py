@@ -113,7 +113,11 @@ class ElasticPipelineEngine(PipelineEngine):
         pp = self._dt.pp_layout.pp if pipeline_parallel is None else pipeline_parallel
         if pp == self._dt.pp_layout.pp:
             return None
-        return switch_pipeline_parallel(self, pp).to_dict()
+        try:
+            return switch_pipeline_parallel(self, pp).to_dict()
+        except ResizeRefusedError:
+            release_switch_memory(self._dt)  # held for a switch that did not come
+            raise
 
     def prepare_resize(self, world_size: int, pipeline_parallel: Optional[int] = None) -> int:
         """Prepare a later ``resize(world_size, pipeline_parallel=...)`` that changes the PP degree
@@ -121,17 +125,23 @@ class ElasticPipelineEngine(PipelineEngine):
         on this process (new partitions, larger working parameters and gradient buffers) while
         training goes on, held until the switch frees it for the new engine
         (:mod:`~ds_dynatrain.engine.switch_memory`). A scheduled switch is prepared by itself
-        (``dynatrain.warm_switch_steps`` steps early). Not collective; nothing for another world
-        size, an unchanged degree, or ``warm_switch_steps`` 0.
+        (``dynatrain.warm_switch_steps`` steps early). Not collective. Nothing is held for another
+        world size, an unchanged degree (which also lets go of a hold made before), working
+        parameters on an accelerator, or ``warm_switch_steps`` 0; a hold lasts until the next
+        change of layout, a ``resize`` that refuses, or the engine's close.
 
         Returns:
-            The bytes held (at most half the host's available memory over its processes).
+            The bytes the thread will touch (at most half the host's available memory over its
+            processes; fewer are touched where the switch comes first).
 
         Raises:
             ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
         """
         dt = self._dt
+        if not self.is_member:
+            return 0
         if world_size != len(dt.members) or pipeline_parallel in (None, dt.pp_layout.pp):
+            release_switch_memory(dt)  # a hold made before: not wanted any more
             return 0
         return prepare_pipeline_switch(self, pipeline_parallel)
 

@@ -130,14 +130,18 @@ def switch_pipeline_parallel(engine, pp: int) -> ResizeRecord:
 def prepare_pipeline_switch(engine, pp: int) -> int:
     """Start touching, in the background, the memory a switch of ``engine`` to ``pp`` stages at
     its world size will need on this process, held until the switch
-    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes held. Not
-    collective.
+    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes the thread
+    will touch. Not collective.
 
     Raises:
-        ResizeRefusedError: as :func:`new_pipeline_layout`; nothing has changed.
+        ResizeRefusedError: as :func:`switch_pipeline_parallel` (:func:`new_pipeline_layout`, or
+            the new DP size cannot keep the global batch); nothing has changed.
     """
-    new = new_pipeline_layout(engine, pp)
-    return prepare_switch(engine, new, ("pp", new.world_size, pp))
+    dt = engine._dt
+    world = len(dt.members)
+    if pp >= 1 and world % pp == 0:
+        dt.split(world // pp, "DP size")  # ResizeRefusedError: the global batch cannot be kept
+    return prepare_switch(engine, ("pp", world, pp), lambda: new_pipeline_layout(engine, pp))
 
 
 def pp_record(engine, from_world: int, to_world: int, generation: int, pp_from: int, pp_to: int, t0: float):

@@ -11,7 +11,10 @@ back free pages (a virtio balloon with free page reporting) a fault on the host 
 2-core VM, a 100 M-parameter PP 2 -> 1 switch at world 2: the copies into the new partitions took
 0.42-0.57 s and the first step after the switch 0.9-1.8 s more than a normal one; with 1.2 GB per
 rank touched in the background during the step before and freed at the switch, 0.05-0.09 s and
-none (freed pages the kernel hands out again at once cost no fault on the host).
+none in the first runs (freed pages the kernel hands out again at once cost a fault in the guest
+only, not on the host); the benchmarks' runs since show the gain and its spread (README,
+"Performance"). On a host without such a balloon the gain is smaller, and with the working
+parameters on an accelerator nothing is held (the new layout's memory is device memory).
 
 What is held (:func:`switch_bytes`): the new partitions of the fp32 master and the optimizer's
 moments, plus three times the growth of the rank's working parameters (the parameters, their
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import psutil
 import torch
@@ -34,9 +37,9 @@ from io_engine.priority import lower_thread_priority
 from ..errors import ResizeRefusedError
 from ..log import logger
 
-CHUNK_BYTES = 64 << 20  # touched and held in pieces, so that a release stops the thread soon
+CHUNK_BYTES = 16 << 20  # touched and held in pieces, so that a release stops the thread soon
 WORKING_COPIES = 3  # parameters, their gradients in DeepSpeed's bucket, the bucket's flat copy
-TOUCH_NICE = 19  # the touching thread's nice value above the process's
+TOUCH_NICE = 19  # the touching thread's nice value (added to its own, capped at 19)
 
 
 def band_numel(layout, rank: int) -> int:
@@ -74,9 +77,8 @@ def memory_cap() -> int:
 
 class HeldMemory:
     """``nbytes`` bytes allocated and written in a background thread at nice value
-    :data:`TOUCH_NICE` above the process's (in pieces of :data:`CHUNK_BYTES`, uint8), held until
-    :meth:`release`. ``key`` names the layout it was
-    prepared for (``("pp"|"tp", world size, degree)``)."""
+    :data:`TOUCH_NICE` (in pieces of :data:`CHUNK_BYTES`, uint8), held until :meth:`release`.
+    ``key`` names the layout it was prepared for (``("pp"|"tp", world size, degree)``)."""
 
     def __init__(self, nbytes: int, key: Tuple):
         self.nbytes, self.key = nbytes, key
@@ -116,21 +118,31 @@ def state_kinds(engine) -> int:
     return 3
 
 
-def prepare_switch(engine, new, key: Tuple) -> int:
-    """Start holding the memory the band layout ``new`` will need on this rank (``key``: what it
-    is for; a hold for the same key goes on, another one is released first). Returns the bytes
-    it will hold (0: ``dynatrain.warm_switch_steps`` is 0, or nothing to hold). Not collective."""
+def prepare_switch(engine, key: Tuple, new_layout: Callable[[], object]) -> int:
+    """Start holding the memory the band layout ``new_layout()`` will need on this rank (``key``:
+    ``("pp"|"tp", world size, degree)``; a hold for the same key goes on without computing the
+    layout again, another one is released once the new layout is known). Returns the bytes the
+    thread will touch (fewer are touched where the switch comes first); 0: ``dynatrain.
+    warm_switch_steps`` is 0, the working parameters are on an accelerator (the new layout's memory
+    is then device memory, which a host thread cannot touch ahead), or nothing to hold. Not
+    collective.
+
+    Raises:
+        ResizeRefusedError: from ``new_layout()``; the hold as it was.
+    """
     dt = engine._dt
     if dt.config.warm_switch_steps <= 0:
         return 0
-    if dt.switch_hold is not None:
-        if dt.switch_hold.key == key:
-            return dt.switch_hold.nbytes
-        release_switch_memory(dt)
+    if dt.switch_hold is not None and dt.switch_hold.key == key:
+        return dt.switch_hold.nbytes
+    param = next(iter(engine.module.parameters()))
+    if param.device.type != "cpu":
+        return 0
+    new = new_layout()
+    release_switch_memory(dt)
     old = dt.tp_layout if dt.tp_layout is not None else dt.pp_layout
     rank = engine.global_rank
-    working = next(iter(engine.module.parameters())).element_size()
-    nbytes = min(switch_bytes(old, new, rank, working, state_kinds(engine)), memory_cap())
+    nbytes = min(switch_bytes(old, new, rank, param.element_size(), state_kinds(engine)), memory_cap())
     if nbytes <= 0:
         return 0
     dt.switch_hold = HeldMemory(nbytes, key)
@@ -140,8 +152,8 @@ def prepare_switch(engine, new, key: Tuple) -> int:
 
 
 def release_switch_memory(dt, rec=None) -> None:
-    """Free the memory held for a switch (none: nothing happens); with ``rec`` (a resize record),
-    put the bytes held and the seconds the touching took into it."""
+    """Free the memory held for a switch (none: nothing happens); with ``rec`` (the record of the
+    switch it was held for), put the bytes held and the seconds the touching took into it."""
     hold, dt.switch_hold = dt.switch_hold, None
     if hold is None:
         return
@@ -171,7 +183,8 @@ def next_band_switch(dt, step: int) -> Optional[Tuple[int, int]]:
 def prepare_scheduled(engine) -> None:
     """At a step boundary: prepare the next scheduled TP or PP switch at the job's world size
     (:func:`next_band_switch`) with ``engine.prepare_resize``; a layout it refuses is left to the
-    switch, which says why."""
+    switch, which says why, and any other failure is logged, never raised (training goes on and
+    the switch comes cold)."""
     dt = engine._dt
     ahead = next_band_switch(dt, engine.global_steps)
     if ahead is None:
@@ -180,4 +193,8 @@ def prepare_scheduled(engine) -> None:
     try:
         engine.prepare_resize(ahead[0], **degree)
     except ResizeRefusedError:
-        pass
+        pass  # the switch refuses it, with the reason
+    except Exception as err:  # noqa: BLE001 - an optimisation: training goes on cold
+        release_switch_memory(dt)
+        if engine.global_rank == 0:
+            logger.warning(f"the memory of the switch scheduled in {ahead} is not touched ahead: {err}")

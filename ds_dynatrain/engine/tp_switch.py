@@ -101,17 +101,20 @@ def switch_tensor_parallel(engine, tp: int) -> ResizeRecord:
 def prepare_tensor_switch(engine, tp: int) -> int:
     """Start touching, in the background, the memory a switch of ``engine`` to TP ``tp`` at its
     world size will need on this process, held until the switch
-    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes held. Not
-    collective.
+    (:func:`~ds_dynatrain.engine.switch_memory.prepare_switch`). Returns the bytes the thread
+    will touch. Not collective.
 
     Raises:
-        ResizeRefusedError: as :func:`new_layout`, or ``tp`` does not divide the world size;
-            nothing has changed.
+        ResizeRefusedError: as :func:`switch_tensor_parallel` (``tp`` does not divide the world
+            size, the new DP size cannot keep the global batch, AutoTP cannot cut the model at
+            ``tp``); nothing has changed.
     """
-    world = len(engine._dt.members)
+    dt = engine._dt
+    world = len(dt.members)
     if tp < 1 or world % tp:
         raise ResizeRefusedError(f"TP degree {tp} refused: it must be >= 1 and divide the world size {world}")
-    return prepare_switch(engine, new_layout(engine, tp, world), ("tp", world, tp))
+    dt.split(world // tp, "DP size")  # ResizeRefusedError: the global batch cannot be kept
+    return prepare_switch(engine, ("tp", world, tp), lambda: new_layout(engine, tp, world))
 
 
 def tp_degree_for(dt, world_size: int, tensor_parallel: Optional[int]) -> int:

@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -327,10 +328,10 @@ def refusals(engine, world: int) -> list:
             said.append(None)
         except ResizeRefusedError as err:
             said.append(str(err))
-    try:  # a preparation of a layout the switch would refuse: refused the same way, nothing held
+    try:  # a preparation of a layout the switch would refuse: refused the same way
         said.append(engine.prepare_resize(world, pipeline_parallel=world + 1))
     except ResizeRefusedError as err:
-        said.append(str(err) if engine._dt.switch_hold is None else "held")
+        said.append(str(err))
     return said
 
 
@@ -372,6 +373,9 @@ def main() -> None:
         before = gather_logical(engine)
         out["refused"] = refusals(engine, world)
         out["prepared"] = engine.prepare_resize(world, pipeline_parallel=a.pp_to)  # touched in the background
+        hold, deadline = engine._dt.switch_hold, time.monotonic() + 60
+        while hold is not None and hold.touched < out["prepared"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the whole hold touched before the switch: the record's figure is all of it
         out["record"] = engine.resize(world, pipeline_parallel=a.pp_to)
         after = gather_logical(engine)
         out["parts"] = [int(x) for x in engine.module.parts]
