@@ -37,7 +37,10 @@ from io_engine.priority import lower_thread_priority
 from ..errors import ResizeRefusedError
 from ..log import logger
 
-CHUNK_BYTES = 16 << 20  # touched and held in pieces, so that a release stops the thread soon
+# touched and held in pieces, so that a release stops the thread soon; each above glibc's largest
+# mmap threshold (32 MiB on 64-bit, mallopt(3)), so that it is a mapping of its own, which goes back
+# to the kernel when freed for any thread to take (a smaller piece stays in the thread's arena)
+CHUNK_BYTES = 64 << 20
 WORKING_COPIES = 3  # parameters, their gradients in DeepSpeed's bucket, the bucket's flat copy
 TOUCH_NICE = 19  # the touching thread's nice value (added to its own, capped at 19)
 
