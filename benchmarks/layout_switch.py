@@ -101,8 +101,16 @@ def run_deepspeed(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_
 
 
 def switch(kind: SwitchKind, a_from: int, b_to: int, a, work: str, model_args: List[str]) -> dict:
-    """Both routes for A -> B and the figures derived from them (seconds, bytes): ours prepared
-    (announced ahead, the headline) and cold (``engine.resize`` without notice)."""
+    """Both routes for A -> B and the figures derived from them (seconds, bytes): ours announced
+    (the headline) and cold.
+
+    Announced: ``engine.prepare_resize`` (with the degree B) before step K - 1 (``--steps-before``
+    K, 5 by default), whose background thread (at nice 19) touches the memory the new layout will
+    need while the last two steps train, as a scheduled switch is by itself: ``prepared_bytes``,
+    ``prepared_touch_s``; ``prepare_call_s``, the call itself on the training thread;
+    ``prepared_steps_s``, those steps' times beside ``unprepared_iter_s``, the median of the ones
+    before (the first left out). Cold (``cold_*``): the same job with ``engine.resize`` alone;
+    ``cold_ratio`` = ``deepspeed_route_s / cold_s``."""
     ours = run_ours(kind, a_from, b_to, a, work, model_args, prepare=True)
     cold = run_ours(kind, a_from, b_to, a, work, model_args, prepare=False)
     ds = run_deepspeed(kind, a_from, b_to, a, work, model_args)

@@ -16,14 +16,8 @@ step in every job. Per switch A->B of the TP degree (DP goes from world/A to wor
   downtime between the last step at A and the first normal step at B. Split: ``plan_s``,
   ``transfer_s`` (the point-to-point exchange of the fp32 master and both moments),
   ``rebuild_s`` (the model cut again by AutoTP, the engine rebuilt, the state installed).
-  The switch is announced two steps ahead (``--steps-before`` K, 5 by default):
-  ``engine.prepare_resize(world, tensor_parallel=B)`` before step K - 1, whose background thread (at
-  nice 19) touches the memory the new layout will need while those steps train
-  (``prepared_bytes``, ``prepared_touch_s``; ``prepare_call_s``: the call itself, on the
-  training thread; ``prepared_steps_s``: those steps' times,
-  ``unprepared_iter_s``: the median of the ones before, the first left out), as a scheduled
-  switch is by itself. ``cold_*``: the same job without the announcement
-  (``engine.resize`` alone), ``cold_ratio`` = ``deepspeed_route_s / cold_s``.
+  The switch is announced two steps ahead with ``engine.prepare_resize(world, tensor_parallel=B)`` and
+  also run without notice (``cold_*``), as :func:`benchmarks.layout_switch.switch` describes.
 * ``deepspeed``: plain ``deepspeed.initialize`` ranks at TP A train K steps and
   ``save_checkpoint`` (``save_s``); ``python -m deepspeed.checkpoint.ds_to_universal
   --inject_missing_state`` (``convert_s``, the whole command; the flag gives a TP-1 checkpoint,
