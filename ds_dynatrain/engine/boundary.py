@@ -33,7 +33,7 @@ from .pp_grow import assign_pp_grow
 from .records import StepRecord, format_step
 from .requests import REFUSED, abandon, finish_request, serve_request
 from .state import ElasticState
-from .switch_memory import prepare_scheduled, release_switch_memory
+from .switch_memory import prepare_scheduled
 from .tp_grow import assign_grow
 from .tp_resize import largest_tp_layout
 from .tp_switch import tp_degree_for
@@ -173,7 +173,6 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
             try:  # checked at launch, but a preemption may have made it a grow since
                 engine.resize(target, tensor_parallel=tp)
             except ResizeRefusedError as err:
-                release_switch_memory(dt)  # held for it
                 if engine.global_rank == 0:
                     logger.warning(f"the resize scheduled after step {engine.global_steps} was refused: {err}")
     elif prep is not None:

@@ -31,7 +31,7 @@ from .construct import latest_by_commit
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
-from .switch_memory import release_switch_memory
+from .switch_memory import release_switch_memory, released_on_refusal
 from .warmup import publish_inputs, publish_modules
 
 
@@ -101,7 +101,8 @@ class ElasticEngine(DeepSpeedEngine):
         self.wait_transition()
         dt = self._dt
         if tensor_parallel is not None or dt.tp_layout is not None:
-            return self._resize_tensor_parallel(world_size, must_leave, tensor_parallel)
+            with released_on_refusal(dt):  # a hold for a switch that will not come goes
+                return self._resize_tensor_parallel(world_size, must_leave, tensor_parallel)
         split = dt.split(world_size)
         if dt.membership is None:
             raise ResizeRefusedError(
@@ -152,13 +153,7 @@ class ElasticEngine(DeepSpeedEngine):
             logger.info(f"world size {world_size}: TP {dt.tp} does not divide it; the job goes on at TP {tp}")
         world = len(dt.members)
         if world_size == world and not must_leave:
-            if tp == dt.tp:
-                return None
-            try:
-                return tp_switch.switch_tensor_parallel(self, tp).to_dict()
-            except ResizeRefusedError:
-                release_switch_memory(dt)  # held for a switch that did not come
-                raise
+            return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()
         if dt.membership is None:
             raise ResizeRefusedError(
                 f"world size {world_size} refused: an AutoTP job started by {other_launcher()} changes its TP "

@@ -42,7 +42,7 @@ from .pp_switch import check_stage_groups, layout_for, prepare_pipeline_switch, 
 from .records import MetricsWriter
 from .restore import restore
 from .state import ElasticState
-from .switch_memory import prepare_scheduled, release_switch_memory
+from .switch_memory import prepare_scheduled, release_switch_memory, released_on_refusal
 from .warmup import publish_inputs, publish_modules, warm_joiner
 
 
@@ -93,6 +93,11 @@ class ElasticPipelineEngine(PipelineEngine):
                 ``tensor_parallel`` degree (a pipeline job has no TP axis); nothing has changed.
             TransitionAbortedError: a peer failed during the transfer.
         """
+        with released_on_refusal(self._dt):  # a hold for a switch that will not come goes
+            return self._change_layout(world_size, pipeline_parallel, tensor_parallel)
+
+    def _change_layout(self, world_size: int, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]):
+        """:meth:`resize`'s work (its arguments, return value and errors)."""
         if tensor_parallel is not None:
             raise ResizeRefusedError(
                 f"TP degree {tensor_parallel} refused: a PipelineModule job has no tensor-parallel axis "
@@ -113,11 +118,7 @@ class ElasticPipelineEngine(PipelineEngine):
         pp = self._dt.pp_layout.pp if pipeline_parallel is None else pipeline_parallel
         if pp == self._dt.pp_layout.pp:
             return None
-        try:
-            return switch_pipeline_parallel(self, pp).to_dict()
-        except ResizeRefusedError:
-            release_switch_memory(self._dt)  # held for a switch that did not come
-            raise
+        return switch_pipeline_parallel(self, pp).to_dict()
 
     def prepare_resize(self, world_size: int, pipeline_parallel: Optional[int] = None) -> int:
         """Prepare a later ``resize(world_size, pipeline_parallel=...)`` that changes the PP degree
@@ -214,7 +215,6 @@ class ElasticPipelineEngine(PipelineEngine):
             try:  # checked at launch, but a request or a preemption may have changed the world since
                 self.resize(target, pipeline_parallel=pp)
             except ResizeRefusedError as err:
-                release_switch_memory(dt)  # held for it
                 if self.global_rank == 0:
                     logger.warning(f"the change scheduled after step {step} was refused: {err}")
         if dt.membership is not None and not dt.retired:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Tuple
 
 import psutil
 import torch
@@ -163,6 +164,17 @@ def release_switch_memory(dt, rec=None) -> None:
     nbytes, seconds = hold.release()
     if rec is not None:
         rec.prepared_bytes, rec.prepared_touch_s = nbytes, seconds
+
+
+@contextmanager
+def released_on_refusal(dt) -> Iterator[None]:
+    """Around an ``engine.resize``: a ``ResizeRefusedError`` from it frees the memory held for a
+    switch (it will not come as prepared) and goes on up."""
+    try:
+        yield
+    except ResizeRefusedError:
+        release_switch_memory(dt)
+        raise
 
 
 def next_band_switch(dt, step: int) -> Optional[Tuple[int, int]]:
