@@ -24,7 +24,8 @@ two blocks without (the machine's speed drifts by more than the effect between s
 drift between the block before and the block after is printed). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
-paired_drift, flush_gbps, bound_gbps``.
+paired_drift, flush_gbps, bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes
+written straight from the tensors' memory; None for the other engines).
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ def main(argv=None) -> int:
     if base:
         print(f"baseline (no snapshots): {base['iter_s']:.2f} s per iteration, {base['cpu_s']:.2f} CPU s on rank 0")
     for r in results:
+        if r.get("from_source_share") is not None:
+            print(
+                f"{r['engine']}: {100 * r['from_source_share']:.0f} % of rank 0's snapshot bytes written straight "
+                "from the tensors' memory, the rest copied through the host cache"
+            )
         if r.get("paired_base_iter_s"):
             print(
                 f"{r['engine']}: {r['paired_base_iter_s']:.2f} s per iteration without snapshots in the same job "

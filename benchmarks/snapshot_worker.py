@@ -187,6 +187,8 @@ def main():
     snap_bytes = dir_bytes(os.path.join(save_dir, tags[-1])) if tags else 0
     persist, flush_gbps = flush_figures(a, loop, snap_bytes)
     stalls = loop.stalls or [0.0]
+    snap_stats = getattr(loop.engine.checkpoint_engine, "stats", {})
+    from_source = snap_stats.get("from_source_bytes", 0) / snap_stats["bytes"] if snap_stats.get("bytes") else None
     if loop.rank == 0:
         with open(a.out, "w") as f:
             json.dump(
@@ -204,6 +206,7 @@ def main():
                     "snapshot_bytes": snap_bytes,
                     "persist_s": persist,
                     "flush_gbps": flush_gbps,
+                    "from_source_share": from_source,
                     "every": a.every,
                     "params": sum(q.numel() for q in model.parameters()),
                 },

@@ -5,8 +5,17 @@ payload into aligned buffers of the host cache, hands each filled buffer to the 
 it back when its write completed. Each tensor buffer is copied in one ``memmove`` and checksummed
 block by block right after, with the GIL released for both (:mod:`io_engine.checksum`; objects
 and the footer go through :func:`~io_engine.checksum.copy_with_crc`), and from the copy, which is
-what the file holds, so checksum and payload agree even if the source changes later. CRC-32C in hardware where it loads
-(format version 3), else ``zlib.crc32`` (version 2). Order of work in the file:
+what the file holds, so checksum and payload agree even if the source changes later. CRC-32C in
+hardware where it loads (format version 3), else ``zlib.crc32`` (version 2).
+
+A tensor whose memory is page aligned (torch's CPU allocator aligns tensors of 2 MiB or more to
+2 MiB under ``THP_MEM_ALLOC_ENABLE=1``, which ``dynatrain launch`` sets) is not copied: its
+aligned bulk is written straight from its memory and checksummed from there while the write is in
+flight, and only its last partial block goes through the cache. The copy is what a snapshot costs
+the CPUs training runs on (a memmove competing with training for memory bandwidth); the writes
+from the source are DMA. The source must then stay unchanged until those writes completed, so
+``on_captured`` waits for them (the flush of that tensor, not only its copy). Order of work in the
+file:
 
 1. header block and tensor payloads, then objects (packed, through the same buffers);
 2. a barrier: every write so far has completed;
@@ -48,7 +57,7 @@ from .format import (
     plan_layout,
     version_of,
 )
-from .host_cache import HostBuffer, HostCache
+from .host_cache import HostBuffer, HostCache, buffer_address
 from .reader import FileReader
 
 
@@ -148,10 +157,13 @@ class _Blocks:
 
 @dataclass(frozen=True)
 class WriteResult:
-    """``layout``: the written file's layout, checksums included; ``report``: the flusher's."""
+    """``layout``: the written file's layout, checksums included; ``report``: the flusher's;
+    ``from_source_bytes``: payload bytes written straight from the items' own memory (no copy
+    through the host cache)."""
 
     layout: FileLayout
     report: WriteReport
+    from_source_bytes: int = 0
 
 
 class SnapshotFileWriter:
@@ -162,7 +174,9 @@ class SnapshotFileWriter:
     ``config.chunk_bytes``); ``flusher``: how to write (default: ``Flusher(config)``);
     ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``);
     ``checksum``: the payload checksum, ``"crc32c"`` (format version 3) or ``"crc32"`` (version
-    2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads).
+    2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads);
+    ``from_source``: write a tensor whose memory is page aligned straight from that memory
+    (default True; False copies every payload through the host cache).
 
     One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
     thread); the host cache itself may be shared with other threads.
@@ -177,8 +191,11 @@ class SnapshotFileWriter:
         cache_bytes: int = 64 << 20,
         acquire_timeout_s: Optional[float] = None,
         checksum: Optional[str] = None,
+        from_source: bool = True,
     ):
         self.algo = checksum or default_algo()
+        self.from_source = from_source
+        self._sources_in_flight = 0
         self.version = version_of(self.algo)  # ValueError for an unknown algorithm, before anything is made
         self.flusher = flusher or Flusher(config)
         cfg = self.flusher.config
@@ -239,6 +256,31 @@ class SnapshotFileWriter:
             self._submit(session, buf, take, offset + pos)
             pos += take
 
+    def _put_from_source(self, session: WriteSession, src: memoryview, offset: int, blocks: _Blocks) -> int:
+        """Write ``src`` (page aligned) to ``offset`` straight from its own memory, no copy: its
+        aligned bulk in pieces of a cache buffer, each checksummed from the source while its write
+        is in flight; the last partial block (under the alignment) goes through the cache. The
+        source must not change until :meth:`_wait_sources` returned. Returns the bytes written from
+        the source."""
+        bulk = len(src) - len(src) % self._align
+        step = self.cache.buffer_bytes
+        for pos in range(0, bulk, step):
+            piece = src[pos : min(bulk, pos + step)]
+            self._sources_in_flight += 1
+            session.write(piece, offset + pos, on_release=self._source_written)
+            blocks.copy(piece, None)
+        if bulk < len(src):
+            self._put_aligned(session, src[bulk:], offset + bulk, blocks)
+        return bulk
+
+    def _source_written(self) -> None:
+        self._sources_in_flight -= 1  # completions are reaped on the writing thread
+
+    def _wait_sources(self, session: WriteSession) -> None:
+        """Wait until every write from a source's own memory completed (raises its failure)."""
+        while self._sources_in_flight > 0:
+            session.reap_one()
+
     def write(
         self,
         path: str,
@@ -250,9 +292,10 @@ class SnapshotFileWriter:
         """Write ``items`` (``WriteItem`` or ``(key, data[, kind[, attrs]])``) as a new snapshot
         file at ``path`` (replacing any file there), durable (fsynced) on return.
 
-        ``on_captured`` is called once every tensor payload has been copied into the host cache
-        (the sources may change from then on; the writes may still be in flight). It is called
-        on failure too, so a waiter never blocks on a write that gave up.
+        ``on_captured`` is called once no tensor payload is read from its source any more: each
+        was copied into the host cache, or (page-aligned sources) its writes straight from the
+        source completed. The sources may change from then on; writes from the cache may still be
+        in flight. It is called on failure too, so a waiter never blocks on a write that gave up.
 
         Raises :class:`InvalidItemError` before touching the file for bad items, and
         :class:`~io_engine.errors.StorageWriteError` (file removed) when storage fails.
@@ -263,16 +306,23 @@ class SnapshotFileWriter:
         )
         views = {s.key: v for s, v in described}
         session = self.flusher.open(path)
+        self._sources_in_flight = 0
         tail = _TailPacker(self, session, layout.objects_offset)
         try:
             checksums: Dict[str, str] = {}
             crcs: Dict[str, _Blocks] = {}
             header = encode_header(layout.file_size, self._align, layout.version)
             self._put_aligned(session, memoryview(header), 0, None)
+            from_source = 0
             for m in layout.items:
                 if m.kind == KIND_TENSOR:
                     crcs[m.key] = _Blocks(self.algo)
-                    self._put_aligned(session, views[m.key], m.offset, crcs[m.key])
+                    src = views[m.key]
+                    if self.from_source and len(src) >= self._align and buffer_address(src) % self._align == 0:
+                        from_source += self._put_from_source(session, src, m.offset, crcs[m.key])
+                    else:
+                        self._put_aligned(session, src, m.offset, crcs[m.key])
+            self._wait_sources(session)  # the sources are no longer read: they may change now
             if on_captured is not None:
                 captured, on_captured = on_captured, None
                 captured()
@@ -308,7 +358,7 @@ class SnapshotFileWriter:
             except OSError:
                 pass
             raise
-        return WriteResult(layout, report)
+        return WriteResult(layout, report, from_source)
 
     def close(self) -> None:
         """Close the host cache if this writer created it. Idempotent."""

@@ -18,6 +18,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ds_dynatrain.checkpoint.snapshot import SnapshotCheckpointEngine
 from io_engine import read_latest
+from io_engine.host_cache import alloc_aligned
 from state_providers.serialize import equal
 
 
@@ -52,12 +53,21 @@ def state_of(n=1 << 20, seed=0):
     }
 
 
-def test_mutation_after_capture_never_reaches_the_file(store, tmp_path):
+@pytest.mark.parametrize("aligned", [False, True], ids=["copied", "from-source"])
+def test_mutation_after_capture_never_reaches_the_file(store, tmp_path, aligned):
     """``save`` returns at once; once the capture is done (what the elastic engine waits for right
     before the optimizer step) the live tensors may change and the file still holds the values
-    of the moment of ``save``."""
+    of the moment of ``save``. ``from-source``: ``w`` lies in page-aligned memory, so it is
+    written straight from there and the capture is the end of those writes; ``copied``: it does
+    not, so it is copied through the host cache."""
     engine = make_engine(store)
     state = state_of()
+    n = state["w"].numel()
+    if aligned:
+        place = torch.frombuffer(alloc_aligned(state["w"].nbytes), dtype=torch.float32)
+    else:  # one element past an allocation's start: never page aligned, whatever the allocator
+        place = torch.empty(n + 1)[1:]
+    state["w"] = place.copy_(state["w"])
     expected = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
     save(engine, tmp_path, "global_step1", state)
     engine.wait_captured()
@@ -67,6 +77,7 @@ def test_mutation_after_capture_never_reaches_the_file(store, tmp_path):
     loaded = engine.load(str(tmp_path / "global_step1" / "state.pt"))
     assert equal(loaded, expected)
     assert read_latest(str(tmp_path)) == "global_step1"
+    assert engine.stats["from_source_bytes"] == (state["w"].nbytes if aligned else 0)
     engine.close()
 
 

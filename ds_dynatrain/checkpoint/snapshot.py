@@ -118,6 +118,7 @@ class _FileJob:
     ready: Any = None  # a CUDA event recorded at save time when the state is on a GPU
     seconds: float = 0.0
     nbytes: int = 0
+    from_source_bytes: int = 0  # written straight from the live (or staged) tensors, not copied
     captured_at: float = 0.0  # perf_counter when its tensors were copied out (host cache; GPU: pinned stage)
     persisted_at: float = 0.0  # perf_counter when the file was synced (or failed)
 
@@ -211,7 +212,9 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self.stats = {"capture_wait_s": 0.0, "persist_s": 0.0, "bytes": 0}
+        # seconds the optimizer step waited for captures; seconds and bytes of the files persisted,
+        # and of those bytes the ones written straight from the tensors' memory (io_engine.writer)
+        self.stats = {"capture_wait_s": 0.0, "persist_s": 0.0, "bytes": 0, "from_source_bytes": 0}
         # path in the saved dict -> footer attributes of that tensor (the VPS coordinates of ZeRO
         # partitions, set by the elastic engine); None: none
         self.tensor_attrs = None
@@ -298,7 +301,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
                 on_captured=None if staged else partial(_captured, job),
                 file_attrs={"producer": "ds_dynatrain", "rank": self.rank, "world_size": self.world_size},
             )
-            job.nbytes = res.layout.file_size
+            job.nbytes, job.from_source_bytes = res.layout.file_size, res.from_source_bytes
         except BaseException as e:  # OSError, IOEngineError, anything: never leave a waiter blocked
             err = e
         _file_done(job, t0, err)

@@ -201,6 +201,7 @@ class OutcomeTracking:
         for j in snap.jobs:
             self.stats["persist_s"] += j.seconds
             self.stats["bytes"] += j.nbytes
+            self.stats["from_source_bytes"] += j.from_source_bytes
         info = snap.info
         outcome = SnapshotOutcome.of(info.tag, info.save_dir, got, snap.saved_step, snap.save_s, snap.t0)
         if self.on_outcome is not None:
