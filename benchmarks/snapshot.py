@@ -1,6 +1,7 @@
 """Snapshot cost: our asynchronous engine beside DeepSpeed's default engine and PyTorch DCP.
 
-    python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR] [--worker-nice N] [--unpaired]
+    python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR] [--worker-nice N] [--rounds R]
+                                  [--unpaired]
 
 One run: a Llama-shaped model (about 100 M parameters at the defaults; byte vocabulary), ZeRO-2,
 2 ranks on this machine, a snapshot every ``--every`` steps, once per engine:
@@ -19,12 +20,14 @@ thread, user and system) against that baseline's: on a machine whose cores train
 extra CPU time is what a snapshot takes from training.
 
 The baseline is paired: each engine's job runs ``--steps`` iterations without snapshots, then
-``--steps`` with them, then ``--steps`` without again, and the slowdown is against the mean of the
-two blocks without (the machine's speed drifts by more than the effect between separate jobs; the
-drift between the block before and the block after is printed). ``--unpaired`` runs the blocks
+``--rounds`` times (default 3) ``--steps`` with them and ``--steps`` without again. Each block with
+snapshots is compared with the mean of the two blocks without around it, and the slowdown is the
+median of those rounds (the machine's speed drifts by more than the effect between separate jobs,
+and by several percent between blocks of one job: the drift from the first block without to the
+last and each round's slowdown are printed). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
-paired_drift, flush_gbps, bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes
+paired_drift, round_slowdowns, flush_gbps, bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes
 written straight from the tensors' memory; None for the other engines).
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,7 +84,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
         a.dir,
         "--out",
         out,
-        *(["--paired"] if a.paired else []),
+        *(["--paired", "--rounds", str(a.rounds)] if a.paired else []),
     ]
     env = dict(
         os.environ,
@@ -110,6 +114,9 @@ def main(argv=None) -> int:
         action="store_false",
         help="no baseline blocks inside each engine's job: slowdowns against the 'none' job's",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="paired: blocks with snapshots per engine, each between two without"
+    )
     ap.add_argument("--worker-nice", type=int, default=None, help="snapshot.worker_nice (default: the config's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
         r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
         if r.get("paired_base_iter_s"):  # the same job's blocks without snapshots, before and after
             r["baseline_iter_s"] = r["paired_base_iter_s"]
-            r["slowdown"] = r["iter_s"] / r["paired_base_iter_s"] - 1
+            r["slowdown"] = statistics.median(r["round_slowdowns"])
             r["cpu_overhead"] = r["cpu_s"] / r["paired_base_cpu_s"] - 1
         else:
             r["baseline_iter_s"] = base["iter_s"] if base else None
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
         if r.get("paired_base_iter_s"):
             print(
                 f"{r['engine']}: {r['paired_base_iter_s']:.2f} s per iteration without snapshots in the same job "
-                f"(drift from the block before to the block after: {100 * r['paired_drift']:+.1f} %)"
+                f"(drift from the first block to the last: {100 * r['paired_drift']:+.1f} %); slowdown of each "
+                f"round: {', '.join(f'{100 * x:.1f} %' for x in r['round_slowdowns'])}"
             )
     print(
         f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "

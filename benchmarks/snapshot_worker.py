@@ -39,6 +39,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--paired", action="store_true", help="also run --steps without snapshots before and after")
+    p.add_argument("--rounds", type=int, default=1, help="paired: blocks with snapshots, each between two without")
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--deepspeed_config", required=True)
@@ -177,10 +178,26 @@ def main():
         loop.step()
     snapshots = a.engine != "none"
     paired = a.paired and snapshots  # the same process without snapshots, before and after (drift cancels)
-    main_times, before, after = [], [], []
-    cpu_before = loop.block(a.steps, False, before) if paired else 0.0
-    cpu_main = loop.block(a.steps, snapshots, main_times)
-    cpu_after = loop.block(a.steps, False, after) if paired else 0.0
+    # paired: without, (with, without) x rounds; each block with snapshots is compared with the two
+    # blocks without around it, and the rounds' median is the slowdown
+    rounds = max(1, a.rounds) if paired else 1
+    main_blocks, plain_blocks, cpu_main, cpu_plain = [], [], 0.0, 0.0
+    if paired:
+        plain_blocks.append([])
+        cpu_plain += loop.block(a.steps, False, plain_blocks[-1])
+    for _ in range(rounds):
+        main_blocks.append([])
+        cpu_main += loop.block(a.steps, snapshots, main_blocks[-1])
+        if paired:
+            plain_blocks.append([])
+            cpu_plain += loop.block(a.steps, False, plain_blocks[-1])
+    main_times = [t for b in main_blocks for t in b]
+    plain_times = [t for b in plain_blocks for t in b]
+    round_slowdowns = [
+        statistics.mean(on) / statistics.mean(plain_blocks[k] + plain_blocks[k + 1]) - 1
+        for k, on in enumerate(main_blocks)
+        if paired
+    ]
     torch.distributed.barrier()
     save_dir = loop.save_dir
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []
@@ -199,10 +216,13 @@ def main():
                     "step_s": statistics.median(loop.plain) if loop.plain else None,
                     "step_with_snapshot_s": statistics.median(loop.with_snap) if loop.with_snap else None,
                     "iter_s": statistics.mean(main_times),
-                    "cpu_s": cpu_main / a.steps,
-                    "paired_base_iter_s": statistics.mean(before + after) if paired else None,
-                    "paired_base_cpu_s": (cpu_before + cpu_after) / (2 * a.steps) if paired else None,
-                    "paired_drift": statistics.mean(after) / statistics.mean(before) - 1 if paired else None,
+                    "cpu_s": cpu_main / len(main_times),
+                    "paired_base_iter_s": statistics.mean(plain_times) if paired else None,
+                    "paired_base_cpu_s": cpu_plain / len(plain_times) if paired else None,
+                    "paired_drift": (
+                        statistics.mean(plain_blocks[-1]) / statistics.mean(plain_blocks[0]) - 1 if paired else None
+                    ),
+                    "round_slowdowns": round_slowdowns or None,
                     "snapshot_bytes": snap_bytes,
                     "persist_s": persist,
                     "flush_gbps": flush_gbps,
