@@ -19,7 +19,8 @@ Three jobs of :mod:`benchmarks.gpu_check_worker`, ZeRO-2, fp32, on CUDA tensors:
   rank's capture, device to pinned host memory) beside ``pinned_gbps``, torch's device-to-host
   copy into pinned memory measured in the same process right after (best of 4 copies of 256 MiB);
   the first snapshot's figures, and under ``"again"`` the second's (the first allocates the
-  pinned staging memory, the second reuses it).
+  pinned staging memory, the second reuses it); ``from_source_share``: the share of rank 0's
+  snapshot bytes written straight from the pinned stage, without a copy into the host cache.
 * ``reload``: a process of its own, no launcher, so the accelerator's backend (NCCL on CUDA):
   a snapshot after step 2, two more steps, the snapshot loaded back; checked: the state after the
   load equals, bitwise, the state at the snapshot, and the steps between had changed it.
@@ -300,6 +301,7 @@ def snapshot_figures(st: str) -> dict:
         **one(first),
         "median_step_s": tr.get("median_step_s"),
         "pinned_gbps": pinned,
+        "from_source_share": tr.get("snapshot_from_source_share"),
         "device": tr.get("device"),
         "backend": tr.get("backend"),
         "params": tr.get("params"),

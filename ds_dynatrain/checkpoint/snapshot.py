@@ -2,8 +2,9 @@
 
 DataStates-LLM design (Maurya et al., HPDC'24, §4): model and optimizer state do not change during
 forward and backward, so a snapshot is *captured* lazily beside them and only the next optimizer
-step waits for the capture; tensors are not serialized at all, they are copied as bytes into a
-bounded pool of aligned host buffers and flushed with io_uring and O_DIRECT; the plain data are
+step waits for the capture; tensors are not serialized at all, they are written as bytes with
+io_uring and O_DIRECT, straight from their memory where it is page aligned, else copied into a
+bounded pool of aligned host buffers first (:mod:`io_engine.writer`); the plain data are
 serialized (allow-listed JSON, :mod:`state_providers.serialize`).
 
 ``engine.save_checkpoint()`` calls, on every rank: ``create`` -> ``save`` (one per file) ->
@@ -11,8 +12,9 @@ serialized (allow-listed JSON, :mod:`state_providers.serialize`).
 
 * ``save(state_dict, path)`` turns the dict into items (:class:`state_providers.DictStateProvider`:
   zero-copy tensor views, plain data serialized now) and queues one file job; it returns at once.
-  The engine's worker thread copies the tensors into the host cache (*captured*) and flushes the
-  file into ``DIR/.tmp-<tag>/`` (*persisted*, fsynced).
+  The engine's worker thread writes the tensors from their memory or copies them into the host
+  cache (*captured* once it no longer reads them) and flushes the file into ``DIR/.tmp-<tag>/``
+  (*persisted*, fsynced).
 * ``commit(info)`` queues the commit and returns at once. When this rank's files are persisted
   it reports to the job's store; rank 0 waits until every rank reported, then renames the
   directory to ``DIR/<tag>``, replaces ``latest`` atomically and prunes to ``keep_last``, and posts
@@ -73,7 +75,7 @@ def _write_items(provider: DictStateProvider, stage: PinnedStage, ready=None):
     """``io_engine`` write items for a provider's items, and whether they are private copies.
 
     Tensors are uint8 numpy views: of the live tensors when all are on the CPU (no copy; the writer's
-    copy into the host cache is the capture), else of their copies staged in ``stage``'s pinned
+    write from them, or its copy into the host cache, is the capture), else of their copies staged in ``stage``'s pinned
     memory (:mod:`.device_stage`), which are the capture. Objects are bytes."""
     from io_engine import WriteItem
 
@@ -119,7 +121,7 @@ class _FileJob:
     seconds: float = 0.0
     nbytes: int = 0
     from_source_bytes: int = 0  # written straight from the live (or staged) tensors, not copied
-    captured_at: float = 0.0  # perf_counter when its tensors were copied out (host cache; GPU: pinned stage)
+    captured_at: float = 0.0  # perf_counter when its tensors were no longer read (GPU: staged in pinned memory)
     persisted_at: float = 0.0  # perf_counter when the file was synced (or failed)
 
 

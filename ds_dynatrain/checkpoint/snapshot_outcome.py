@@ -38,8 +38,9 @@ class SnapshotOutcome:
     save_s:        seconds ``save_checkpoint`` spent in the training loop on this rank.
     seconds:       seconds from the save to the decision (rank 0's flush and the agreement).
     bytes:         bytes of the files every reporting rank wrote.
-    capture_s:     the slowest rank's seconds from the save until its state was in the host cache.
-    flush_s:       the slowest rank's seconds from that copy until its files were synced.
+    capture_s:     the slowest rank's seconds from the save until its state was no longer read
+                   (copied into the host cache, or written from its own memory).
+    flush_s:       the slowest rank's seconds from then until its files were synced.
     """
 
     tag: str
