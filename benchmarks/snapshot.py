@@ -7,6 +7,8 @@ One run: a Llama-shaped model (about 100 M parameters at the defaults; byte voca
 2 ranks on this machine, a snapshot every ``--every`` steps, once per engine:
 
 * ``dynatrain``: ds_dynatrain's asynchronous engine (lazy capture, io_uring + O_DIRECT flush);
+* ``dynatrain-copy`` (not in the default ``--engines``): the same with
+  ``snapshot.write_from_memory: false``, every tensor copied through the host cache;
 * ``torch``: DeepSpeed's default ``TorchCheckpointEngine`` (``torch.save``, blocking);
 * ``dcp``: ``torch.distributed.checkpoint.async_save`` of each rank's module and optimizer state.
 
@@ -42,9 +44,13 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPY = "dynatrain-copy"  # ours with ``snapshot.write_from_memory: false``
 
 
 def run_engine(engine: str, a, workdir: str) -> dict:
+    snapshot = {"host_cache_mib": 256, **({} if a.worker_nice is None else {"worker_nice": a.worker_nice})}
+    if engine == COPY:  # ours, every tensor copied through the host cache
+        snapshot["write_from_memory"] = False
     cfg = {
         "train_batch_size": 4,
         "train_micro_batch_size_per_gpu": 2,
@@ -52,7 +58,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
         "zero_optimization": {"stage": 2},
         "steps_per_print": 10**9,
         "dynatrain": {
-            "snapshot": {"host_cache_mib": 256, **({} if a.worker_nice is None else {"worker_nice": a.worker_nice})},
+            "snapshot": snapshot,
             "log_interval_steps": 10**6,
         },
     }
@@ -71,7 +77,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
         cfg_path,
         os.path.join(ROOT, "benchmarks", "snapshot_worker.py"),
         "--engine",
-        engine,
+        "dynatrain" if engine == COPY else engine,
         "--hidden",
         str(a.hidden),
         "--layers",
@@ -95,7 +101,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
     if p.returncode != 0:
         sys.exit(f"benchmark job for {engine} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     with open(out) as f:
-        return json.load(f)
+        return {**json.load(f), "engine": engine}
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Payload checksums: CRC-32C in hardware (format version 3), CRC-32 (versions 1 and 2).
 
-A snapshot is copied into the host cache and checksummed on the way; on two cores both passes
-compete with training. Three choices keep that cheap:
+A snapshot's tensors are checksummed as they are copied into the host cache, or from their own
+memory when they are written from there (:mod:`io_engine.writer`); on two cores every pass over
+the bytes competes with training. Three choices keep that cheap:
 
 * CRC-32C (Castagnoli polynomial 0x1EDC6F41, RFC 3720 appendix B.4), computed by the SSE4.2
   ``crc32`` instruction in the native library that ``google-crc32c`` ships: several times faster

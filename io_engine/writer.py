@@ -1,21 +1,26 @@
 """Writing and reading one snapshot file: the facade over format, host cache, flusher and reader.
 
-``write_snapshot_file(path, items)`` plans the layout (``format.plan_layout``), copies each
-payload into aligned buffers of the host cache, hands each filled buffer to the flusher and takes
-it back when its write completed. Each tensor buffer is copied in one ``memmove`` and checksummed
-block by block right after, with the GIL released for both (:mod:`io_engine.checksum`; objects
-and the footer go through :func:`~io_engine.checksum.copy_with_crc`), and from the copy, which is
-what the file holds, so checksum and payload agree even if the source changes later. CRC-32C in
-hardware where it loads (format version 3), else ``zlib.crc32`` (version 2).
+``write_snapshot_file(path, items)`` plans the layout (``format.plan_layout``) and writes each
+tensor payload in one of two ways (CRC-32C in hardware where it loads, format version 3, else
+``zlib.crc32``, version 2; :mod:`io_engine.checksum`, with the GIL released):
 
-A tensor whose memory is page aligned (torch's CPU allocator aligns tensors of 2 MiB or more to
-2 MiB under ``THP_MEM_ALLOC_ENABLE=1``, which ``dynatrain launch`` sets) is not copied: its
-aligned bulk is written straight from its memory and checksummed from there while the write is in
-flight, and only its last partial block goes through the cache. The copy is what a snapshot costs
-the CPUs training runs on (a memmove competing with training for memory bandwidth); the writes
-from the source are DMA. The source must then stay unchanged until those writes completed, so
-``on_captured`` waits for them (the flush of that tensor, not only its copy). Order of work in the
-file:
+* **From its own memory**, when its address is a multiple of the flusher's alignment (4096 by
+  default, O_DIRECT's block; torch's CPU allocator places tensors of 2 MiB or more on a page under
+  ``THP_MEM_ALLOC_ENABLE=1``, which ``dynatrain launch`` sets): its whole blocks are handed to the
+  flusher as they are and checksummed from the source while their writes are in flight; only its
+  last partial block goes through the host cache. No copy: with O_DIRECT the device reads the
+  memory itself, and the copy is what a snapshot would cost the CPUs training runs on (a
+  ``memmove`` competing with the training ranks for memory bandwidth). The source must stay
+  unchanged until those writes completed, so ``on_captured`` waits for them (the flush of that
+  tensor, not only a copy of it); a source changed earlier gives a file whose checksums do not
+  match its bytes, which every reader refuses (never a silent wrong value).
+* **Through the host cache** otherwise (or with ``from_source=False``): copied into aligned
+  buffers in one ``memmove`` per buffer and checksummed block by block from the copy right after,
+  which is what the file holds, so checksum and payload agree even if the source changes later;
+  each filled buffer goes to the flusher and comes back when its write completed. Objects and the
+  footer are packed through the same buffers (:func:`~io_engine.checksum.copy_with_crc`).
+
+Order of work in the file:
 
 1. header block and tensor payloads, then objects (packed, through the same buffers);
 2. a barrier: every write so far has completed;
@@ -175,8 +180,9 @@ class SnapshotFileWriter:
     ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``);
     ``checksum``: the payload checksum, ``"crc32c"`` (format version 3) or ``"crc32"`` (version
     2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads);
-    ``from_source``: write a tensor whose memory is page aligned straight from that memory
-    (default True; False copies every payload through the host cache).
+    ``from_source``: write a tensor whose address is a multiple of the alignment (a page, by
+    default) straight from its memory (default True; False copies every payload through the host
+    cache). See the module docstring.
 
     One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
     thread); the host cache itself may be shared with other threads.
@@ -257,7 +263,7 @@ class SnapshotFileWriter:
             pos += take
 
     def _put_from_source(self, session: WriteSession, src: memoryview, offset: int, blocks: _Blocks) -> int:
-        """Write ``src`` (page aligned) to ``offset`` straight from its own memory, no copy: its
+        """Write ``src`` (aligned) to ``offset`` straight from its own memory, no copy: its
         aligned bulk in pieces of a cache buffer, each checksummed from the source while its write
         is in flight; the last partial block (under the alignment) goes through the cache. The
         source must not change until :meth:`_wait_sources` returned. Returns the bytes written from
@@ -293,9 +299,12 @@ class SnapshotFileWriter:
         file at ``path`` (replacing any file there), durable (fsynced) on return.
 
         ``on_captured`` is called once no tensor payload is read from its source any more: each
-        was copied into the host cache, or (page-aligned sources) its writes straight from the
-        source completed. The sources may change from then on; writes from the cache may still be
-        in flight. It is called on failure too, so a waiter never blocks on a write that gave up.
+        was copied into the host cache, or (aligned sources) its writes straight from the source
+        completed. The sources may change from then on; writes from the cache may still be in
+        flight. It is called on failure too, once every write in flight completed, so a waiter
+        never blocks on a write that gave up; only after a storage timeout
+        (:class:`~io_engine.errors.IOTimeoutError`) may a write given up still read its source
+        (the file is removed either way).
 
         Raises :class:`InvalidItemError` before touching the file for bad items, and
         :class:`~io_engine.errors.StorageWriteError` (file removed) when storage fails.
@@ -349,10 +358,10 @@ class SnapshotFileWriter:
             tail.close()
             report = session.finish(layout.file_size)
         except BaseException:
+            tail.discard()
+            session.abort()  # waits for every write in flight, those from the sources too
             if on_captured is not None:
                 on_captured()
-            tail.discard()
-            session.abort()
             try:
                 os.unlink(path)
             except OSError:

@@ -81,8 +81,10 @@ class DeferredQueue:
 
     def __init__(self, inner):
         self.inner, self.kind, self.held = inner, inner.kind, []
+        self.outstanding = 0  # writes submitted and not yet reported complete
 
     def submit_write(self, fd, view, offset, token):
+        self.outstanding += 1
         self.held.append((fd, view, offset, token))
 
     def submit_read(self, fd, view, offset, token):
@@ -92,7 +94,9 @@ class DeferredQueue:
         held, self.held = self.held, []
         for args in held:
             self.inner.submit_write(*args)
-        return self.inner.wait(timeout)
+        done = self.inner.wait(timeout)
+        self.outstanding -= len(done or ())
+        return done
 
     def close(self):
         self.inner.close()
@@ -135,3 +139,38 @@ def test_storage_failure_from_the_source_is_typed_and_leaves_no_file(tmp_path):
     assert not path.exists()
     assert cache.num_free == cache.num_buffers
     cache.close()
+
+
+def test_a_failure_calls_on_captured_only_after_the_writes_in_flight(tmp_path, monkeypatch):
+    """INJECTED: the checksum of the third piece taken from a source raises (as a MemoryError
+    could). The writes already handed over still read the sources: ``on_captured`` must come
+    after they completed, and the file is removed."""
+    import io_engine.writer as writer
+
+    queues = []
+
+    def factory(kind, depth):
+        queues.append(DeferredQueue(default_queue_factory(kind, depth)))
+        return queues[-1]
+
+    real, calls = writer._Blocks.copy, [0]
+
+    def failing_copy(self, dst, src):
+        if src is None and len(dst) == SMALL["chunk_bytes"]:  # a piece from a source (one cache buffer long)
+            calls[0] += 1
+            if calls[0] == 3:
+                raise MemoryError("injected")
+        return real(self, dst, src)
+
+    monkeypatch.setattr(writer._Blocks, "copy", failing_copy)
+    outstanding_at_capture = []
+    flusher = Flusher(IOConfig(engine="threads", **dict(SMALL, queue_depth=64)), queue_factory=factory)
+    with SnapshotFileWriter(flusher=flusher, cache_bytes=4 * SMALL["chunk_bytes"]) as w, pytest.raises(MemoryError):
+        w.write(
+            str(tmp_path / "f"),
+            [("big", aligned_array(8 * 4 * SMALL["chunk_bytes"], 3))],
+            on_captured=lambda: outstanding_at_capture.append(queues[0].outstanding),
+        )
+    assert calls[0] == 3
+    assert outstanding_at_capture == [0]
+    assert not (tmp_path / "f").exists()

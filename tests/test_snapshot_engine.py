@@ -53,14 +53,17 @@ def state_of(n=1 << 20, seed=0):
     }
 
 
-@pytest.mark.parametrize("aligned", [False, True], ids=["copied", "from-source"])
-def test_mutation_after_capture_never_reaches_the_file(store, tmp_path, aligned):
+@pytest.mark.parametrize(
+    "aligned, from_memory", [(False, True), (True, True), (True, False)], ids=["copied", "from-source", "copy-forced"]
+)
+def test_mutation_after_capture_never_reaches_the_file(store, tmp_path, aligned, from_memory):
     """``save`` returns at once; once the capture is done (what the elastic engine waits for right
     before the optimizer step) the live tensors may change and the file still holds the values
     of the moment of ``save``. ``from-source``: ``w`` lies in page-aligned memory, so it is
     written straight from there and the capture is the end of those writes; ``copied``: it does
-    not, so it is copied through the host cache."""
-    engine = make_engine(store)
+    not, so it is copied through the host cache; ``copy-forced``: it is, but
+    ``write_from_memory=False`` copies it."""
+    engine = make_engine(store, write_from_memory=from_memory)
     state = state_of()
     n = state["w"].numel()
     if aligned:
@@ -77,7 +80,7 @@ def test_mutation_after_capture_never_reaches_the_file(store, tmp_path, aligned)
     loaded = engine.load(str(tmp_path / "global_step1" / "state.pt"))
     assert equal(loaded, expected)
     assert read_latest(str(tmp_path)) == "global_step1"
-    assert engine.stats["from_source_bytes"] == (state["w"].nbytes if aligned else 0)
+    assert engine.stats["from_source_bytes"] == (state["w"].nbytes if aligned and from_memory else 0)
     engine.close()
 
 

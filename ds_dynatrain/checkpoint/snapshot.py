@@ -166,6 +166,9 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         worker_nice: added to the nice value of the worker thread (Linux: of that thread alone,
             :func:`io_engine.priority.lower_thread_priority`), 0 to 19; the copy, checksum and flush then yield
             the CPUs to training. Threads the worker starts inherit it.
+        write_from_memory: write a tensor whose memory is aligned to the O_DIRECT block straight
+            from that memory (:class:`io_engine.SnapshotFileWriter` ``from_source``); the capture
+            then ends when those writes completed. False copies every tensor into the host cache.
 
     Raises:
         ConfigError: ``on_write_error`` is neither ``"warn"`` nor ``"raise"``, or ``worker_nice``
@@ -184,6 +187,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         asynchronous: bool = True,
         on_write_error: str = "warn",
         worker_nice: int = 5,
+        write_from_memory: bool = True,
     ):
         super().__init__(None)
         if on_write_error not in ("warn", "raise"):
@@ -192,6 +196,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ConfigError(f"worker_nice must be an int from 0 to 19, got {worker_nice!r}")
         self.worker_nice = worker_nice
+        self.write_from_memory = write_from_memory
         # called with a SnapshotOutcome of every snapshot, once its outcome is known (this rank)
         self.on_outcome: Optional[Callable[[SnapshotOutcome], None]] = None
         self._unreported: Optional[SnapshotWriteError] = None  # a failure noted, raised at the next save
@@ -249,7 +254,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
                 pass  # the io backend falls back to a thread pool and says so once
             from io_engine import SnapshotFileWriter
 
-            self._writer = SnapshotFileWriter(cache_bytes=self._cache_bytes)
+            self._writer = SnapshotFileWriter(cache_bytes=self._cache_bytes, from_source=self.write_from_memory)
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dynatrain-snapshot", daemon=True)
             self._thread.start()

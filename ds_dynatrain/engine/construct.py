@@ -133,6 +133,7 @@ def attach_snapshot_engine(engine, dt: ElasticState) -> None:
         asynchronous=snap.asynchronous,
         on_write_error=snap.on_write_error,
         worker_nice=snap.worker_nice,
+        write_from_memory=snap.write_from_memory,
     )
     if dt.tp_layout is None and dt.pp_layout is None:
         engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())

@@ -114,11 +114,12 @@ class SnapshotRecord(Record):
     seconds: float = _f("from `save_checkpoint` to the outcome (the flush and every rank's report)", 0.0)
     bytes: int = _f("bytes of the files every rank wrote (the ranks that reported)")
     capture_s: float = _f(
-        "slowest rank's seconds from `save_checkpoint` until its state was copied out: into the host cache, "
-        "or for GPU state into pinned host memory (training may change the state from then on)",
+        "slowest rank's seconds from `save_checkpoint` until its state was no longer read: copied into the "
+        "host cache or written from its own memory (page-aligned tensors, `snapshot.write_from_memory`), or "
+        "for GPU state copied into pinned host memory (training may change the state from then on)",
         0.0,
     )
-    flush_s: float = _f("slowest rank's seconds from that copy until its files were written and synced", 0.0)
+    flush_s: float = _f("slowest rank's seconds from then until its files were written and synced", 0.0)
     bytes_per_s: float = _f("`bytes` / (`capture_s` + `flush_s`): the write bandwidth of the whole job", 0.0)
     dir: str = _f("snapshot directory", "")
 
