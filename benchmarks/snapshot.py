@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                 f"round: {', '.join(f'{100 * x:.1f} %' for x in r['round_slowdowns'])}"
             )
     print(
-        f"{'engine':<10} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
+        f"{'engine':<14} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
         f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10}"
     )
     for r in results:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         cpu = f"{100 * r['cpu_overhead']:>9.1f}%" if r["cpu_overhead"] is not None else f"{'-':>10}"
         vs_torch = f"{r['stall_vs_torch']:>12.3f}" if r["stall_vs_torch"] is not None else f"{'-':>12}"
         print(
-            f"{r['engine']:<10} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
+            f"{r['engine']:<14} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
             f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {vs_torch} "
             f"{r['flush_vs_bound']:>12.2f} {cpu}"
         )
