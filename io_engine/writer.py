@@ -283,8 +283,15 @@ class SnapshotFileWriter:
         self._sources_in_flight -= 1  # completions are reaped on the writing thread
 
     def _wait_sources(self, session: WriteSession) -> None:
-        """Wait until every write from a source's own memory completed (raises its failure)."""
+        """Wait until every write from a source's own memory completed (raises its failure).
+
+        Raises :class:`IOEngineError` rather than wait forever if the session has nothing in
+        flight while such writes are unaccounted for (a flusher that lost a release)."""
         while self._sources_in_flight > 0:
+            if not session.in_flight:  # a reap re-issues retried writes before it returns
+                raise IOEngineError(
+                    f"{session.path}: internal error: {self._sources_in_flight} writes from memory never completed"
+                )
             session.reap_one()
 
     def write(

@@ -174,3 +174,16 @@ def test_a_failure_calls_on_captured_only_after_the_writes_in_flight(tmp_path, m
     assert calls[0] == 3
     assert outstanding_at_capture == [0]
     assert not (tmp_path / "f").exists()
+
+
+def test_a_lost_release_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """INJECTED: the completions of writes from memory are never counted (as a flusher that lost a
+    release would do). The writer raises once nothing is in flight, instead of waiting forever,
+    and leaves no file."""
+    import io_engine.writer as writer
+
+    monkeypatch.setattr(writer.SnapshotFileWriter, "_source_written", lambda self: None)
+    with SnapshotFileWriter(config=IOConfig(engine="threads", **SMALL)) as w:
+        with pytest.raises(writer.IOEngineError, match="writes from memory never completed"):
+            w.write(str(tmp_path / "f"), [("big", aligned_array(4 * ALIGN, 1))])
+    assert not (tmp_path / "f").exists()
