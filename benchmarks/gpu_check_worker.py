@@ -200,17 +200,14 @@ def _finish_train(a, engine, step_s, snap) -> None:
     torch.distributed.barrier()
     if engine.global_rank == 0:
         later = step_s[1:] or step_s
+        stats = engine.checkpoint_engine.stats
         out = {
             "step_s": step_s,
             "median_step_s": statistics.median(later),
             "snapshots": {str(k): {"save_s": v["save_s"], "stall_s": v.get("stall_s")} for k, v in snap.items()},
             "pinned_gbps": pinned,
             # share of rank 0's snapshot bytes written from the pinned stage itself (no host-cache copy)
-            "snapshot_from_source_share": (
-                stats["from_source_bytes"] / stats["bytes"]
-                if (stats := getattr(engine.checkpoint_engine, "stats", {})).get("bytes")
-                else None
-            ),
+            "snapshot_from_source_share": stats["from_source_bytes"] / stats["bytes"] if stats["bytes"] else None,
             "device": str(engine.device),
             "backend": torch.distributed.get_backend(),
             "params": sum(p.numel() for p in engine.module.parameters()),

@@ -193,11 +193,14 @@ def main():
             cpu_plain += loop.block(a.steps, False, plain_blocks[-1])
     main_times = [t for b in main_blocks for t in b]
     plain_times = [t for b in plain_blocks for t in b]
-    round_slowdowns = [
-        statistics.mean(on) / statistics.mean(plain_blocks[k] + plain_blocks[k + 1]) - 1
-        for k, on in enumerate(main_blocks)
+    round_slowdowns = (
+        [
+            statistics.mean(on) / statistics.mean(plain_blocks[k] + plain_blocks[k + 1]) - 1
+            for k, on in enumerate(main_blocks)
+        ]
         if paired
-    ]
+        else []
+    )
     torch.distributed.barrier()
     save_dir = loop.save_dir
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []

@@ -28,6 +28,8 @@ import logging
 import zlib
 from typing import Callable, Optional
 
+from .host_cache import buffer_address as address  # read-only buffers too
+
 log = logging.getLogger("ds_dynatrain.io")
 
 CRC32 = "crc32"  # zlib.crc32: format versions 1 and 2
@@ -67,13 +69,6 @@ def native_crc32c() -> bool:
 def default_algo() -> str:
     """The algorithm a writer uses: :data:`CRC32C` where it is native, else :data:`CRC32`."""
     return CRC32C if native_crc32c() else CRC32
-
-
-def address(view) -> int:
-    """Virtual address of the first byte of a contiguous buffer (read-only ones too)."""
-    import numpy as np  # local: the package does not need numpy to import
-
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def crc_update(algo: str, data, crc: int = 0) -> int:

@@ -45,7 +45,8 @@ def alloc_aligned(nbytes: int) -> mmap.mmap:
 
 
 def buffer_address(buf) -> int:
-    """Virtual address of the first byte of a non-empty, contiguous buffer-protocol object."""
+    """Virtual address of the first byte of a non-empty, contiguous buffer-protocol object
+    (read-only ones too)."""
     import numpy as np  # local: the package does not need numpy to import
 
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
