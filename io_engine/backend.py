@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
+from .dio_align import file_memory_alignment
 from .errors import (
     BackendUnavailableError,
     IOTimeoutError,
@@ -228,6 +229,7 @@ class FileChannel:
         self._queue: Optional[IOQueue] = None
         self.fd = -1
         self.direct = False
+        self.memory_alignment = 1  # a buffer's address must be a multiple of it (dio_align)
         self._inflight: Dict[int, Op] = {}
         self._retry: List[Op] = []
         self._next = 1
@@ -237,6 +239,7 @@ class FileChannel:
         try:
             self._queue = backend.open_queue()
             self.fd, self.direct = backend.open_file(path, write)
+            self.memory_alignment = file_memory_alignment(self.fd, self.direct, backend.config.alignment)
         except BaseException:
             self.close()
             raise
@@ -351,7 +354,7 @@ class FileChannel:
                 self._release(op)
             return
         os.close(self.fd)
-        self.fd, self.direct = fd, False
+        self.fd, self.direct, self.memory_alignment = fd, False, 1
         for op in ops:
             self._issue(op)
 

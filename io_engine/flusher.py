@@ -4,10 +4,12 @@ The flusher executes a write plan it does not interpret: a list of ``(buffer, fi
 extents. It splits large buffers into ``chunk_bytes`` operations (8 MiB), keeps ``queue_depth``
 (32) of them in flight, and at the end truncates the file to its logical size and fsyncs it.
 
-O_DIRECT needs address, length and offset aligned to the block (4096 bytes). Offsets must be
-aligned by the caller (the format places every extent on a block). Buffers from the host cache
-are aligned and padded already; any other buffer with an unaligned address or length is copied
-into a zero-padded aligned bounce buffer (a slow path, for small odd pieces). The zero padding
+O_DIRECT needs length and offset aligned to the block (4096 bytes) and the buffer's address to
+what the file asks (:attr:`WriteSession.memory_alignment`: often 512 bytes, at most the block;
+:mod:`~io_engine.dio_align`). Offsets must be aligned by the caller (the format places every
+extent on a block). Buffers from the host cache are aligned and padded already; any other buffer
+with an unaligned address or length is copied into a zero-padded aligned bounce buffer (a slow
+path, for small odd pieces). The zero padding
 past an extent's end is either overwritten by nothing (extents never share a block) or cut off by
 the final ``ftruncate``, so a file written with and without O_DIRECT is byte-identical.
 
@@ -86,6 +88,12 @@ class WriteSession:
         return self._channel.direct
 
     @property
+    def memory_alignment(self) -> int:
+        """Bytes a buffer's address must be a multiple of to be written without a bounce copy:
+        1 for buffered I/O, the file's O_DIRECT memory alignment otherwise (at most the block)."""
+        return self._channel.memory_alignment
+
+    @property
     def in_flight(self) -> int:
         return len(self._channel._inflight)
 
@@ -104,7 +112,7 @@ class WriteSession:
                 raise ValueError(f"{self.path}: offset {offset} is not a multiple of {align}")
             n = len(view)
             keep = None
-            if n and self._channel.direct and (n % align or buffer_address(view) % align):
+            if n and self._channel.direct and (n % align or buffer_address(view) % self._channel.memory_alignment):
                 keep = alloc_aligned(align_up(n, align))  # zero-filled bounce buffer
                 keep[:n] = view
                 view = memoryview(keep)[: align_up(n, align)]

@@ -4,11 +4,14 @@
 tensor payload in one of two ways (CRC-32C in hardware where it loads, format version 3, else
 ``zlib.crc32``, version 2; :mod:`io_engine.checksum`, with the GIL released):
 
-* **From its own memory**, when its address is a multiple of the flusher's alignment (4096 by
-  default, O_DIRECT's block; torch's CPU allocator places tensors of 2 MiB or more on a page under
-  ``THP_MEM_ALLOC_ENABLE=1``, which ``dynatrain launch`` sets): its whole blocks are handed to the
-  flusher as they are and checksummed from the source while their writes are in flight; only its
-  last partial block goes through the host cache. No copy: with O_DIRECT the device reads the
+* **From its own memory**, when it is at least one block (4096 bytes) long and its address is a
+  multiple of what the file asks of a buffer's address (:mod:`io_engine.dio_align`: with O_DIRECT
+  the file system's memory alignment as ``statx`` reports it, 512 bytes on common disks, else the
+  block; 1 with buffered I/O). So a module parameter at any 512-byte offset of DeepSpeed's flat
+  buffer qualifies as well as a tensor of its own (torch's CPU allocator places tensors of 2 MiB
+  or more on a page under ``THP_MEM_ALLOC_ENABLE=1``, which ``dynatrain launch`` sets). Its whole
+  blocks are handed to the flusher as they are and checksummed from the source while their writes
+  are in flight; only its last partial block goes through the host cache. No copy: with O_DIRECT the device reads the
   memory itself, and the copy is what a snapshot would cost the CPUs training runs on (a
   ``memmove`` competing with the training ranks for memory bandwidth). The source must stay
   unchanged until those writes completed, so ``on_captured`` waits for them (the flush of that
@@ -180,8 +183,8 @@ class SnapshotFileWriter:
     ``acquire_timeout_s``: longest wait for a free buffer (default ``config.timeout_s``);
     ``checksum``: the payload checksum, ``"crc32c"`` (format version 3) or ``"crc32"`` (version
     2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads);
-    ``from_source``: write a tensor whose address is a multiple of the alignment (a page, by
-    default) straight from its memory (default True; False copies every payload through the host
+    ``from_source``: write a tensor whose address is a multiple of the file's memory alignment
+    (:attr:`~io_engine.flusher.WriteSession.memory_alignment`) straight from its memory (default True; False copies every payload through the host
     cache). See the module docstring.
 
     One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
@@ -334,7 +337,8 @@ class SnapshotFileWriter:
                 if m.kind == KIND_TENSOR:
                     crcs[m.key] = _Blocks(self.algo)
                     src = views[m.key]
-                    if self.from_source and len(src) >= self._align and buffer_address(src) % self._align == 0:
+                    aligned = buffer_address(src) % session.memory_alignment == 0
+                    if self.from_source and len(src) >= self._align and aligned:
                         from_source += self._put_from_source(session, src, m.offset, crcs[m.key])
                     else:
                         self._put_aligned(session, src, m.offset, crcs[m.key])

@@ -243,8 +243,8 @@ def test_hung_storage_times_out_with_a_typed_error(tmp_path):
     cache = HostCache(4 * SMALL["chunk_bytes"], SMALL["chunk_bytes"])
     flusher = Flusher(IOConfig(timeout_s=0.3, **SMALL), queue_factory=factory)
     t0 = time.monotonic()
-    with (
-        SnapshotFileWriter(flusher=flusher, host_cache=cache) as w,
+    with (  # through the cache, whatever the address of the bytes object
+        SnapshotFileWriter(flusher=flusher, host_cache=cache, from_source=False) as w,
         pytest.raises(IOTimeoutError, match=rf"{tmp_path / 'f'}: no completion within 0.3 s"),
     ):
         w.write(str(tmp_path / "f"), [("a", bytes(40000))])

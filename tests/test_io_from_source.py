@@ -1,6 +1,8 @@
-"""Writes straight from a page-aligned tensor's own memory (no copy through the host cache): the
-file is byte-identical to the copied one on every backend, the capture waits for those writes,
-and a storage failure among them is the same typed error with no file left.
+"""Writes straight from a tensor's own memory (no copy through the host cache) where its address
+suits the file (a page; 512 bytes where the kernel says O_DIRECT takes that, checked against the
+kernel's own refusals; any address buffered): the file is byte-identical to the copied one on
+every backend, the capture waits for those writes, and a storage failure among them is the same
+typed error with no file left.
 
 The delayed completions and the ENOSPC are INJECTED at the io engine's ``queue_factory`` seam."""
 
@@ -8,13 +10,16 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
+import os
 
 import numpy as np
 import pytest
 from faults import SMALL, faulty, uring_available
 
 from io_engine import Flusher, HostCache, IOConfig, SnapshotFileWriter, StorageWriteError, read_snapshot_file
-from io_engine.host_cache import alloc_aligned
+from io_engine.dio_align import dio_memory_alignment, file_memory_alignment
+from io_engine.host_cache import alloc_aligned, buffer_address
 from io_engine.ioqueue import default_queue_factory
 
 ALIGN = 4096
@@ -29,20 +34,88 @@ def aligned_array(nbytes: int, seed: int) -> np.ndarray:
 
 
 def items():
-    """Sizes around the alignment and the writer's piece (a host-cache buffer of 4 chunks), and
-    one unaligned array that must be copied."""
+    """Sizes around the alignment and the writer's piece (a host-cache buffer of 4 chunks), one
+    array 512 bytes past a page (as a parameter inside DeepSpeed's flat buffer lies) and one 8
+    bytes past a page."""
     piece = 4 * SMALL["chunk_bytes"]
     sizes = (ALIGN, ALIGN - 1, 3 * piece + 123, 5 * ALIGN + 1, 3 * piece)
-    out = [("unaligned", aligned_array(2 * piece + 8, 9)[8:])]
+    out = [("unaligned", aligned_array(2 * piece + 8, 9)[8:]), ("at512", aligned_array(piece + 512, 8)[512:])]
     out += [(f"t{n}", aligned_array(n, seed)) for seed, n in enumerate(sizes)]  # the last one from its source
     out.append(("obj", b"o" * 777, "object"))
     return out
 
 
-def from_source_expected() -> int:
-    """The bytes the writer must take from the sources: the whole-block bulk of each aligned
-    array at least one block long; the unaligned one and the short one are copied."""
-    return sum(len(a) // ALIGN * ALIGN for k, a, *_ in items() if k.startswith("t") and len(a) >= ALIGN)
+def from_source_expected(memory_alignment: int) -> int:
+    """The bytes the writer must take from the sources: the whole-block bulk of each array at
+    least one block long whose address is a multiple of ``memory_alignment``; the others are
+    copied."""
+    return sum(
+        len(a) // ALIGN * ALIGN
+        for _, a, *rest in items()
+        if not rest and len(a) >= ALIGN and a.ctypes.data % memory_alignment == 0
+    )
+
+
+def kernel_memory_alignment(directory) -> int:
+    """The oracle: the smallest power of two ``p`` such that an O_DIRECT write of one block from
+    ``p`` bytes past a page succeeds in ``directory`` (the kernel's own answer, by trying)."""
+    path = os.path.join(directory, "probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    page = mmap.mmap(-1, 2 * ALIGN)
+    try:
+        for shift in (1 << k for k in range(13)):
+            try:
+                os.pwrite(fd, memoryview(page)[shift : shift + ALIGN], 0)
+                return shift
+            except OSError as e:
+                assert e.errno == errno.EINVAL
+        raise AssertionError("no O_DIRECT write succeeded")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        page.close()
+
+
+def expected_alignment(directory, direct: bool) -> int:
+    """The address alignment the writer must have used in ``directory``: 1 buffered; with
+    O_DIRECT the kernel's (by trying) where ``statx`` reports one, else the block."""
+    if not direct:
+        return 1
+    fd = os.open(os.path.join(directory, "s"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        reported = dio_memory_alignment(fd) is not None
+    finally:
+        os.close(fd)
+        os.unlink(os.path.join(directory, "s"))
+    return min(ALIGN, kernel_memory_alignment(directory)) if reported else ALIGN
+
+
+def direct_supported(directory) -> bool:
+    try:
+        os.close(os.open(os.path.join(directory, "p"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(os.path.join(directory, "p")):
+            os.unlink(os.path.join(directory, "p"))
+
+
+def test_the_memory_alignment_is_the_one_the_kernel_takes(tmp_path):
+    if not direct_supported(tmp_path):
+        pytest.skip("O_DIRECT refused here")
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        said = dio_memory_alignment(fd)
+        if said is None:
+            pytest.skip("the kernel does not report STATX_DIOALIGN here")
+        want = kernel_memory_alignment(tmp_path)
+        assert said == want
+        assert file_memory_alignment(fd, True, ALIGN) == min(want, ALIGN)
+        assert file_memory_alignment(fd, False, ALIGN) == 1  # buffered: the kernel copies from anywhere
+    finally:
+        os.close(fd)
+    assert dio_memory_alignment(-1) is None
 
 
 def write(path, config, from_source, **kw):
@@ -67,7 +140,7 @@ def test_from_source_file_is_identical_to_the_copied_one(tmp_path, backend):
     copied, want = write(tmp_path / "copied", cfg, from_source=False)
     direct, got = write(tmp_path / "direct", cfg, from_source=True)
     assert copied.from_source_bytes == 0
-    assert direct.from_source_bytes == from_source_expected() > 0
+    assert direct.from_source_bytes == from_source_expected(expected_alignment(tmp_path, direct.report.direct)) > 0
     assert got == want  # header, payloads, padding, block checksums, footer: the same bytes
     back = read_snapshot_file(str(tmp_path / "direct"))  # checksums verified
     for key, data, *_ in items():
@@ -82,9 +155,11 @@ class DeferredQueue:
     def __init__(self, inner):
         self.inner, self.kind, self.held = inner, inner.kind, []
         self.outstanding = 0  # writes submitted and not yet reported complete
+        self.addresses = set()  # of every buffer a write was handed to the kernel from
 
     def submit_write(self, fd, view, offset, token):
         self.outstanding += 1
+        self.addresses.add(buffer_address(view))
         self.held.append((fd, view, offset, token))
 
     def submit_read(self, fd, view, offset, token):
@@ -114,10 +189,19 @@ def test_capture_waits_for_the_writes_from_the_source(tmp_path):
         for a in arrays:
             a[:] = 0
 
-    flusher = Flusher(cfg, queue_factory=lambda kind, depth: DeferredQueue(default_queue_factory(kind, depth)))
+    queues = []
+
+    def factory(kind, depth):
+        queues.append(DeferredQueue(default_queue_factory(kind, depth)))
+        return queues[-1]
+
+    flusher = Flusher(cfg, queue_factory=factory)
     with SnapshotFileWriter(flusher=flusher, cache_bytes=4 * SMALL["chunk_bytes"]) as w:
         res = w.write(str(tmp_path / "f"), sources, on_captured=captured)
-    assert res.from_source_bytes == from_source_expected()
+    alignment = expected_alignment(tmp_path, res.report.direct)
+    assert res.from_source_bytes == from_source_expected(alignment)
+    taken = [a for a in arrays if len(a) >= ALIGN and a.ctypes.data % alignment == 0]
+    assert {a.ctypes.data for a in taken} <= queues[0].addresses  # handed to the kernel as they are: no bounce copy
     assert all(not a.any() for a in arrays)  # the callback ran
     back = read_snapshot_file(str(tmp_path / "f"))
     assert {k: bytes(v[0]) for k, v in back.items()} == want
