@@ -3,7 +3,8 @@
 DataStates-LLM design (Maurya et al., HPDC'24, §4): model and optimizer state do not change during
 forward and backward, so a snapshot is *captured* lazily beside them and only the next optimizer
 step waits for the capture; tensors are not serialized at all, they are written as bytes with
-io_uring and O_DIRECT, straight from their memory where it is page aligned, else copied into a
+io_uring and O_DIRECT, straight from their memory where it is aligned as the file asks (512 bytes
+on common disks, :mod:`io_engine.dio_align`), else copied into a
 bounded pool of aligned host buffers first (:mod:`io_engine.writer`); the plain data are
 serialized (allow-listed JSON, :mod:`state_providers.serialize`).
 
@@ -166,7 +167,7 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         worker_nice: added to the nice value of the worker thread (Linux: of that thread alone,
             :func:`io_engine.priority.lower_thread_priority`), 0 to 19; the copy, checksum and flush then yield
             the CPUs to training. Threads the worker starts inherit it.
-        write_from_memory: write a tensor whose memory is aligned to the O_DIRECT block straight
+        write_from_memory: write a tensor whose memory is aligned as O_DIRECT asks there straight
             from that memory (:class:`io_engine.SnapshotFileWriter` ``from_source``); the capture
             then ends when those writes completed. False copies every tensor into the host cache.
 

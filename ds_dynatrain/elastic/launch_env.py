@@ -131,8 +131,9 @@ def with_huge_pages(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
 
     Each CPU tensor of 2 MiB or more is then advised ``MADV_HUGEPAGE`` (``c10/core/alloc_cpu.cpp``):
     one page fault per 2 MiB instead of 512. It also starts on a page (measured with torch 2.13:
-    page aligned, not 2 MiB aligned), which lets a snapshot write it with O_DIRECT straight from
-    its memory (:mod:`io_engine.writer`). Partitions, flat
+    page aligned, not 2 MiB aligned), which lets a snapshot write it, and the parameters at
+    512-byte offsets of a flat buffer, with O_DIRECT straight from its memory
+    (:mod:`io_engine.writer`). Partitions, flat
     buffers and gradients that a rebuild or the first step after a resize allocates anew are
     faulted in several times faster (measured on a 2-core VM: 1.2 GB of freed-then-reallocated
     memory touched in 0.05 s against 0.3 s); memory the process never held costs about the same
