@@ -105,6 +105,9 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert all(r["bytes_moved"] > 0 for r in resized[:2])
     log = (shrunk / "job.log").read_text()
     assert "restarting" not in log and "failed" not in log, log[-3000:]
+    left = [json.loads(p.read_text()) for p in shrunk.glob("left_*.json")]  # the preempted one, then two
+    assert len(left) == 3 and all(len(s) == 2 for s in left), left
+    assert all(x.startswith("NotAMemberError: member g0r") for said in left for x in said), left
 
 
 def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path, static_steps):

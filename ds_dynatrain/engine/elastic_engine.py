@@ -23,7 +23,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
-from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
+from ..errors import ResizeRefusedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize, tp_switch
@@ -371,9 +371,5 @@ class ElasticEngine(DeepSpeedEngine):
 
     def _require_member(self):
         dt = getattr(self, "_dt", None)
-        if dt is not None and dt.retired:
-            raise NotAMemberError(f"member {dt.member} left the job at a resize; this engine cannot train")
-        if dt is not None and dt.failed:
-            raise TransitionAbortedError(
-                f"this engine's last resize failed, its optimizer state is incomplete: {dt.failed}"
-            )
+        if dt is not None:
+            dt.require_member()

@@ -91,8 +91,10 @@ class ElasticPipelineEngine(PipelineEngine):
                 not divide the world size, more stages than layers, a split that leaves a stage
                 without a trainable parameter, or a DP size that cannot keep the global batch; a
                 ``tensor_parallel`` degree (a pipeline job has no TP axis); nothing has changed.
-            TransitionAbortedError: a peer failed during the transfer.
+            TransitionAbortedError: a peer failed during the transfer, or the last change failed.
+            NotAMemberError: this process left the job.
         """
+        self._dt.require_member()
         with released_on_refusal(self._dt):  # a hold for a switch that will not come goes
             return self._change_layout(world_size, pipeline_parallel, tensor_parallel)
 
@@ -137,10 +139,10 @@ class ElasticPipelineEngine(PipelineEngine):
 
         Raises:
             ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
+            NotAMemberError: this process left the job.
         """
         dt = self._dt
-        if not self.is_member:
-            return 0
+        dt.require_member()
         if world_size != len(dt.members) or pipeline_parallel in (None, dt.pp_layout.pp):
             release_switch_memory(dt)  # a hold made before: not wanted any more
             return 0

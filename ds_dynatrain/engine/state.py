@@ -13,6 +13,7 @@ import torch
 from ..batch import BatchSplit, split_global_batch
 from ..config import DynatrainConfig
 from ..elastic.membership import Membership
+from ..errors import NotAMemberError, TransitionAbortedError
 from ..transition.execute import PendingTransition
 from .records import MetricsWriter
 
@@ -109,6 +110,20 @@ class ElasticState:
     def pp_schedule(self) -> Dict[int, int]:
         """``{step: PP degree}`` of the schedule's entries that give one (a PipelineModule job)."""
         return {e.step: e.pipeline_parallel for e in self.config.resize_schedule if e.pipeline_parallel is not None}
+
+    def require_member(self) -> None:
+        """Raise where this process's engine cannot train or change layout any more.
+
+        Raises:
+            NotAMemberError: the process left the job at a resize.
+            TransitionAbortedError: the last resize failed; the optimizer state is incomplete.
+        """
+        if self.retired:
+            raise NotAMemberError(f"member {self.member} left the job at a resize; this engine cannot train")
+        if self.failed:
+            raise TransitionAbortedError(
+                f"this engine's last resize failed, its optimizer state is incomplete: {self.failed}"
+            )
 
     def split(self, world_size: int, what: str = "world size") -> BatchSplit:
         """The global batch split over ``world_size`` data-parallel ranks (``what``: how a refusal

@@ -160,6 +160,15 @@ def main() -> None:
         if generation == 0 and rank == 1 and step == a.kill_at:
             engine.checkpoint_engine.wait()  # the snapshot of this step is committed
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice
+    if not engine.is_member:  # what a process that left is told when it asks for a change
+        said = []
+        for call in (lambda: engine.prepare_resize(1, pipeline_parallel=1), lambda: engine.resize(1)):
+            try:
+                said.append(repr(call()))
+            except Exception as err:  # noqa: BLE001 - the type is what the test reads
+                said.append(f"{type(err).__name__}: {err}")
+        with open(os.path.join(a.out, f"left_{os.getpid()}.json"), "w") as f:
+            json.dump(said, f)
 
 
 if __name__ == "__main__":
