@@ -187,15 +187,17 @@ def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
     """The table of switches, one line each, and its legend."""
     mib = 2**20
     print(
-        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'rebuild':>7} {'excess':>6} {'held MiB':>8} | "
+        f"\n{'switch':<9} {'ours':>7} {'plan':>6} {'xfer':>6} {'keep':>6} {'rebuild':>7} {'excess':>6} "
+        f"{'held MiB':>8} {'touch':>6} | "
         f"{'cold':>6} {'excess':>6} | {'route':>7} {'save':>6} {'convert':>7} {'relaunch':>8} | {'ratio':>6} "
         f"{'cold':>6} | "
         f"{'peak+ MiB':>9} {'shard MiB':>9} {'peak/shard':>10} | {'same loss':>9}"
     )
     for r in results:
         print(
-            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} {r['rebuild_s']:>7.3f} "
-            f"{r['first_step_excess_s']:>6.3f} {r['prepared_bytes'] / mib:>8.0f} | {r['cold_s']:>6.3f} "
+            f"{r['switch']:<9} {r['ours_s']:>7.3f} {r['plan_s']:>6.3f} {r['transfer_s']:>6.3f} "
+            f"{fmt(r['keep_s'], '.3f', 6)} {r['rebuild_s']:>7.3f} {r['first_step_excess_s']:>6.3f} "
+            f"{r['prepared_bytes'] / mib:>8.0f} {r['prepared_touch_s']:>6.2f} | {r['cold_s']:>6.3f} "
             f"{r['cold_first_step_excess_s']:>6.3f} | {r['deepspeed_route_s']:>7.2f} {r['save_s']:>6.2f} "
             f"{r['convert_s']:>7.2f} {r['relaunch_s']:>8.2f} | {fmt(r['ratio'], '.1f', 6)} "
             f"{fmt(r['cold_ratio'], '.1f', 6)} | "
@@ -205,7 +207,8 @@ def print_switches(results: List[dict], label: str, fmt: Callable) -> None:
     print(
         "\nseconds; ours = switch record + first step's excess, the switch announced two steps ahead "
         "(engine.prepare_resize: held = memory touched in the background during those steps and freed at the "
-        "switch); cold = the same with engine.resize alone; route = save + ds_to_universal + relaunch (start, "
+        "switch, touch = seconds the touching took; keep = copies into the new partitions); cold = the same with "
+        "engine.resize alone; route = save + ds_to_universal + relaunch (start, "
         f"load, first step's excess over ours at the new {label}); ratio = route / ours; peak+ = largest rise of a "
         "rank's peak resident set during the cold switch over its resident set before; shard = largest fp32 master + "
         "2 moments of one rank; same loss = the first step after the switch has bitwise the same loss on both routes"
