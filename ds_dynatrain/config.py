@@ -70,9 +70,10 @@ class SnapshotConfig(_Strict):
     host_cache_mib: int = Field(256, ge=8, description="bounded host cache the snapshot is copied through, MiB")
     write_from_memory: bool = Field(
         True,
-        description="write a tensor whose memory is page aligned straight from that memory, without a copy "
-        "through the host cache; the next optimizer step then waits for those writes, not for a copy. False: "
-        "copy every tensor (where storage is slower than the copy and the state fits in the host cache)",
+        description="write a tensor of 4 KiB or more whose address is aligned as the file system asks of O_DIRECT "
+        "buffers (512 bytes on common disks) straight from that memory, without a copy through the host cache; "
+        "the next optimizer step then waits for those writes, not for a copy. False: copy every tensor (where "
+        "storage is slower than the copy and the state fits in the host cache)",
     )
     worker_nice: int = Field(
         5,

@@ -59,7 +59,9 @@ class IOConfig:
     direct:      ``"auto"`` (O_DIRECT, else buffered), ``True`` (refusal is an error), ``False``.
     queue_depth: operations in flight per file (default 32).
     chunk_bytes: largest single operation, bytes; a multiple of ``alignment`` (default 8 MiB).
-    alignment:   O_DIRECT block, bytes, for address, length and offset (default 4096).
+    alignment:   O_DIRECT block, bytes, for length and offset (default 4096), and for a buffer's
+                 address where the kernel does not report the file's own memory alignment
+                 (:mod:`~io_engine.dio_align`).
     timeout_s:   longest wait for any completion, seconds, before :class:`IOTimeoutError`.
 
     Raises ``ValueError`` on construction for any invalid field.

@@ -29,8 +29,8 @@ def _libc_statx():
     """The C library's ``statx`` function, or None where it has none (not Linux, an old C
     library)."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).statx
-    except (AttributeError, OSError):
+        fn = ctypes.CDLL(None).statx
+    except Exception:  # noqa: BLE001 - no C library to load (Windows: TypeError), or no statx in it
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)
     fn.restype = ctypes.c_int
@@ -50,8 +50,8 @@ def dio_memory_alignment(fd: int) -> Optional[int]:
     buf = ctypes.create_string_buffer(STATX_SIZE)
     if _STATX(fd, b"", AT_EMPTY_PATH, STATX_DIOALIGN, buf) != 0:
         return None
-    (mask,) = struct.unpack_from("<I", buf, _MASK_AT)
-    mem, _offset = struct.unpack_from("<II", buf, _DIO_AT)
+    (mask,) = struct.unpack_from("=I", buf, _MASK_AT)  # the kernel's byte order
+    mem, _offset = struct.unpack_from("=II", buf, _DIO_AT)
     if not mask & STATX_DIOALIGN or mem <= 0 or mem & (mem - 1):
         return None
     return mem
@@ -59,8 +59,8 @@ def dio_memory_alignment(fd: int) -> Optional[int]:
 
 def file_memory_alignment(fd: int, direct: bool, block: int) -> int:
     """The address alignment, bytes, a buffer written to ``fd`` needs: 1 for buffered I/O (the
-    kernel copies from any address); with O_DIRECT, :func:`dio_memory_alignment`, at most
-    ``block`` (the engine's O_DIRECT block) and ``block`` where the kernel does not say."""
+    kernel copies from any address); with O_DIRECT, :func:`dio_memory_alignment`, and ``block``
+    (the engine's O_DIRECT block) where the kernel does not say."""
     if not direct:
         return 1
-    return min(block, dio_memory_alignment(fd) or block)
+    return dio_memory_alignment(fd) or block

@@ -11,8 +11,8 @@ Why ``mmap.mmap(-1, n)``: anonymous mappings are page aligned (4096 bytes here),
 O_DIRECT's address alignment without ctypes tricks, and they are returned to the OS on close.
 A torch CPU tensor's storage is aligned as O_DIRECT asks (512 bytes on common disks,
 :mod:`io_engine.dio_align`) only sometimes (large tensors under ``THP_MEM_ALLOC_ENABLE=1``, and
-views into them at such offsets): those the writer writes from their own memory; every other
-payload goes through this pool.
+views into them at such offsets): those of 4 KiB or more the writer writes from their own memory
+(with buffered I/O, any address will do); every other payload goes through this pool.
 
 Pinning (``cudaHostRegister``) is the caller's job on GPU machines: pass ``pin``/``unpin`` hooks;
 ``pin(view)`` is called once per buffer at construction, ``unpin(handle)`` at :meth:`close`.

@@ -184,8 +184,8 @@ class SnapshotFileWriter:
     ``checksum``: the payload checksum, ``"crc32c"`` (format version 3) or ``"crc32"`` (version
     2); default :func:`~io_engine.checksum.default_algo` (CRC-32C where the hardware one loads);
     ``from_source``: write a tensor whose address is a multiple of the file's memory alignment
-    (:attr:`~io_engine.flusher.WriteSession.memory_alignment`) straight from its memory (default True; False copies every payload through the host
-    cache). See the module docstring.
+    (:attr:`~io_engine.flusher.WriteSession.memory_alignment`) straight from its memory (default
+    True; False copies every payload through the host cache). See the module docstring.
 
     One :meth:`write` at a time (call it from one thread, e.g. the snapshot engine's flush
     thread); the host cache itself may be shared with other threads.
@@ -337,8 +337,11 @@ class SnapshotFileWriter:
                 if m.kind == KIND_TENSOR:
                     crcs[m.key] = _Blocks(self.algo)
                     src = views[m.key]
-                    aligned = buffer_address(src) % session.memory_alignment == 0
-                    if self.from_source and len(src) >= self._align and aligned:
+                    if (
+                        self.from_source
+                        and len(src) >= self._align
+                        and buffer_address(src) % session.memory_alignment == 0
+                    ):
                         from_source += self._put_from_source(session, src, m.offset, crcs[m.key])
                     else:
                         self._put_aligned(session, src, m.offset, crcs[m.key])

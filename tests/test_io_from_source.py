@@ -8,10 +8,13 @@ The delayed completions and the ENOSPC are INJECTED at the io engine's ``queue_f
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -35,11 +38,12 @@ def aligned_array(nbytes: int, seed: int) -> np.ndarray:
 
 def items():
     """Sizes around the alignment and the writer's piece (a host-cache buffer of 4 chunks), one
-    array 512 bytes past a page (as a parameter inside DeepSpeed's flat buffer lies) and one 8
-    bytes past a page."""
+    array 512 bytes past a page (as a parameter inside DeepSpeed's flat buffer lies), one 256 and
+    one 8 bytes past a page."""
     piece = 4 * SMALL["chunk_bytes"]
     sizes = (ALIGN, ALIGN - 1, 3 * piece + 123, 5 * ALIGN + 1, 3 * piece)
     out = [("unaligned", aligned_array(2 * piece + 8, 9)[8:]), ("at512", aligned_array(piece + 512, 8)[512:])]
+    out.append(("at256", aligned_array(piece + 256, 7)[256:]))  # half of 512: taken only where 256 will do
     out += [(f"t{n}", aligned_array(n, seed)) for seed, n in enumerate(sizes)]  # the last one from its source
     out.append(("obj", b"o" * 777, "object"))
     return out
@@ -118,6 +122,36 @@ def test_the_memory_alignment_is_the_one_the_kernel_takes(tmp_path):
     assert dio_memory_alignment(-1) is None
 
 
+class Recording:
+    """A real queue that records each write's buffer address and whether its file is O_DIRECT."""
+
+    def __init__(self, inner):
+        self.inner, self.kind, self.writes = inner, inner.kind, []
+
+    def submit_write(self, fd, view, offset, token):
+        self.writes.append((buffer_address(view), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        self.inner.submit_write(fd, view, offset, token)
+
+    def submit_read(self, fd, view, offset, token):
+        self.inner.submit_read(fd, view, offset, token)
+
+    def wait(self, timeout):
+        return self.inner.wait(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+def recording(queues):
+    """A queue factory of :class:`Recording` queues, each appended to ``queues``."""
+
+    def factory(kind, depth):
+        queues.append(Recording(default_queue_factory(kind, depth)))
+        return queues[-1]
+
+    return factory
+
+
 def write(path, config, from_source, **kw):
     flusher = Flusher(config, **kw)
     with SnapshotFileWriter(flusher=flusher, cache_bytes=4 * SMALL["chunk_bytes"], from_source=from_source) as w:
@@ -129,6 +163,7 @@ needs_uring = pytest.mark.skipif(not uring_available(), reason="io_uring refused
 BACKENDS = [
     pytest.param(dict(engine="io_uring", direct=True), marks=needs_uring),
     pytest.param(dict(engine="io_uring", direct=False), marks=needs_uring),
+    dict(engine="threads", direct=True),
     dict(engine="threads", direct="auto"),
     dict(engine="threads", direct=False),
 ]
@@ -136,9 +171,16 @@ BACKENDS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_from_source_file_is_identical_to_the_copied_one(tmp_path, backend):
+    if backend["direct"] is not False and not direct_supported(tmp_path):
+        pytest.skip("O_DIRECT refused here")
     cfg = IOConfig(**backend, **SMALL)
     copied, want = write(tmp_path / "copied", cfg, from_source=False)
-    direct, got = write(tmp_path / "direct", cfg, from_source=True)
+    queues = []
+    direct, got = write(tmp_path / "direct", cfg, from_source=True, queue_factory=recording(queues))
+    assert direct.report.direct is (backend["direct"] is not False)  # no silent fall back to buffered
+    if direct.report.direct:  # every write the kernel got suits it: the oracle is its own acceptance
+        kernel = kernel_memory_alignment(tmp_path)
+        assert all(is_direct and address % kernel == 0 for address, is_direct in queues[0].writes)
     assert copied.from_source_bytes == 0
     assert direct.from_source_bytes == from_source_expected(expected_alignment(tmp_path, direct.report.direct)) > 0
     assert got == want  # header, payloads, padding, block checksums, footer: the same bytes
@@ -271,3 +313,71 @@ def test_a_lost_release_is_an_error_not_a_hang(tmp_path, monkeypatch):
         with pytest.raises(writer.IOEngineError, match="writes from memory never completed"):
             w.write(str(tmp_path / "f"), [("big", aligned_array(4 * ALIGN, 1))])
     assert not (tmp_path / "f").exists()
+
+
+def test_the_flusher_bounces_only_what_the_file_cannot_take(tmp_path):
+    """With O_DIRECT, a buffer 8 bytes past a page is copied into an aligned bounce buffer; one at
+    the kernel's alignment past a page goes to the kernel as it is. Both reach the file."""
+    if not direct_supported(tmp_path):
+        pytest.skip("O_DIRECT refused here")
+    kernel = kernel_memory_alignment(tmp_path)
+    if kernel <= 8 or kernel >= ALIGN:
+        pytest.skip(f"the kernel takes buffers at {kernel} bytes: no address between the cases")
+    pages = alloc_aligned(4 * ALIGN)
+    pages[:] = np.random.default_rng(5).integers(0, 256, 4 * ALIGN, dtype=np.uint8).tobytes()
+    odd, fit = memoryview(pages)[8 : 8 + ALIGN], memoryview(pages)[2 * ALIGN + kernel : 3 * ALIGN + kernel]
+    queues = []
+    report = Flusher(IOConfig(engine="threads", direct=True, **SMALL), queue_factory=recording(queues)).write_file(
+        str(tmp_path / "f"), [(odd, 0), (fit, ALIGN)], logical_size=2 * ALIGN
+    )
+    handed = {address for address, _ in queues[0].writes}
+    assert report.direct and buffer_address(odd) not in handed and buffer_address(fit) in handed
+    assert (tmp_path / "f").read_bytes() == bytes(odd) + bytes(fit)
+
+
+def test_after_a_fall_back_to_buffered_any_address_is_written_from_memory(tmp_path):
+    """INJECTED: every O_DIRECT write completes with EINVAL (a file system that refuses O_DIRECT
+    only at the first write). The file goes on buffered, and an array 8 bytes past a page, which
+    O_DIRECT would not take, is then written from its memory too; the file reads back whole."""
+    if not direct_supported(tmp_path):
+        pytest.skip("O_DIRECT refused here for real; nothing to inject")
+    piece = 4 * SMALL["chunk_bytes"]
+    big, odd = aligned_array(8 * piece, 1), aligned_array(piece + 8, 2)[8:]
+    seen = []
+    refuse = faulty(lambda fd, off: bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), lambda v: -errno.EINVAL, seen)
+    flusher = Flusher(IOConfig(engine="threads", **SMALL), queue_factory=refuse)
+    with SnapshotFileWriter(flusher=flusher, cache_bytes=piece) as w:
+        res = w.write(str(tmp_path / "f"), [("big", big), ("odd", odd)])
+    assert seen[0].injected >= 1 and res.report.direct is False
+    assert res.from_source_bytes == len(big) + len(odd) // ALIGN * ALIGN
+    back = read_snapshot_file(str(tmp_path / "f"))
+    assert bytes(back["big"][0]) == big.tobytes() and bytes(back["odd"][0]) == odd.tobytes()
+
+
+@pytest.mark.parametrize(
+    "result, mask, memory, want",
+    [
+        (0, 0x2000, 512, 512),  # STATX_DIOALIGN reported
+        (0, 0x0FFF, 512, None),  # not reported (a kernel before 6.1, a file system that does not say)
+        (0, 0x2000, 0, None),  # reported: no O_DIRECT for this file
+        (0, 0x2000, 384, None),  # not a power of two: not believed
+        (-1, 0x2000, 512, None),  # the call failed
+    ],
+)
+def test_the_memory_alignment_is_believed_only_as_the_kernel_reports_it(monkeypatch, result, mask, memory, want):
+    """INJECTED: a fake ``statx`` at ``dio_align``'s seam fills ``struct statx`` as a kernel would
+    (native byte order; ``stx_mask`` at 0, ``stx_dio_mem_align`` at 152)."""
+    import io_engine.dio_align as dio_align
+
+    def fake_statx(fd, path, flags, request, buf):
+        assert path == b"" and flags == dio_align.AT_EMPTY_PATH and request == dio_align.STATX_DIOALIGN
+        assert ctypes.sizeof(buf) == 256
+        struct.pack_into("=I", buf, 0, mask)
+        struct.pack_into("=II", buf, 152, memory, 512)
+        return result
+
+    monkeypatch.setattr(dio_align, "_STATX", fake_statx)
+    assert dio_align.dio_memory_alignment(3) == want
+    assert dio_align.file_memory_alignment(3, True, ALIGN) == (want or ALIGN)
+    monkeypatch.setattr(dio_align, "_STATX", None)  # no statx in the C library
+    assert dio_align.dio_memory_alignment(3) is None and dio_align.file_memory_alignment(3, True, ALIGN) == ALIGN

@@ -115,7 +115,7 @@ class SnapshotRecord(Record):
     bytes: int = _f("bytes of the files every rank wrote (the ranks that reported)")
     capture_s: float = _f(
         "slowest rank's seconds from `save_checkpoint` until its state was no longer read: copied into the "
-        "host cache or written from its own memory (page-aligned tensors, `snapshot.write_from_memory`), or "
+        "host cache or written from its own memory (aligned tensors, `snapshot.write_from_memory`), or "
         "for GPU state copied into pinned host memory (training may change the state from then on)",
         0.0,
     )
