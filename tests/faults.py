@@ -21,6 +21,25 @@ def uring_available() -> bool:
         return False
 
 
+class QueueWrapper:
+    """A real queue every operation passes through to; subclasses change or record some of them."""
+
+    def __init__(self, inner):
+        self.inner, self.kind = inner, inner.kind
+
+    def submit_write(self, fd, view, offset, token):
+        self.inner.submit_write(fd, view, offset, token)
+
+    def submit_read(self, fd, view, offset, token):
+        self.inner.submit_read(fd, view, offset, token)
+
+    def wait(self, timeout):
+        return self.inner.wait(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
 def refuse_uring(kind, depth, code=errno.ENOSYS):
     """INJECTED: the kernel refuses io_uring at queue init, as under seccomp or an old kernel."""
     if kind == "io_uring":

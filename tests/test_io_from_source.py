@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 import pytest
-from faults import SMALL, faulty, uring_available
+from faults import SMALL, QueueWrapper, faulty, uring_available
 
 from io_engine import Flusher, HostCache, IOConfig, SnapshotFileWriter, StorageWriteError, read_snapshot_file
 from io_engine.dio_align import dio_memory_alignment, file_memory_alignment
@@ -122,24 +122,16 @@ def test_the_memory_alignment_is_the_one_the_kernel_takes(tmp_path):
     assert dio_memory_alignment(-1) is None
 
 
-class Recording:
+class Recording(QueueWrapper):
     """A real queue that records each write's buffer address and whether its file is O_DIRECT."""
 
     def __init__(self, inner):
-        self.inner, self.kind, self.writes = inner, inner.kind, []
+        super().__init__(inner)
+        self.writes = []
 
     def submit_write(self, fd, view, offset, token):
         self.writes.append((buffer_address(view), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
         self.inner.submit_write(fd, view, offset, token)
-
-    def submit_read(self, fd, view, offset, token):
-        self.inner.submit_read(fd, view, offset, token)
-
-    def wait(self, timeout):
-        return self.inner.wait(timeout)
-
-    def close(self):
-        self.inner.close()
 
 
 def recording(queues):
@@ -189,13 +181,14 @@ def test_from_source_file_is_identical_to_the_copied_one(tmp_path, backend):
         assert bytes(back[key][0]) == bytes(memoryview(data).cast("B"))
 
 
-class DeferredQueue:
+class DeferredQueue(QueueWrapper):
     """INJECTED: a real queue whose writes reach the kernel only when completions are waited for,
     as a slow device would take them: a source changed before its write was reaped would reach
     the file."""
 
     def __init__(self, inner):
-        self.inner, self.kind, self.held = inner, inner.kind, []
+        super().__init__(inner)
+        self.held = []
         self.outstanding = 0  # writes submitted and not yet reported complete
         self.addresses = set()  # of every buffer a write was handed to the kernel from
 
@@ -204,9 +197,6 @@ class DeferredQueue:
         self.addresses.add(buffer_address(view))
         self.held.append((fd, view, offset, token))
 
-    def submit_read(self, fd, view, offset, token):
-        self.inner.submit_read(fd, view, offset, token)
-
     def wait(self, timeout):
         held, self.held = self.held, []
         for args in held:
@@ -214,9 +204,6 @@ class DeferredQueue:
         done = self.inner.wait(timeout)
         self.outstanding -= len(done or ())
         return done
-
-    def close(self):
-        self.inner.close()
 
 
 def test_capture_waits_for_the_writes_from_the_source(tmp_path):

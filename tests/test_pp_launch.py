@@ -71,26 +71,29 @@ def _close(got, want) -> bool:
 
 def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path, static_steps):
     """PP 2 x DP 2 over 4 processes. Asked for a TP degree after step 1 (refused) and for PP 1
-    after step 2 (served after step 3: PP 1 x DP 4). The last process gets a preemption notice
-    (SIGTERM) after step 3: at step 4's boundary it hands its state over and leaves, and the job
+    after step 2 (read after step 3, its memory touched during the two steps ``warm_switch_steps``
+    gives it, served after step 5: PP 1 x DP 4). The last process gets a preemption notice
+    (SIGTERM) after step 5: at step 6's boundary it hands its state over and leaves, and the job
     goes on at the largest layout its 3 survivors serve whose DP size splits the global batch of
     4: PP 3 x DP 1 (PP 1 x DP 3 would not split it). Asked for one process, no PP degree, after
-    step 5: PP 1 x DP 1 after step 6. No restart: one generation of processes throughout. Oracle: a 2-process job
+    step 7: PP 1 x DP 1 after step 8. No restart: one generation of processes throughout. Oracle: a 2-process job
     without any of it (PP 2 x DP 1), every loss within 1e-5 relative (the same micro-batches in the
     same order; a DP size other than 1 rounds a gradient differently)."""
     shrunk = tmp_path
-    extra = ["--request", "--preempt-at", "3", "--shrink-at", "5", "--steps", "7", "--data"]
+    extra = ["--request", "--preempt-at", "5", "--shrink-at", "7", "--steps", "9", "--data"]
     job = launch(shrunk, SCRIPT, 4, _config(shrunk), ["--out", str(shrunk), *extra], timeout=300, name="job")
     assert job.returncode == 0, job.output[-4000:]
     got = _steps(shrunk)
     assert [(r["step"], r["world"], r["pp"], r["generation"]) for r in got] == [
         (1, 4, 2, 0),
         (2, 4, 2, 0),
-        (3, 4, 1, 0),  # the request switched the job to PP 1 x DP 4 after step 3
-        (4, 3, 3, 0),  # the preemption: PP 3 x DP 1
-        (5, 3, 3, 0),
-        (6, 1, 1, 0),  # the request for one process
-        (7, 1, 1, 0),
+        (3, 4, 2, 0),  # the request read: its switch prepared
+        (4, 4, 2, 0),
+        (5, 4, 1, 0),  # the request switched the job to PP 1 x DP 4 after step 5
+        (6, 3, 3, 0),  # the preemption: PP 3 x DP 1
+        (7, 3, 3, 0),
+        (8, 1, 1, 0),  # the request for one process
+        (9, 1, 1, 0),
     ]
     assert _close(got, static_steps), (got, static_steps)
     refused, served = json.loads((shrunk / "request.json").read_text())
@@ -98,11 +101,12 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert "a PipelineModule job of 4 processes changes its PP and DP degrees" in refused["output"], refused
     assert "has no TP degree" in refused["output"], refused
     assert served["returncode"] == 0, served
-    assert "PP 2 x DP 2 -> PP 1 x DP 4 after step 3" in served["output"], served
+    assert "PP 2 x DP 2 -> PP 1 x DP 4 after step 5" in served["output"], served
     resized = [r for r in read_jsonl(str(shrunk / "metrics.jsonl")) if r["event"] == "resize"]
     figures = [(r["step"], r["from"], r["to"], r["pipeline_parallel_from"], r["pipeline_parallel_to"]) for r in resized]
-    assert figures == [(3, 4, 4, 2, 1), (4, 4, 3, 1, 3), (6, 3, 1, 3, 1)]
+    assert figures == [(5, 4, 4, 2, 1), (6, 4, 3, 1, 3), (8, 3, 1, 3, 1)]
     assert all(r["bytes_moved"] > 0 for r in resized[:2])
+    assert resized[0]["prepared_bytes"] > 0  # the request's switch found its memory touched ahead
     log = (shrunk / "job.log").read_text()
     assert "restarting" not in log and "failed" not in log, log[-3000:]
     left = [json.loads(p.read_text()) for p in shrunk.glob("left_*.json")]  # the preempted one, then two

@@ -294,7 +294,8 @@ def test_tp_request_under_launch(tmp_path):
     DP 2 (the launcher starts two processes, which join at the job's step; their start-up and the
     new group's rendezvous run behind training), then
     ``--tensor-parallel 1`` switches it to TP 1 x DP 4: each served at a step boundary (every rank
-    reads the request from the store), answered with the layouts, recorded; a degree that does not
+    reads the request from the store; the switch ``warm_switch_steps`` after it, its memory touched
+    meanwhile), answered with the layouts, recorded; a degree that does not
     divide the world is refused by the requester with exit status 2; the job trains on to its end."""
     import subprocess
     import sys
@@ -336,3 +337,5 @@ def test_tp_request_under_launch(tmp_path):
     ]
     steps = [r["step"] for r in read_jsonl(metrics) if r.get("event") == "step"]
     assert steps == list(range(1, 25))
+    switched = [r for r in read_jsonl(metrics) if r.get("event") == "resize"][-1]
+    assert switched["prepared_bytes"] > 0  # the request's switch came warm_switch_steps later, its memory touched

@@ -7,8 +7,9 @@ step record; the end of the job when it was stopped or every member was preempte
 snapshot, then every process exits: :func:`~ds_dynatrain.engine.lifecycle.stop_job`); the
 periodic snapshot; and at most one change of the world: a prepared request given up (a
 preemption, a scheduled resize or a failed build came first), the preempted members leaving, the
-scheduled resize, the switch to a prepared world, or a new request served; finally joiners of a
-scheduled grow are started ahead.
+scheduled resize, a requested TP switch whose step has come (prepared
+``dynatrain.warm_switch_steps`` steps ahead), the switch to a prepared world, or a new request
+served; finally joiners of a scheduled grow are started ahead.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from .lifecycle import stop_job
 from .members import request_joiners
 from .pp_grow import assign_pp_grow
 from .records import StepRecord, format_step
-from .requests import REFUSED, abandon, finish_request, serve_request
+from .requests import (
+    REFUSED,
+    abandon,
+    drop_band_switch,
+    finish_band_switch,
+    finish_request,
+    resized_message,
+    serve_request,
+)
 from .state import ElasticState
 from .switch_memory import prepare_scheduled
 from .tp_grow import assign_grow
@@ -55,7 +64,8 @@ def after_optimizer_step(engine) -> None:
         dt.hp_linked = True
     prep = dt.preparing
     ready, error = prep.state(dt, engine.global_rank == 0) if prep is not None else (False, None)
-    request = _read_request(engine) if prep is None and step not in dt.schedule else None
+    quiet = prep is None and dt.band_request is None and step not in dt.schedule  # one change at a time
+    request = _read_request(engine) if quiet else None
     gone = _gone_standby(engine)
     stop = dt.membership.stop_requested() if dt.membership is not None and engine.global_rank == 0 else 0
     replicas.before_vote(engine)  # a completed vote proves every replica of the last refresh complete
@@ -163,6 +173,8 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
         )
         abandon(engine, prep, why)
         prep = None
+    if dt.band_request is not None and (tally.preempted or target is not None):
+        drop_band_switch(engine, "a preemption or a scheduled resize came first")
     if tally.preempted:
         leave_preempted(engine, tally.preempted)
     elif target is not None:
@@ -175,6 +187,9 @@ def _decide(engine, tally: StepTally, error: Optional[str]) -> None:
             except ResizeRefusedError as err:
                 if engine.global_rank == 0:
                     logger.warning(f"the resize scheduled after step {engine.global_steps} was refused: {err}")
+    elif dt.band_request is not None:
+        if engine.global_steps >= dt.band_request.step:
+            finish_band_switch(engine, lambda rec: resized_message(rec, len(dt.members)))
     elif prep is not None:
         if tally.ready == len(dt.members):
             finish_request(engine, prep)

@@ -28,9 +28,9 @@ from ..elastic.launch_env import LaunchContext
 from ..elastic.membership import GenerationRecord, Membership
 from ..log import logger, plural
 from .lifecycle import stop_job
-from .pp_requests import finish_grow, read_request, serve
+from .pp_requests import finish_grow, read_request, serve, switch_message
 from .pp_resize import largest_pp_layout, shrink_pipeline_parallel
-from .requests import abandon
+from .requests import abandon, drop_band_switch, finish_band_switch
 
 
 def launched_membership(ctx: Optional[LaunchContext], dt_cfg: DynatrainConfig) -> Optional[Membership]:
@@ -76,8 +76,9 @@ def at_step_boundary(engine) -> None:
     snapshot of this step (:func:`~ds_dynatrain.engine.lifecycle.stop_job`); else preempted
     members leave (a preemption notice, SIGTERM to a worker: the others shrink without them, and a
     grow being prepared is given up); else a prepared grow whose group every process has built is
-    finished, or one whose build failed given up; else the next request is served or answered as
-    refused (:mod:`~ds_dynatrain.engine.pp_requests`). Rank 0 reads the store; one all-reduce of
+    finished, or one whose build failed given up; else a prepared PP switch whose step has come is
+    made (a preemption gives it up); else the next request is served or answered as refused
+    (:mod:`~ds_dynatrain.engine.pp_requests`). Rank 0 reads the store; one all-reduce of
     ``6 + world`` numbers tells every rank, each adding its own preemption notice and whether its
     part of a prepared grow is ready or failed. Collective.
 
@@ -95,7 +96,7 @@ def at_step_boundary(engine) -> None:
     if rank == 0:
         dt.membership.set_last_step(engine.global_steps)  # a restart from a snapshot counts the steps it loses
         said[0] = float(dt.membership.stop_requested())
-        reading = not said[0] and prep is None  # one change at a time: a request waits for a prepared grow
+        reading = not said[0] and prep is None and dt.band_request is None  # one change at a time
         said[1:4] = [float(x) for x in read_request(engine)] if reading else [-1.0, 0.0, 0.0]
     flat = torch.tensor(said, dtype=torch.float64).to(get_accelerator().current_device_name())
     tdist.all_reduce(flat)
@@ -109,8 +110,12 @@ def at_step_boundary(engine) -> None:
         abandon(engine, prep, why)
     elif prep is not None and ready == world:
         finish_grow(engine, prep)
+    if preempted and dt.band_request is not None:
+        drop_band_switch(engine, "a preemption came first")
     if preempted:  # a request read now waits for the next step (it is not answered yet)
         _leave_preempted(engine, preempted)
+    elif dt.band_request is not None and engine.global_steps >= dt.band_request.step:
+        finish_band_switch(engine, switch_message)
     elif index >= 0:
         serve(engine, index, req_world, pp)
     if len(dt.members) != world and not dt.retired:  # the new world's rank 0 reads on from the answered ones

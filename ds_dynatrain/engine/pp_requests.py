@@ -1,10 +1,11 @@
 """Resize requests to a pipeline job under ``dynatrain launch``: read by rank 0 at a step boundary,
-served on every process (a PP switch at the job's world size, a shrink, a grow prepared behind
-training and finished once its group is built) or refused with the reason, and answered."""
+served on every process (a PP switch at the job's world size, prepared ``dynatrain.
+warm_switch_steps`` steps ahead; a shrink; a grow prepared behind training and finished once its
+group is built) or refused with the reason, and answered."""
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..elastic.placement import place_joiners
 from ..errors import ResizeRefusedError
@@ -13,7 +14,7 @@ from .members import reports
 from .pp_grow import assign_pp_grow, grow_pipeline_parallel
 from .pp_resize import pp_for_world, shrink_pipeline_parallel
 from .pp_switch import switch_pipeline_parallel
-from .requests import prepare
+from .requests import defer_band_switch, prepare
 from .state import Preparation
 
 
@@ -54,7 +55,11 @@ def read_request(engine) -> Tuple[int, int, int]:
 
 def serve(engine, index: int, world: int, pp: int) -> None:
     """Every rank: request ``index`` (``world`` processes at PP degree ``pp``; 0: the degree
-    :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks): a PP switch, a shrink, or a grow
+    :func:`~ds_dynatrain.engine.pp_resize.pp_for_world` picks): a PP switch (with
+    ``dynatrain.warm_switch_steps`` above 0, the default, only prepared here: the memory the new
+    layout needs is touched while the job trains that many steps, and
+    :func:`~ds_dynatrain.engine.requests.finish_band_switch` switches at the step it names), a
+    shrink, or a grow
     (with ``background_groups``, the default, only prepared here: the joiners start and the new
     group is built while training goes on, and :func:`finish_grow` switches once every process has
     it; else the survivors wait at the new generation's rendezvous for the joiners' start-up); old
@@ -65,6 +70,8 @@ def serve(engine, index: int, world: int, pp: int) -> None:
     try:
         if world == len(dt.members):
             pp = pp or dt.pp_layout.pp
+            if pp != dt.pp_layout.pp and defer_band_switch(engine, index, world, pipeline_parallel=pp):
+                return
             rec = switch_pipeline_parallel(engine, pp).to_dict() if pp != dt.pp_layout.pp else None
         elif world > len(dt.members):
             pp = pp or pp_for_world(engine, world) or dt.pp_layout.pp  # none: the grow refuses, saying why
@@ -96,6 +103,12 @@ def finish_grow(engine, prep: Preparation) -> None:
     if reports(dt, first):
         msg = f"{layout_change(rec.to_dict())} ({rec.prepare_s:.2f} s prepared in the background)"
         dt.membership.answer(prep.index, True, msg, rec.to_dict())
+
+
+def switch_message(rec: Optional[dict]) -> str:
+    """The answer to a served PP switch: :func:`layout_change` of its record, or that the job
+    already ran at that layout (None)."""
+    return layout_change(rec) if rec else "the job already runs at that PP degree"
 
 
 def layout_change(rec: dict) -> str:

@@ -1,12 +1,13 @@
 """Resize requests from outside the job (``dynatrain resize``, ``dynatrain join``), served at step
 boundaries: refused, served at once, or prepared in the background and switched to when every rank
-has the new world ready, or given up."""
+has the new world ready (a grow or shrink) or at the step the preparation names (another TP or PP
+degree at the job's world size), or given up."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..elastic.keys import REQUEST_KEY
 from ..errors import ResizeRefusedError
@@ -16,7 +17,8 @@ from ..zero.geometry import zero_optimizer_of
 from .members import reports, request_joiners
 from .records import ResizeRecord
 from .resize import resize
-from .state import Preparation
+from .state import BandRequest, Preparation
+from .switch_memory import release_switch_memory
 from .tp_grow import assign_grow, grow_tensor_parallel
 from .tp_switch import tp_degree_for
 from .transfer import background_xfer
@@ -52,6 +54,9 @@ def serve_request(engine, index: int, world_size: int) -> None:
         if dt.config.background_groups and dt.tp_layout is not None and world_size > len(dt.members):
             prepare_tensor_parallel_grow(engine, index, world_size, tp)
             return
+        switch = dt.tp_layout is not None and world_size == len(dt.members) and tp not in (None, dt.tp)
+        if switch and defer_band_switch(engine, index, world_size, tensor_parallel=tp):
+            return
         rec = engine.resize(world_size) if tp is None else engine.resize(world_size, tensor_parallel=tp)
     except ResizeRefusedError as err:
         if engine.global_rank == 0:
@@ -61,17 +66,72 @@ def serve_request(engine, index: int, world_size: int) -> None:
     if rec is not None and rec.get("event") != "resize":
         return  # this process stood by and was taken back by a later resize
     if engine.is_member and reports(dt, first):
-        tp = (
-            f" (TP {rec['tensor_parallel_from']} -> {rec['tensor_parallel_to']})"
-            if rec and "tensor_parallel_to" in rec
-            else ""
+        dt.membership.answer(index, True, resized_message(rec, world_size), rec)
+
+
+def resized_message(rec: Optional[dict], world_size: int) -> str:
+    """The answer to a served request of a DP or AutoTP job: ``resized 2 -> 1 (TP 2 -> 1) after
+    step S in T s`` of its record (a dict; None: nothing changed)."""
+    if rec is None:
+        return f"the job already runs on {plural(world_size, 'rank')}"
+    tp = f" (TP {rec['tensor_parallel_from']} -> {rec['tensor_parallel_to']})" if "tensor_parallel_to" in rec else ""
+    return f"resized {rec['from']} -> {rec['to']}{tp} after step {rec['step']} in {rec['seconds']:.2f} s"
+
+
+def defer_band_switch(engine, index: int, world_size: int, **degree: int) -> bool:
+    """Request ``index`` for another TP or PP degree at the job's world size (``degree``:
+    ``tensor_parallel=M`` or ``pipeline_parallel=P``), with ``dynatrain.warm_switch_steps`` above
+    0: checked as the switch will be and its memory touched from now on (``engine.
+    prepare_resize``), the switch due that many steps later (:class:`~ds_dynatrain.engine.state.
+    BandRequest`, made by :func:`finish_band_switch`). Returns False, doing nothing, where
+    ``warm_switch_steps`` is 0. Every rank calls it.
+
+    Raises:
+        ResizeRefusedError: the layout the switch would refuse; nothing has changed.
+    """
+    dt = engine._dt
+    ahead = dt.config.warm_switch_steps
+    if ahead <= 0:
+        return False
+    engine.prepare_resize(world_size, **degree)
+    ((key, value),) = degree.items()
+    dt.band_request = BandRequest(index, key, value, engine.global_steps + ahead)
+    if engine.global_rank == 0:
+        label = "TP" if key == "tensor_parallel" else "PP"
+        logger.info(
+            f"resize request {index}: {label} {value} after step {dt.band_request.step}, its memory touched "
+            "while training goes on"
         )
-        msg = (
-            f"resized {rec['from']} -> {rec['to']}{tp} after step {rec['step']} in {rec['seconds']:.2f} s"
-            if rec
-            else f"the job already runs on {plural(world_size, 'rank')}"
-        )
-        dt.membership.answer(index, True, msg, rec)
+    return True
+
+
+def finish_band_switch(engine, describe: Callable[[Optional[dict]], str]) -> None:
+    """Every rank, at the step a deferred switch names (:func:`defer_band_switch`): switch now
+    (``engine.resize``); rank 0 answers with ``describe(record)``, or why the switch was refused
+    (a change since made the layout impossible; nothing changed)."""
+    dt = engine._dt
+    req, dt.band_request = dt.band_request, None
+    try:
+        rec = engine.resize(len(dt.members), **{req.key: req.degree})
+    except ResizeRefusedError as err:
+        if engine.global_rank == 0:
+            dt.membership.answer(req.index, False, str(err))
+            logger.info(f"resize request {req.index}: {err}")
+        return
+    if engine.global_rank == 0:
+        dt.membership.answer(req.index, True, describe(rec), rec)
+
+
+def drop_band_switch(engine, why: str) -> None:
+    """Every rank: give up a deferred switch (a preemption or a scheduled change came first); its
+    memory is let go and rank 0 tells the requester why."""
+    dt = engine._dt
+    req, dt.band_request = dt.band_request, None
+    release_switch_memory(dt)
+    if engine.global_rank == 0:
+        label = "TP" if req.key == "tensor_parallel" else "PP"
+        dt.membership.answer(req.index, False, f"{label} {req.degree} abandoned: {why}", aborted=True)
+        logger.info(f"resize request {req.index} abandoned: {why}")
 
 
 def requested_tensor_parallel(dt, index: int) -> Optional[int]:

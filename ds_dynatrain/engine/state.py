@@ -71,6 +71,7 @@ class ElasticState:
     requests_seen: int = 0  # resize requests of the store served so far (rank 0 reads them)
     preempted: bool = False  # SIGTERM received: leave at the next step boundary
     preparing: Optional["Preparation"] = None
+    band_request: Optional["BandRequest"] = None  # a request's TP/PP switch at the job's world size, due later
     published_step: Dict[int, int] = field(default_factory=dict)  # generation -> step it was published at
     join_node: Optional[Tuple[int, int]] = None  # (request index, node) of the last `dynatrain join` (rank 0)
     standby: Tuple[str, ...] = ()  # processes standing by (left at a shrink, may be taken back), in order
@@ -159,6 +160,21 @@ class PendingResize:
     record: Any
     rss_base: Optional[int]
     group: Any = None
+
+
+@dataclass(frozen=True)
+class BandRequest:
+    """A ``dynatrain resize`` request for another TP or PP degree at the job's world size,
+    accepted and prepared (its memory touched in the background,
+    :mod:`~ds_dynatrain.engine.switch_memory`): request ``index`` of the store switches
+    ``key`` (``"tensor_parallel"`` or ``"pipeline_parallel"``) to ``degree`` at the boundary of
+    optimizer step ``step`` (``dynatrain.warm_switch_steps`` after the one that read it), on
+    every process."""
+
+    index: int
+    key: str
+    degree: int
+    step: int
 
 
 @dataclass

@@ -128,9 +128,11 @@ def main() -> None:
             if a.request and step in (1, 2):  # a TP degree (refused), then PP 1 at its world (served)
                 degree = ["--tensor-parallel", "1"] if step == 1 else ["--pipeline-parallel", "1"]
                 requests.append(_request(engine, ["--world-size", str(world), *degree], step - 1))
-            if a.request and step in (2, 3):
-                out, _ = requests[step - 2].communicate(timeout=90)
-                answers.append({"returncode": requests[step - 2].returncode, "output": out})
+            answered_at = (2, 3 + engine._dt.config.warm_switch_steps)  # the switch is prepared that many steps
+            if a.request and step in answered_at:
+                i = answered_at.index(step)
+                out, _ = requests[i].communicate(timeout=90)
+                answers.append({"returncode": requests[i].returncode, "output": out})
                 with open(os.path.join(a.out, "request.json"), "w") as f:
                     json.dump(answers, f)
         if step == a.hold_at:  # held until the test has signalled the launcher

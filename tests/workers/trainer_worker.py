@@ -129,23 +129,12 @@ def counting_trainer(out: str):
 def killing_queue_factory(release: threading.Event):
     """SEAM: io queues whose first write waits for ``release``, then SIGKILLs this process."""
     from io_engine.ioqueue import default_queue_factory
+    from tests.faults import QueueWrapper
 
-    class KillingQueue:
-        def __init__(self, inner):
-            self.inner, self.kind = inner, inner.kind
-
+    class KillingQueue(QueueWrapper):
         def submit_write(self, fd, view, offset, token):
             release.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-
-        def submit_read(self, fd, view, offset, token):
-            self.inner.submit_read(fd, view, offset, token)
-
-        def wait(self, timeout):
-            return self.inner.wait(timeout)
-
-        def close(self):
-            self.inner.close()
 
     return lambda kind, depth: KillingQueue(default_queue_factory(kind, depth))
 
