@@ -114,6 +114,24 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert all(x.startswith("NotAMemberError: member g0r") for said in left for x in said), left
 
 
+def test_a_preemption_gives_up_a_requested_pp_switch_still_being_prepared(tmp_path, static_steps):
+    """PP 2 x DP 1 over 2 processes, asked for PP 1 after step 1: read after step 2, its switch due
+    after step 4. The second process gets a preemption notice after step 3: at step 4's boundary
+    the prepared switch is given up (the requester told why, not a refusal of the layout) and the
+    job shrinks to its one survivor at PP 1. Oracle: the undisturbed 2-process job."""
+    extra = ["--switch-at", "1", "--preempt-at", "3", "--steps", "5", "--data"]
+    job = launch(tmp_path, SCRIPT, 2, _config(tmp_path), ["--out", str(tmp_path), *extra], timeout=300, name="job")
+    assert job.returncode == 0, job.output[-4000:]
+    got = _steps(tmp_path)
+    assert [(r["step"], r["world"], r["pp"]) for r in got] == [(1, 2, 2), (2, 2, 2), (3, 2, 2), (4, 1, 1), (5, 1, 1)]
+    assert _close(got, static_steps), (got, static_steps)
+    answer = json.loads((tmp_path / "switch.json").read_text())
+    assert answer["returncode"] != 0 and "PP 1 abandoned: a preemption came first" in answer["output"], answer
+    resized = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["event"] == "resize"]
+    assert [(r["step"], r["from"], r["to"], r["pipeline_parallel_to"]) for r in resized] == [(4, 2, 1, 1)]
+    assert resized[0].get("prepared_bytes") is None  # the hold was let go with the request, not used
+
+
 def test_a_pipeline_job_grows_online_by_new_processes_and_shrinks_back(tmp_path, static_steps):
     """PP 2 x DP 1 over 2 processes. Asked for 4 processes at PP 4 after step 2: the launcher
     starts two joiners (each builds the module at PP 1 in its world of one) while the job trains

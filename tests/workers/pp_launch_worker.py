@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--preempt-at", type=int, default=0, help="the last rank of generation 0 gets SIGTERM after it")
     p.add_argument("--shrink-at", type=int, default=0, help="rank 0 asks for one process after this step")
+    p.add_argument("--switch-at", type=int, default=0, help="rank 0 asks for PP 1 at the world size after this step")
     p.add_argument("--request", action="store_true")
     p.add_argument("--data", action="store_true", help="the training data handed to initialize")
     p.add_argument("--grow-at", type=int, default=0, help="rank 0 asks for --grow-to processes after this step")
@@ -106,7 +107,7 @@ def main() -> None:
     if data is not None:
         data.engine = engine  # it logs the step of each fetch
     generation = int(os.environ["DYNATRAIN_GEN"])
-    requests, answers, grow = [], [], None
+    requests, answers, grow, switch = [], [], None, None
     grown_at = 0 if generation == 0 else 1  # a joiner comes into the grown world
     shrunk_at = 0
     while engine.is_member and engine.global_steps < a.steps and not (shrunk_at and engine.global_steps > shrunk_at):
@@ -157,11 +158,17 @@ def main() -> None:
             shrunk_at = step
         if grow is not None and grown_at and a.shrink_after and step == grown_at + a.shrink_after:  # its requester
             requests.append(_request(engine, ["--world-size", str(a.shrink_to)], engine._dt.membership.served()))
+        if rank == 0 and step == a.switch_at:
+            switch = _request(engine, ["--world-size", str(world), "--pipeline-parallel", "1"], step - 1)
         if rank == 0 and step == a.shrink_at:
             requests.append(_request(engine, ["--world-size", str(a.shrink_to)], engine._dt.membership.served()))
         if generation == 0 and rank == 1 and step == a.kill_at:
             engine.checkpoint_engine.wait()  # the snapshot of this step is committed
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT: a worker dies without notice
+    if switch is not None:  # its answer, in the process that asked
+        out, _ = switch.communicate(timeout=90)
+        with open(os.path.join(a.out, "switch.json"), "w") as f:
+            json.dump({"returncode": switch.returncode, "output": out}, f)
     if not engine.is_member:  # what a process that left is told when it asks for a change
         said = []
         for call in (lambda: engine.prepare_resize(1, pipeline_parallel=1), lambda: engine.resize(1)):
