@@ -185,3 +185,77 @@ def test_process_killed_during_flush_leaves_latest_loadable(store, tmp_path):
     loaded = engine.load(str(tmp_path / "global_step1" / "state.pt"))
     assert equal(loaded, state_of(seed=1))
     engine.close()
+
+
+STORE_HOST = """
+import sys, time
+import torch.distributed as tdist
+st = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(st.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_store_gone_after_the_commit_still_reports_the_snapshot_committed(tmp_path):
+    """The job's store (a real ``TCPStore`` in a process of its own) is SIGKILLed after rank 0
+    published the snapshot, before the training thread read the outcome, as when a job ends
+    mid-snapshot: the store cannot answer, so the outcome is read off the files. The snapshot is
+    committed (``latest`` names it, it loads equal to the state saved), so ``wait`` must not
+    raise "not committed" and ``on_outcome`` gets ``ok``."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        engine = SnapshotCheckpointEngine(
+            store_address=("127.0.0.1", port), rank=0, world_size=1, timeout_s=5, cache_bytes=16 << 20
+        )
+        outcomes = []
+        engine.on_outcome = outcomes.append
+        state = state_of()
+        save(engine, tmp_path, "global_step3", state)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert read_latest(str(tmp_path)) == "global_step3"
+        host.kill()
+        host.wait(30)
+        engine.wait()  # the store is gone: the files say committed
+        assert [o.ok for o in outcomes] == [True]
+        engine.close()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+    loader = SnapshotCheckpointEngine(rank=0, world_size=1, cache_bytes=16 << 20)
+    assert equal(loader.load(str(tmp_path / "global_step3" / "state.pt")), state)
+    loader.close()
+
+
+def test_published_reads_a_commit_off_the_files_only_when_they_are_this_saves(tmp_path):
+    """:func:`published` (what the engine asks when the store cannot give an outcome) is true
+    only for this save's files in the final directory with ``latest`` naming its tag: not while
+    the temporary directory exists, not for an older snapshot of the same tag, not when
+    ``latest`` names another tag, not for a file of another size."""
+    from ds_dynatrain.checkpoint.snapshot import _FileJob, _Snapshot
+    from ds_dynatrain.checkpoint.snapshot_outcome import published
+
+    info = CheckpointCommitInfo(tag="global_step2", save_dir=str(tmp_path), save_latest=True)
+    snap = _Snapshot(info, key="k", token="abc")
+    os.makedirs(snap.tmp_dir)
+    job = _FileJob(os.path.join(snap.tmp_dir, "state.pt"), provider=None)
+    open(job.path, "wb").write(b"x" * 100)
+    job.nbytes = 100
+    snap.jobs.append(job)
+    assert not published(snap)  # not renamed yet
+    os.rename(snap.tmp_dir, snap.final_dir)
+    assert not published(snap)  # no latest
+    (tmp_path / "latest").write_text("global_step1")
+    assert not published(snap)  # latest names another tag
+    (tmp_path / "latest").write_text("global_step2")
+    assert published(snap)
+    job.nbytes = 99
+    assert not published(snap)
+    job.nbytes = 100
+    old = time.time() - 3600
+    os.utime(os.path.join(snap.final_dir, "state.pt"), (old, old))
+    assert not published(snap)  # an older snapshot of the same tag

@@ -136,6 +136,7 @@ class _Snapshot:
     error: Optional[str] = None  # this rank failed before any file (its directory); nothing is written
     saved_step: Any = None  # ``global_steps`` of the state DeepSpeed saved, when a file had it
     t0: float = field(default_factory=time.perf_counter)
+    wall_t0: float = field(default_factory=time.time)  # the same moment on the files' clock
     save_s: float = 0.0
 
     @property
@@ -485,7 +486,10 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
             SnapshotWriteError: it was not committed (whatever ``on_write_error`` says: this is
                 the explicit question), or a failure noted under ``"raise"`` is still unraised:
                 names the tag, every failed rank and its error (or that no outcome came within
-                ``timeout_s``); ``latest`` names the previous snapshot.
+                ``timeout_s``); ``latest`` names the previous snapshot. When the store gives no
+                outcome but the files show the snapshot committed (published, this save's files,
+                ``latest`` naming it: :func:`~.snapshot_outcome.published`), it is committed,
+                with a warning that says so.
         """
         err = self._settle()
         if err is not None:

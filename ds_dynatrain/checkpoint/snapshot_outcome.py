@@ -10,6 +10,7 @@ callback (the elastic engine writes the metrics record of it, on rank 0).
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def read_outcome(store, key: str, timeout_s: float) -> dict:
         store.wait([key], timedelta(seconds=timeout_s))
         return decode(store.get(key))
     except RuntimeError as err:
-        return {"ok": False, "error": f"no outcome within {timeout_s:.0f} s ({err})", "ranks": []}
+        return {"ok": False, "error": f"no outcome within {timeout_s:.0f} s ({err})", "ranks": [], "unanswered": True}
 
 
 def encode(ok: bool, error: str = "", ranks=(), seconds: float = 0.0, totals: Optional[dict] = None) -> str:
@@ -153,6 +154,28 @@ def latest_of(save_dir: str) -> str:
         return f"nothing readable ({err})"
 
 
+def published(snap) -> bool:
+    """Whether rank 0 committed ``snap`` (a ``_Snapshot`` of
+    :mod:`~ds_dynatrain.checkpoint.snapshot`), read off the files alone, for when the store
+    cannot say: its temporary directory is gone, and the final directory holds every file this
+    rank wrote for it, at its size, written since the save began (not an older snapshot of the
+    same tag); when the save names ``latest``, ``latest`` names the tag. Never raises."""
+    if not snap.jobs or os.path.exists(snap.tmp_dir) or not os.path.isdir(snap.final_dir):
+        return False
+    try:
+        if snap.info.save_latest and read_latest(snap.info.save_dir) != snap.info.tag:
+            return False
+        for job in snap.jobs:
+            if job.error is not None or not job.path.startswith(snap.tmp_dir + os.sep):
+                return False
+            st = os.stat(snap.final_dir + job.path[len(snap.tmp_dir) :])
+            if st.st_size != job.nbytes or st.st_mtime < snap.wall_t0 - 1.0:  # 1 s: the file clock is coarse
+                return False
+    except (OSError, IOEngineError):
+        return False
+    return True
+
+
 def write_error(final_dir: str, save_dir: str, error: str) -> SnapshotWriteError:
     """The error of a failed snapshot: the directory it was not committed to, every failed rank's
     cause, and what ``latest`` still names."""
@@ -199,6 +222,14 @@ class OutcomeTracking:
 
     def _outcome_of(self, snap) -> Optional[SnapshotWriteError]:
         got = read_outcome(self.store, f"{snap.key}/outcome", self.timeout_s)
+        if got.get("unanswered") and published(snap):
+            # rank 0 published it, then the store went (the job is ending): the files are the truth
+            logger.warning(
+                f"snapshot {snap.info.tag}: the job's store gave no outcome ({got['error']}), but the snapshot is "
+                f"committed: {snap.final_dir} holds this rank's files of this save"
+                + (" and 'latest' names it" if snap.info.save_latest else "")
+            )
+            got = {"ok": True, "ranks": []}
         for j in snap.jobs:
             self.stats["persist_s"] += j.seconds
             self.stats["bytes"] += j.nbytes
