@@ -192,9 +192,9 @@ class DynatrainConfig(_Strict):
         "of what each process holds (new partitions, larger working parameters and gradient buffers) and "
         "holds it until the switch, which frees it just before the new partitions and engine are allocated: "
         "on a VM whose host takes back free pages they then come back with a fault in the guest only, not "
-        "on the host. CPU training only (on an accelerator nothing is held); 0: never. A pipeline job's "
-        "`dynatrain resize` request for another PP degree at its world size is switched this many steps after "
-        "it is read (0: at once)",
+        "on the host. CPU training only (on an accelerator nothing is held); 0: never. A `dynatrain "
+        "resize` request for another TP or PP degree at the job's world size is switched this many steps "
+        "after it is read (0: at once)",
     )
     standby: bool = Field(
         False,
