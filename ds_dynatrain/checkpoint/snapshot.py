@@ -149,6 +149,10 @@ class _Snapshot:
         # crashed save, of this job or an earlier one, is never reused
         return os.path.join(self.info.save_dir, f"{TMP_PREFIX}{self.info.tag}-{self.token}")
 
+    def final_path(self, tmp_path: str) -> str:
+        """Where a file written at ``tmp_path`` (under :attr:`tmp_dir`) lies once published."""
+        return self.final_dir + tmp_path[len(self.tmp_dir) :]
+
 
 class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
     """Asynchronous, crash-consistent checkpoint engine (see the module docstring).

@@ -168,7 +168,7 @@ def published(snap) -> bool:
         for job in snap.jobs:
             if job.error is not None or not job.path.startswith(snap.tmp_dir + os.sep):
                 return False
-            st = os.stat(snap.final_dir + job.path[len(snap.tmp_dir) :])
+            st = os.stat(snap.final_path(job.path))
             if st.st_size != job.nbytes or st.st_mtime < snap.wall_t0 - 1.0:  # 1 s: the file clock is coarse
                 return False
     except (OSError, IOEngineError):
