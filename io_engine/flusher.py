@@ -30,6 +30,7 @@ from .errors import StorageWriteError
 from .format import align_up
 from .host_cache import alloc_aligned, buffer_address
 from .ioqueue import QueueFactory
+from .preallocate import reserve
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,14 @@ class WriteSession:
     @property
     def in_flight(self) -> int:
         return len(self._channel._inflight)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Allocate the file's first ``nbytes`` bytes before writing them, where it is written with
+        O_DIRECT (:mod:`~io_engine.preallocate`: the writes then share the inode lock); returns
+        whether it did. Raises :class:`StorageWriteError` when the device has no room."""
+        if not self._channel.direct:
+            return False  # buffered writes lock nothing per write; on tmpfs a reservation is a page-zeroing pass
+        return reserve(self._channel.fd, align_up(nbytes, self._cfg.alignment), self.path)
 
     def write(self, buffer, offset: int, on_release: Optional[Callable[[], None]] = None) -> None:
         """Queue ``buffer`` (any C-contiguous buffer) to be written at byte ``offset``.
@@ -215,8 +224,9 @@ class Flusher:
     def write_file(
         self, path: str, extents: Iterable[Tuple[object, int]], logical_size: Optional[int] = None
     ) -> WriteReport:
-        """Write ``extents`` (``(buffer, byte offset)`` pairs) into a new file at ``path``, truncate
-        it to ``logical_size`` (default: end of the furthest extent) and fsync it.
+        """Write ``extents`` (``(buffer, byte offset)`` pairs) into a new file at ``path`` (its
+        size reserved first, :meth:`WriteSession.reserve`), truncate it to ``logical_size``
+        (default: end of the furthest extent) and fsync it.
 
         Raises ``ValueError`` when an offset is unaligned or two extents share a block, and
         :class:`StorageWriteError` on storage failure (the partial file is removed).
@@ -229,6 +239,7 @@ class Flusher:
                 raise ValueError(f"{path}: extents [{a0}, {a1}) and [{b0}, {b1}) share a block")
         session = self.open(path)
         try:
+            session.reserve(max(logical_size or 0, spans[-1][1] if spans else 0))
             for view, off in extents:
                 session.write(view, off)
             return session.finish(logical_size)

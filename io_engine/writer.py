@@ -25,6 +25,8 @@ tensor payload in one of two ways (CRC-32C in hardware where it loads, format ve
 
 Order of work in the file:
 
+0. the file's whole size reserved where it is written with O_DIRECT (:mod:`io_engine.preallocate`),
+   so the payload writes run side by side under the shared inode lock;
 1. header block and tensor payloads, then objects (packed, through the same buffers);
 2. a barrier: every write so far has completed;
 3. footer (JSON) and trailer, then ``ftruncate`` to the logical size and ``fsync``.
@@ -328,6 +330,7 @@ class SnapshotFileWriter:
         self._sources_in_flight = 0
         tail = _TailPacker(self, session, layout.objects_offset)
         try:
+            session.reserve(layout.file_size)  # aligned writes inside the file: the inode lock shared
             checksums: Dict[str, str] = {}
             crcs: Dict[str, _Blocks] = {}
             header = encode_header(layout.file_size, self._align, layout.version)

@@ -274,3 +274,45 @@ def test_uring_wait_releases_the_gil():
         q.close()
         os.close(r)
         os.close(w)
+
+
+def test_a_direct_file_is_reserved_whole_before_its_first_write(tmp_path):
+    """The reservation (``fallocate``) sizes the file before any byte is written, only with O_DIRECT."""
+    for direct in (True, False):
+        if direct and not _direct_ok(str(tmp_path)):
+            continue
+        path = tmp_path / f"f{direct}"
+        with Flusher(IOConfig(direct=direct)).open(str(path)) as s:
+            reserved = s.reserve(10_000)
+            assert reserved == direct  # ext4 / XFS / btrfs reserve; buffered files are left alone
+            assert os.fstat(s._channel.fd).st_size == (12_288 if direct else 0)  # whole blocks
+            s.write(b"a" * 4096, 4096)
+            s.finish(5000)
+        assert path.read_bytes() == bytes(4096) + b"a" * 904  # unwritten blocks read as zeros
+
+
+def test_a_file_larger_than_allowed_fails_at_its_reservation_and_is_removed(tmp_path):
+    """The process may not grow a file past 1 MiB (RLIMIT_FSIZE, set in a child process): a 4 MiB
+    snapshot file fails before its first write, with an error naming the reservation, and no file stays."""
+    if not _direct_ok(str(tmp_path)):
+        pytest.skip("O_DIRECT refused here: nothing is reserved")
+    code = f"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from io_engine import IOConfig, SnapshotFileWriter, Flusher, StorageWriteError
+import numpy as np
+with SnapshotFileWriter(flusher=Flusher(IOConfig(direct=True))) as w:
+    try:
+        w.write({str(tmp_path / "big")!r}, [("t", np.ones(4 << 20, np.uint8))])
+    except StorageWriteError as e:
+        print("ERR", e.errno, e.offset, e)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"ERR {errno.EFBIG} 0 "), out.stdout
+    assert "reserving" in out.stdout and "File too large" in out.stdout
+    assert not (tmp_path / "big").exists()
