@@ -68,6 +68,7 @@ WHEELS = {
         "typing-inspection",
         "typing-extensions",
         "hjson",
+        "crc32c",
         "google-crc32c",
     ),
     "source": ("deepspeed", "python-hostlist"),

@@ -4,21 +4,22 @@ A snapshot's tensors are checksummed as they are copied into the host cache, or 
 memory when they are written from there (:mod:`io_engine.writer`); on two cores every pass over
 the bytes competes with training. Three choices keep that cheap:
 
-* CRC-32C (Castagnoli polynomial 0x1EDC6F41, RFC 3720 appendix B.4), computed by the SSE4.2
-  ``crc32`` instruction in the native library that ``google-crc32c`` ships: several times faster
-  than ``zlib.crc32`` (CRC-32, polynomial 0x04C11DB7) per CPU second. The library's Python
-  binding takes only ``bytes`` (and keeps the GIL for anything else), so its C function
-  ``crc32c_extend(crc, data, length)`` is called through ``ctypes``, which releases the GIL for
-  the call and takes any buffer by address.
+* CRC-32C (Castagnoli polynomial 0x1EDC6F41, RFC 3720 appendix B.4) computed with the SSE4.2 /
+  ARMv8 ``crc32`` instructions by the ``crc32c`` package, which runs three streams of them side by
+  side and releases the GIL for buffers of 32 KiB or more. Measured on this project's 2-core
+  machine over 650 MiB in 1 MiB calls: 13.7 GB/s from memory and 27 GB/s from the cache, against
+  6.7 and 7.3 GB/s for the C library of ``google-crc32c`` (called through ``ctypes``, the route
+  before; still the fallback where ``crc32c`` has no hardware path) and 2.4 GB/s for
+  ``zlib.crc32`` (CRC-32, polynomial 0x04C11DB7).
 * One pass over the bytes: :func:`copy_with_crc` copies a piece of :data:`PIECE_BYTES` (small
   enough to stay in a core's L2 cache) and checksums it from the cache at once, instead of copying
   a whole buffer and reading it back from memory.
-* No GIL held for either: the copy is ``memmove`` through ``ctypes`` too, so a copy beside the
+* No GIL held for either: the copy is ``memmove`` through ``ctypes``, so a copy beside the
   training loop never holds the interpreter for milliseconds.
 
-Where the native library cannot be loaded, CRC-32C falls back to the binding's own (a ``bytes``
-copy first) and writers choose CRC-32 instead (:func:`default_algo`). This module imports neither
-torch nor numpy at import time.
+Where no hardware CRC-32C loads, writers choose CRC-32 instead (:func:`default_algo`), and CRC-32C
+is still computed (to read version 3 files) in software. This module imports neither torch nor
+numpy at import time.
 """
 
 from __future__ import annotations
@@ -37,32 +38,53 @@ CRC32C = "crc32c"  # Castagnoli: format version 3
 ALGOS = (CRC32, CRC32C)
 PIECE_BYTES = 512 << 10  # a copy-and-checksum step: in L2 between the copy and the CRC, few GIL hand-overs
 
-_native: Optional[Callable[[int, int, int], int]] = None
+_native: Optional[Callable[[int, memoryview], int]] = None
 _native_tried = False
 
 
-def _load_native() -> Optional[Callable[[int, int, int], int]]:
-    """``crc32c_extend(crc, address, length)`` of the library ``google-crc32c`` links, or None."""
-    global _native, _native_tried
-    if _native_tried:
-        return _native
-    _native_tried = True
+def _icrar_crc32c() -> Optional[Callable[[int, memoryview], int]]:
+    """``crc(crc, view)`` of the ``crc32c`` package where it runs in hardware, else None."""
+    try:
+        import crc32c
+    except ImportError:
+        return None
+    if not getattr(crc32c, "hardware_based", False):
+        return None
+    fn = crc32c.crc32c
+    return lambda crc, view: fn(view, crc)
+
+
+def _google_crc32c() -> Optional[Callable[[int, memoryview], int]]:
+    """``crc(crc, view)`` through ``crc32c_extend`` of the library ``google-crc32c`` links (called
+    with ``ctypes``, which releases the GIL and takes any buffer by address), else None."""
     try:
         from google_crc32c import _crc32c  # the C extension; its library holds crc32c_extend
 
         fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # dlsym searches the extension's dependencies
-        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        probe = b"123456789"
-        if fn(0, probe, len(probe)) != 0xE3069283:  # the CRC-32C check value (RFC 3720 B.4)
-            raise OSError("crc32c_extend gives a wrong check value")
-        _native = fn
-    except (ImportError, OSError, AttributeError) as e:
-        log.warning("io: hardware CRC-32C unavailable (%s); snapshots are written with CRC-32", e)
-    return _native
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    return lambda crc, view: fn(crc, address(view), view.nbytes)
+
+
+def _load_native() -> Optional[Callable[[int, memoryview], int]]:
+    """The fastest hardware CRC-32C here, checked against the standard's check value, or None."""
+    global _native, _native_tried
+    if _native_tried:
+        return _native
+    _native_tried = True
+    probe = memoryview(b"123456789")
+    for load in (_icrar_crc32c, _google_crc32c):
+        fn = load()
+        if fn is not None and fn(0, probe) == 0xE3069283:  # the CRC-32C check value (RFC 3720 B.4)
+            _native = fn
+            return _native
+    log.warning("io: hardware CRC-32C unavailable; snapshots are written with CRC-32")
+    return None
 
 
 def native_crc32c() -> bool:
-    """Whether the hardware CRC-32C of ``google-crc32c``'s library is usable here."""
+    """Whether a hardware CRC-32C (``crc32c`` or ``google-crc32c``) is usable here."""
     return _load_native() is not None
 
 
@@ -82,15 +104,19 @@ def crc_update(algo: str, data, crc: int = 0) -> int:
     if algo != CRC32C:
         raise ValueError(f"unknown checksum algorithm {algo!r}, known: {', '.join(ALGOS)}")
     view = memoryview(data)
-    n = view.nbytes
-    if not n:
+    if not view.nbytes:
         return crc & 0xFFFFFFFF
     fn = _load_native()
     if fn is not None:
-        return fn(crc, address(view), n)
-    import google_crc32c
+        return fn(crc, view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    try:  # software (slicing-by-8) where the CPU has no CRC-32C instruction
+        import crc32c
 
-    return google_crc32c.extend(crc, view.tobytes())
+        return crc32c.crc32c(view.tobytes(), crc)
+    except ImportError:
+        import google_crc32c
+
+        return google_crc32c.extend(crc, view.tobytes())
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -128,7 +154,7 @@ def copy_with_crc(algo: str, dst: memoryview, src: memoryview, crc: int = 0) -> 
         take = min(PIECE_BYTES, n - pos)
         ctypes.memmove(d + pos, s + pos, take)
         if native is not None:
-            crc = native(crc, d + pos, take)
+            crc = native(crc, dst[pos : pos + take])
         else:
             crc = crc_update(algo, dst[pos : pos + take], crc)
     return crc

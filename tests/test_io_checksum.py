@@ -1,7 +1,7 @@
 """The payload checksums (:mod:`io_engine.checksum`) and the snapshot worker's thread priority.
 
-Oracles: ``zlib.crc32`` and ``google_crc32c.value`` (the package's own binding, not the ``ctypes``
-route :mod:`io_engine.checksum` takes), the CRC-32C check value of RFC 3720 (B.4), the source
+Oracles: ``zlib.crc32`` and ``google_crc32c.value`` (that package's own binding, neither the
+``crc32c`` package :mod:`io_engine.checksum` prefers nor its ``ctypes`` route into google's library), the CRC-32C check value of RFC 3720 (B.4), the source
 bytes a copy must reproduce, and the nice values the kernel reports per thread.
 """
 
@@ -28,6 +28,19 @@ ORACLE = {"crc32": zlib.crc32, "crc32c": google_crc32c.value}
 def test_the_hardware_crc32c_loads_and_gives_the_check_value():
     assert ck.native_crc32c() and ck.default_algo() == "crc32c"
     assert ck.crc_update("crc32c", b"123456789") == 0xE3069283  # RFC 3720 B.4
+
+
+@pytest.mark.parametrize("load", [ck._icrar_crc32c, ck._google_crc32c])
+def test_each_hardware_route_gives_the_oracles_value_for_any_contiguous_view(load):
+    fn = load()
+    assert fn is not None  # both packages are dependencies, and this CPU has the instruction
+    data = np.random.default_rng(3).standard_normal((257, 1031)).astype(np.float16)  # 529,934 bytes
+    raw = data.tobytes()
+    view = memoryview(data).cast("B")
+    assert fn(0, view) == google_crc32c.value(raw)
+    assert fn(fn(0, view[:4099]), view[4099:]) == google_crc32c.value(raw)  # continued
+    assert fn(0, memoryview(raw)) == google_crc32c.value(raw)  # read-only memory
+    assert ck.crc_update("crc32c", data) == google_crc32c.value(raw)  # a 2-D half-precision array
 
 
 @pytest.mark.parametrize("algo", ["crc32c", "crc32"])
