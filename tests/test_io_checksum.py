@@ -1,8 +1,9 @@
 """The payload checksums (:mod:`io_engine.checksum`) and the snapshot worker's thread priority.
 
 Oracles: ``zlib.crc32`` and ``google_crc32c.value`` (that package's own binding, neither the
-``crc32c`` package :mod:`io_engine.checksum` prefers nor its ``ctypes`` route into google's library), the CRC-32C check value of RFC 3720 (B.4), the source
-bytes a copy must reproduce, and the nice values the kernel reports per thread.
+``crc32c`` package :mod:`io_engine.checksum` prefers nor its ``ctypes`` route into google's
+library), the CRC-32C check value of RFC 3720 (B.4), the source bytes a copy must reproduce, and
+the nice values the kernel reports per thread.
 """
 
 from __future__ import annotations
