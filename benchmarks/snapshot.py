@@ -22,11 +22,12 @@ thread, user and system) against that baseline's: on a machine whose cores train
 extra CPU time is what a snapshot takes from training.
 
 The baseline is paired: each engine's job runs ``--steps`` iterations without snapshots, then
-``--rounds`` times (default 3) ``--steps`` with them and ``--steps`` without again. Each block with
+``--rounds`` times (default 5) ``--steps`` with them and ``--steps`` without again. Each block with
 snapshots is compared with the mean of the two blocks without around it, and the slowdown is the
 median of those rounds (the machine's speed drifts by more than the effect between separate jobs,
 and by several percent between blocks of one job: the drift from the first block without to the
-last and each round's slowdown are printed). ``--unpaired`` runs the blocks
+last and each round's slowdown are printed; with five rounds one outlier, often the round of a
+job's first snapshot, leaves the median alone). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
 paired_drift, round_slowdowns, flush_gbps, bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         help="no baseline blocks inside each engine's job: slowdowns against the 'none' job's",
     )
     ap.add_argument(
-        "--rounds", type=int, default=3, help="paired: blocks with snapshots per engine, each between two without"
+        "--rounds", type=int, default=5, help="paired: blocks with snapshots per engine, each between two without"
     )
     ap.add_argument("--worker-nice", type=int, default=None, help="snapshot.worker_nice (default: the config's)")
     ap.add_argument("--json", action="store_true")
@@ -135,6 +136,13 @@ def main(argv=None) -> int:
 
     base = next((r for r in results if r["engine"] == "none"), None)
     results = [r for r in results if r["engine"] != "none"]
+    if not results:  # only the job without snapshots: its figures are all there is
+        print(
+            json.dumps(base)
+            if a.json
+            else f"no snapshots: {base['iter_s']:.2f} s per iteration, {base['cpu_s']:.2f} CPU s on rank 0"
+        )
+        return 0
     size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
     bound = io_run(size_mib, a.dir, 1, 32, 8, 64)["results"]["device_bound_odirect_uring"]["gib_per_s"] * 1.073741824
     torch_stall = next((r["stall_s"] for r in results if r["engine"] == "torch"), None)
