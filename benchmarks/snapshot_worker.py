@@ -91,6 +91,9 @@ class Loop:
         self.save_dir = os.path.join(a.dir, a.engine)
         self.plain, self.with_snap, self.stalls, self.flush = [], [], [], []
         self.pending = None  # DCP's future, its start and its directory
+        # DCP's background save runs its collectives (the plans' gather and scatter) beside the
+        # training loop's: on a group of its own, or the two interleave on one group and hang
+        self.dcp_group = torch.distributed.new_group(backend="gloo") if a.engine == "dcp" else None
 
     def step(self) -> None:
         engine = self.engine
@@ -118,7 +121,7 @@ class Loop:
                 f"rank{self.rank}": {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
             }
             path = os.path.join(self.save_dir, tag)
-            self.pending = (dcp.async_save(state, checkpoint_id=path), s0, path)
+            self.pending = (dcp.async_save(state, checkpoint_id=path, process_group=self.dcp_group), s0, path)
         else:
             engine.save_checkpoint(self.save_dir, tag=tag)
         return time.perf_counter() - s0
