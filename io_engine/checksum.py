@@ -74,6 +74,14 @@ def _load_native() -> Optional[Callable[[int, memoryview], int]]:
         return _native
     _native_tried = True
     probe = memoryview(b"123456789")
+    try:
+        import crc32c
+
+        if not crc32c.hardware_based:  # the CPU lacks the instruction: google's library would be software too
+            log.warning("io: no CRC-32C instruction on this CPU; snapshots are written with CRC-32")
+            return None
+    except ImportError:
+        pass
     for load in (_icrar_crc32c, _google_crc32c):
         fn = load()
         if fn is not None and fn(0, probe) == 0xE3069283:  # the CRC-32C check value (RFC 3720 B.4)
@@ -97,13 +105,15 @@ def crc_update(algo: str, data, crc: int = 0) -> int:
     """Running checksum ``algo`` (:data:`CRC32` or :data:`CRC32C`) of bytes-like ``data``,
     continued from ``crc``; an unsigned 32-bit int. Releases the GIL for large buffers.
 
-    Raises ``ValueError`` for an unknown ``algo``.
+    Raises ``ValueError`` for an unknown ``algo`` or data that is not C-contiguous.
     """
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("checksummed data must be C-contiguous")
     if algo == CRC32:
-        return zlib.crc32(data, crc)
+        return zlib.crc32(view, crc)
     if algo != CRC32C:
         raise ValueError(f"unknown checksum algorithm {algo!r}, known: {', '.join(ALGOS)}")
-    view = memoryview(data)
     if not view.nbytes:
         return crc & 0xFFFFFFFF
     fn = _load_native()

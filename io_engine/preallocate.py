@@ -27,10 +27,16 @@ _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errn
 
 
 def _libc_fallocate():
-    """The C library's ``fallocate``, or None where it has none."""
+    """The C library's ``fallocate`` with 64-bit offsets (``fallocate64``; plain ``fallocate`` where
+    ``off_t`` is 64 bits wide), or None where it has neither."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except Exception:  # noqa: BLE001 - no C library to load, or no fallocate in it
+        libc = ctypes.CDLL(None, use_errno=True)
+    except Exception:  # noqa: BLE001 - no C library to load
+        return None
+    fn = getattr(libc, "fallocate64", None)
+    if fn is None and ctypes.sizeof(ctypes.c_long) == 8:
+        fn = getattr(libc, "fallocate", None)
+    if fn is None:
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     fn.restype = ctypes.c_int
@@ -50,9 +56,12 @@ def reserve(fd: int, nbytes: int, path: str) -> bool:
     """
     if nbytes <= 0 or _FALLOCATE is None:
         return False
-    if _FALLOCATE(fd, 0, 0, nbytes) == 0:
-        return True
-    err: Optional[int] = ctypes.get_errno()
+    while True:
+        if _FALLOCATE(fd, 0, 0, nbytes) == 0:
+            return True
+        err: Optional[int] = ctypes.get_errno()
+        if err != errno.EINTR:  # a signal during the call (FUSE, NFS): again
+            break
     if err in _UNSUPPORTED:
         return False
     raise StorageWriteError(path, f"reserving {nbytes} bytes failed", offset=0, errno=err)

@@ -65,6 +65,25 @@ def test_running_checksums_continue_across_pieces(algo):
     assert crc == ORACLE[algo](data) == ck.crc_update(algo, data[7:], ck.crc_update(algo, data[:7]))
 
 
+def test_a_cpu_without_the_crc32c_instruction_writes_crc32_and_still_reads_crc32c(monkeypatch):
+    """INJECTED: the ``crc32c`` package says it has no hardware path (``hardware_based``)."""
+    import crc32c
+
+    monkeypatch.setattr(crc32c, "hardware_based", False)
+    monkeypatch.setattr(ck, "_native", None)
+    monkeypatch.setattr(ck, "_native_tried", False)
+    assert not ck.native_crc32c() and ck.default_algo() == "crc32"  # not google's software path either
+    data = np.random.default_rng(5).integers(0, 256, 70_001, dtype=np.uint8)
+    assert ck.crc_update("crc32c", data) == google_crc32c.value(data.tobytes())  # version 3 files still read
+
+
+def test_data_that_is_not_contiguous_is_refused_by_name():
+    strided = np.arange(64, dtype=np.uint8)[::2]
+    for algo in ("crc32c", "crc32"):
+        with pytest.raises(ValueError, match="must be C-contiguous"):
+            ck.crc_update(algo, strided)
+
+
 def test_bad_calls_are_refused_and_touch_nothing():
     dst = bytearray(8)
     with pytest.raises(ValueError, match="copy of 4 bytes into a view of 8"):

@@ -284,6 +284,8 @@ def test_a_direct_file_is_reserved_whole_before_its_first_write(tmp_path):
         path = tmp_path / f"f{direct}"
         with Flusher(IOConfig(direct=direct)).open(str(path)) as s:
             reserved = s.reserve(10_000)
+            if direct and not reserved:
+                pytest.skip("this file system takes O_DIRECT but refuses fallocate")
             assert reserved == direct  # ext4 / XFS / btrfs reserve; buffered files are left alone
             assert os.fstat(s._channel.fd).st_size == (12_288 if direct else 0)  # whole blocks
             s.write(b"a" * 4096, 4096)
@@ -316,3 +318,35 @@ with SnapshotFileWriter(flusher=Flusher(IOConfig(direct=True))) as w:
     assert out.stdout.startswith(f"ERR {errno.EFBIG} 0 "), out.stdout
     assert "reserving" in out.stdout and "File too large" in out.stdout
     assert not (tmp_path / "big").exists()
+
+
+def _failing_fallocate(err):
+    """INJECTED: a C library ``fallocate`` that fails with ``err`` (the seam ``preallocate._FALLOCATE``)."""
+    import ctypes
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(err)
+        return -1
+
+    return fallocate
+
+
+def test_a_file_system_without_fallocate_is_written_unreserved_and_a_full_one_fails_before_writing(
+    tmp_path, monkeypatch
+):
+    if not _direct_ok(str(tmp_path)):
+        pytest.skip("O_DIRECT refused here: nothing is reserved")
+    from io_engine import preallocate
+
+    _, ref = write_with(tmp_path / "ref", IOConfig(direct=False, **SMALL))
+    for err in (errno.EOPNOTSUPP, errno.EPERM):  # the file system cannot reserve: written as before
+        monkeypatch.setattr(preallocate, "_FALLOCATE", _failing_fallocate(err))
+        res, digest = write_with(tmp_path / f"unreserved{err}", IOConfig(direct=True, **SMALL))
+        assert res.report.direct and digest == ref
+    for err, name in ((errno.ENOSPC, "No space left"), (errno.EDQUOT, "quota")):
+        monkeypatch.setattr(preallocate, "_FALLOCATE", _failing_fallocate(err))
+        path = tmp_path / f"full{err}"
+        with pytest.raises(StorageWriteError, match=rf"{path} at offset 0: reserving \d+ bytes failed.*{name}") as ei:
+            write_with(path, IOConfig(direct=True, **SMALL))
+        assert ei.value.errno == err
+        assert not path.exists()
