@@ -43,12 +43,11 @@ _native_tried = False
 
 
 def _icrar_crc32c() -> Optional[Callable[[int, memoryview], int]]:
-    """``crc(crc, view)`` of the ``crc32c`` package where it runs in hardware, else None."""
+    """``crc(crc, view)`` of the ``crc32c`` package (:func:`_load_native` checks it runs in
+    hardware), else None."""
     try:
         import crc32c
     except ImportError:
-        return None
-    if not getattr(crc32c, "hardware_based", False):
         return None
     fn = crc32c.crc32c
     return lambda crc, view: fn(view, crc)
@@ -122,7 +121,7 @@ def crc_update(algo: str, data, crc: int = 0) -> int:
     try:  # software (slicing-by-8) where the CPU has no CRC-32C instruction
         import crc32c
 
-        return crc32c.crc32c(view.tobytes(), crc)
+        return crc32c.crc32c(view, crc)  # takes the buffer itself: no copy
     except ImportError:
         import google_crc32c
 
