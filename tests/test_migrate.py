@@ -171,6 +171,16 @@ def test_damaged_file_at_the_saving_world_size_fails_every_rank(migrated):
         assert r["error"].count("checksum mismatch") == 1, r
 
 
+def test_every_process_ends_with_no_gloo_thread_alive(migrated):
+    """Saves and loads at 1-4 ranks, ZeRO-1-3, several engines a process: after the library's exit
+    hooks no gloo thread is left to outlive the interpreter."""
+    files = sorted(migrated.glob("*/threads_rank*"))
+    assert len(files) == sum(SAVES) + sum(LOADS), files
+    for f in files:
+        names = f.read_text().split()
+        assert names and not [n for n in names if "gloo" in n], (f, names)
+
+
 def test_checkpoint_of_another_model_refused_before_loading(migrated):
     """The saved parameters are checked against the model's before any partition is read; the
     first differing parameter is named (in-process: no engine needed for the check)."""

@@ -86,6 +86,23 @@ def _holds_group(value) -> bool:
     return False
 
 
+def _zero3_init_contexts(params) -> list:
+    """The ``deepspeed.zero.Init`` objects ZeRO-3 parameters' methods close over (DeepSpeed's
+    ``partition_parameters.py`` binds ``all_gather``, ``partition``, ... per parameter as closures
+    of the ``Init`` that converted it; it holds ``ds_process_group``), each once."""
+    found = {}
+    for p in params:
+        fn = getattr(p, "all_gather", None)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if hasattr(value, "ds_process_group"):
+                found[id(value)] = value
+    return list(found.values())
+
+
 def release_default_arguments() -> int:
     """``torch.distributed.nn.functional`` defines ``group=group.WORLD`` defaults: imported once a
     default group exists (DeepSpeed imports it while it builds the engine), every such function
@@ -106,10 +123,11 @@ def release_default_arguments() -> int:
 
 def release_process_groups(engine) -> int:
     """Drop every reference a DeepSpeed engine keeps to a ``torch.distributed`` process group (in
-    the engine, its optimizers, the model's parameters, DeepSpeed's module globals and the
-    default arguments of ``torch.distributed.nn.functional``), so that the groups are destroyed
-    once ``torch.distributed`` lets them go, their gloo threads joined. Call it when the engine will run no
-    collective any more (at exit). Returns how many references went.
+    the engine, its optimizers, ZeRO-3's parameter offload and ``zero.Init``, a pipeline's grid,
+    the model and its parameters, DeepSpeed's module globals and the default arguments of
+    ``torch.distributed.nn.functional``), so that the groups are destroyed once
+    ``torch.distributed`` lets them go, their gloo threads joined. Call it when the engine will
+    run no collective any more (at exit). Returns how many references went.
 
     Why: ``shutdown()`` of a gloo group does not stop its threads; only its destruction does.
     DeepSpeed's own data-parallel subgroup (``new_group``) is held by the engine, the ZeRO
@@ -120,11 +138,15 @@ def release_process_groups(engine) -> int:
     "terminate called without an active exception", status -6, after training finished.
     """
     objects = [engine, getattr(engine, "optimizer", None)]
-    inner = getattr(objects[-1], "optimizer", None)
-    objects.append(inner)
+    objects.append(getattr(objects[-1], "optimizer", None))
+    objects.append(getattr(objects[1], "parameter_offload", None))  # ZeRO-3's DeepSpeedZeRoOffload
+    objects += [getattr(engine, "mpu", None), getattr(engine, "grid", None)]  # a pipeline's grid
     module = getattr(engine, "module", None)
+    objects.append(module)  # a PipelineModule's world group
     if module is not None:
-        objects.extend(module.parameters())
+        params = list(module.parameters())
+        objects.extend(params)
+        objects.extend(_zero3_init_contexts(params))
     gone = release_default_arguments()
     for obj in objects:
         attrs = getattr(obj, "__dict__", None)

@@ -143,6 +143,21 @@ def base_config(stage: int, metrics_path: str | None = None) -> dict:
     }
 
 
+def record_threads_at_exit(path: str) -> None:
+    """Write the names of this process's OS threads (``/proc/self/task/*/comm``), one a line, to
+    ``path``. Registered with ``atexit`` before ``ds_dynatrain`` is initialized, it runs after the
+    library's own exit hooks: a gloo thread still listed there outlives the interpreter."""
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    with open(path, "w") as f:
+        f.write("\n".join(names) + "\n")
+
+
 def exit_without_teardown(code: int) -> None:
     """End a plain DeepSpeed worker whose results are written and whose process group is
     destroyed, without the interpreter's teardown: there, a gloo thread torch left running

@@ -29,19 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state, save_final_state  # noqa: E402
-
-
-def _record_threads(out: str, member: str) -> None:
-    names = []
-    for tid in sorted(os.listdir("/proc/self/task")):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass  # a thread that ended meanwhile
-    with open(os.path.join(out, f"threads_{member}"), "w") as f:
-        f.write("\n".join(names) + "\n")
+from tests.workers.common import TinyLM, Tokens, gather_state, record_threads_at_exit, save_final_state  # noqa: E402
 
 
 def _init_distributed(out: str, member: str) -> None:
@@ -88,7 +76,9 @@ def main():
     p.add_argument("--deepspeed_config", required=True)
     a = p.parse_args()
     member = os.environ["DYNATRAIN_MEMBER"]
-    atexit.register(_record_threads, a.out, member)  # runs after the library's exit hooks
+    atexit.register(
+        record_threads_at_exit, os.path.join(a.out, f"threads_{member}")
+    )  # runs after the library's exit hooks
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()
     with open(os.path.join(a.out, f"pid_{member}"), "w") as f:

@@ -5,6 +5,9 @@ and a DeepSpeed checkpoint (DeepSpeed's default ``torch.save`` engine) of the sa
 the state (DeepSpeed's ``safe_get_full_*``), then train on (the uninterrupted run, its losses in
 ``<out>/metrics_z<stage>.jsonl``).
 
+Every process writes, from an exit hook registered before the first engine (so it runs after the
+library's own), the names of its OS threads to ``<out>/threads_rank<r>``.
+
 ``load``: for each stage and format, build a fresh engine at this world size, ``load_checkpoint``,
 gather the state (rank 0 writes it), train on (losses in ``<out>/metrics_z<stage>_<format>.jsonl``).
 
@@ -14,6 +17,7 @@ Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (no laun
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -23,7 +27,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, base_config, gather_state  # noqa: E402
+from tests.workers.common import (  # noqa: E402
+    TinyLM,
+    Tokens,
+    allow_cpu_fp16,
+    base_config,
+    gather_state,
+    record_threads_at_exit,
+)
 
 SAVE_STEPS = 3
 MORE_STEPS = 2
@@ -123,6 +134,7 @@ def main():
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()  # the plugin's [dynatrain] lines on stdout
     rank = int(os.environ["RANK"])
+    atexit.register(record_threads_at_exit, os.path.join(a.out, f"threads_rank{rank}"))  # after the library's hooks
     for stage in map(int, a.stages.split(",")):
         if a.mode == "save":
             engine, loader = build(stage, os.path.join(a.out, f"metrics_z{stage}.jsonl"))
