@@ -81,6 +81,10 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
     assert all(s["after"] == static["after"] for s in switch), (switch[0]["after"], static["after"])
     _equal(torch.load(tmp_path / "final_switch.pt"), torch.load(tmp_path / "final_static.pt"))
+    # the switched job's processes exit normally, no gloo thread left to outlive the interpreter
+    for r in range(world):
+        names = (tmp_path / f"threads_switch_rank{r}").read_text().split()
+        assert names and not [n for n in names if "gloo" in n], (r, names)
     # training went on: the state changed after the switch
     before, final = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "final_switch.pt")
     assert not torch.equal(before["1.fc1.weight"]["fp32"], final["1.fc1.weight"]["fp32"])

@@ -45,11 +45,16 @@ with the step it was fetched in, to ``data_rank<r>.json``.
 
 The global batch is 4 sequences every step, micro-batch 1: DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i``. Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
+
+``switch`` and ``schedule`` end through the interpreter's own exit, the names of their OS threads
+written after the library's exit hooks to ``threads_<mode>_rank<r>``; the other modes end without
+the interpreter's teardown (``exit_without_teardown``: plain DeepSpeed leaves gloo threads to it).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -60,7 +65,7 @@ import torch.distributed as tdist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tests.workers.common import allow_cpu_fp16, exit_without_teardown  # noqa: E402
+from tests.workers.common import allow_cpu_fp16, exit_without_teardown, record_threads_at_exit  # noqa: E402
 from tests.workers.pipeline_layout_worker import VOCAB, loss_fn, specs  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 4, 8
@@ -335,6 +340,11 @@ def refusals(engine, world: int) -> list:
     return said
 
 
+# modes that end through the interpreter's exit (this project's engines; the plain DeepSpeed ones
+# end with exit_without_teardown), their OS threads written to ``threads_<mode>_rank<r>``
+OWN_EXIT = ("switch", "schedule")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     modes = ["switch", "schedule", "static", "route-save", "route-load", "load", "data", "refuse-start"]
@@ -358,6 +368,8 @@ def main() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = tdist.get_rank(), tdist.get_world_size()
+    if a.mode in OWN_EXIT:  # registered before the engine: runs after the library's exit hooks
+        atexit.register(record_threads_at_exit, os.path.join(a.out, f"threads_{a.mode}_rank{rank}"))
     out = {}
     if a.mode == "data":
         data_job(a)
@@ -447,6 +459,8 @@ def main() -> None:
         torch.save(final, os.path.join(a.out, f"final_{a.mode}.pt"))
     with open(os.path.join(a.out, f"{a.mode}_rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    if a.mode in OWN_EXIT:
+        return  # the interpreter's own exit, through the library's exit hooks
     tdist.destroy_process_group()
     exit_without_teardown(0)
 
