@@ -124,7 +124,7 @@ def release_default_arguments() -> int:
 def release_process_groups(engine) -> int:
     """Drop every reference a DeepSpeed engine keeps to a ``torch.distributed`` process group (in
     the engine, its optimizers, ZeRO-3's parameter offload and ``zero.Init``, a pipeline's grid,
-    the model and its parameters, DeepSpeed's module globals and the default arguments of
+    the model's modules and parameters, DeepSpeed's module globals and the default arguments of
     ``torch.distributed.nn.functional``), so that the groups are destroyed once
     ``torch.distributed`` lets them go, their gloo threads joined. Call it when the engine will
     run no collective any more (at exit). Returns how many references went.
@@ -142,12 +142,15 @@ def release_process_groups(engine) -> int:
     objects.append(getattr(objects[1], "parameter_offload", None))  # ZeRO-3's DeepSpeedZeRoOffload
     objects += [getattr(engine, "mpu", None), getattr(engine, "grid", None)]  # a pipeline's grid
     module = getattr(engine, "module", None)
-    objects.append(module)  # a PipelineModule's world group
     if module is not None:
+        objects.extend(module.modules())  # a PipelineModule's world group, AutoTP layers' mp_group
         params = list(module.parameters())
         objects.extend(params)
         objects.extend(_zero3_init_contexts(params))
+    from .zero3 import clear_release_cache
+
     gone = release_default_arguments()
+    clear_release_cache()  # it holds ZeRO-3 engines' modules (and their groups) the process let go
     for obj in objects:
         attrs = getattr(obj, "__dict__", None)
         if not attrs:

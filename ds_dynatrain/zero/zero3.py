@@ -96,13 +96,37 @@ def release_zero3_params(
 
 def forget_zero3_module(module: torch.nn.Module) -> None:
     """Drop what DeepSpeed's ZeRO-3 keeps process-wide of a detached engine's module (its place on
-    the forward module stack) and start its counters from 0 again, before another engine is built."""
+    the forward module stack, :func:`clear_release_cache`) and start its counters from 0 again,
+    before another engine is built."""
     from deepspeed.runtime.zero import parameter_offload
 
     stack = parameter_offload.FWD_MODULE_STACK  # the engine pushed its module at set-up
     while stack and stack[-1] is module:
         stack.pop()
+    clear_release_cache()
     reset_zero3_counters()
+
+
+def clear_release_cache() -> None:
+    """Empty the process-wide cache of DeepSpeed's ``PartitionedParameterCoordinator.
+    __params_to_release`` (``functools.lru_cache`` without a bound on a method, DeepSpeed's
+    ``partitioned_param_coordinator.py``): its keys hold every coordinator and submodule that ever
+    ran a traced step, so a detached engine's model, its parameters and its process groups would
+    live as long as the process. Entries of an engine still in use are computed again on its next
+    step."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    fn = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    # DeepSpeed wraps the cached function in ``instrument_w_nvtx`` (no functools.wraps): in its closure
+    candidates = [fn]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            candidates.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    for cached in candidates:
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def reset_zero3_counters() -> None:

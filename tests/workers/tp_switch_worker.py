@@ -26,6 +26,7 @@ Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.workers.common import allow_cpu_fp16, exit_without_teardown  # noqa: E402
+from tests.workers.common import allow_cpu_fp16, exit_without_teardown, record_threads_at_exit  # noqa: E402
 
 GLOBAL = 4
 
@@ -328,6 +329,11 @@ def saved_and_loaded(a, model, ds, data, rank: int) -> None:
             json.dump({"losses": losses, "path": path, "steps": engine.global_steps, "refusal": refusal}, f)
 
 
+# modes that end through the interpreter's exit (this project's engines; the plain DeepSpeed ones
+# end with exit_without_teardown), their OS threads written to ``threads_<mode>_rank<r>``
+OWN_EXIT = ("switch", "schedule")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -372,6 +378,8 @@ def main() -> None:
     model, ds = model_and_config(a)
     data = batches(a.steps_before + a.steps_after)
     rank = int(os.environ["RANK"])
+    if a.mode in OWN_EXIT:  # registered before the engine: runs after the library's exit hooks
+        atexit.register(record_threads_at_exit, os.path.join(a.out, f"threads_{a.mode}_rank{rank}"))
     if a.mode == "schedule":  # the switch inside engine.step() of the last step before it
         import ds_dynatrain
 
@@ -448,7 +456,8 @@ def main() -> None:
             torch.save(final, os.path.join(a.out, "final_static.pt"))
             with open(os.path.join(a.out, "losses_static.json"), "w") as f:
                 json.dump({"losses": losses}, f)
-    exit_without_teardown(0)
+    if a.mode not in OWN_EXIT:
+        exit_without_teardown(0)
 
 
 if __name__ == "__main__":
