@@ -70,8 +70,9 @@ def request_resize(
     store.set(REQUEST_KEY.format(i), json.dumps(body))
     t0 = time.monotonic()
     try:
-        store.wait([ANSWER_KEY.format(i)], timedelta(seconds=timeout_s))
-        answer = json.loads(store.get(ANSWER_KEY.format(i)))
+        with native_stderr_hidden():  # a store that goes away: the error below says it in one line
+            store.wait([ANSWER_KEY.format(i)], timedelta(seconds=timeout_s))
+            answer = json.loads(store.get(ANSWER_KEY.format(i)))
     except RuntimeError:
         waited = time.monotonic() - t0
         if waited < 0.9 * timeout_s:  # the wait ended early: the store is gone with its job
