@@ -98,6 +98,17 @@ def _check_resume(tmp_path, stage: int, save_np: int, load_np: int, plain_save: 
         assert got[s] == pytest.approx(oracle[s], rel=1e-4), f"step {s}: {got[s]} vs uninterrupted {oracle[s]}"
 
 
+def test_the_trainer_processes_end_with_no_gloo_thread_alive(zero2_run):
+    """Trainer leaves the engine to the interpreter's exit: after the library's exit hooks no gloo
+    thread is left to outlive it (one that did aborted finished processes, status -6)."""
+    files = sorted(f for f in os.listdir(zero2_run) if f.startswith("threads_"))
+    assert len(files) == 2, files
+    for f in files:
+        with open(os.path.join(zero2_run, f)) as fh:
+            names = fh.read().split()
+        assert names and not [n for n in names if "gloo" in n], (f, names)
+
+
 def test_trainer_resumes_a_zero2_snapshot_of_2_ranks_on_3(tmp_path, zero2_run):
     _check_resume(tmp_path, stage=2, save_np=2, load_np=3, plain_save=False, saved=zero2_run)
 

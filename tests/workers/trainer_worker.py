@@ -14,6 +14,9 @@ started by ``run_plain`` (torch env:// variables), on the CPU (``use_cpu=True``,
   as a Trainer script started by ``dynatrain launch`` takes it.
 * Every process appends the indices of the samples it trains, micro-batch by micro-batch, to
   ``--out/samples_<pid>.jsonl`` (a ``Trainer`` subclass's ``training_step``: what is trained).
+* Every process of a run with the plugin writes, from an exit hook registered before Trainer builds
+  its engine (so it runs after the library's own), the names of its OS threads to
+  ``--out/threads_<pid>``.
 * ``--kill-at K``: SEAM (the kill is real, the seam picks its moment): once the snapshot of the save
   before step K is durable, the io queue of every rank's snapshot writer is replaced by one whose
   first write waits until Trainer has finished the save at step K (its rotation included), then
@@ -23,6 +26,7 @@ started by ``run_plain`` (torch env:// variables), on the CPU (``use_cpu=True``,
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -41,7 +45,7 @@ import ds_dynatrain  # noqa: E402,F401  (the one line a Trainer script adds)
 # JIT-builds its shared-memory op (inference only; minutes on a fresh machine): skipped, as
 # ds_dynatrain skips it for its engines (ds_dynatrain/zero/comm.py)
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-from tests.workers.common import gather_state  # noqa: E402
+from tests.workers.common import gather_state, record_threads_at_exit  # noqa: E402
 
 # started by `dynatrain launch` as a joiner, this process imports the package before Trainer as
 # any Trainer script does; nothing else here knows of resizes
@@ -161,6 +165,9 @@ def main() -> int:
     p.add_argument("--deepspeed", default=None, help="a DeepSpeed config file, as Trainer scripts take it")
     a = p.parse_args()
     ds_dynatrain.log_to_console()
+    if not a.plain:
+        os.makedirs(a.out, exist_ok=True)
+        atexit.register(record_threads_at_exit, os.path.join(a.out, f"threads_{os.getpid()}"))
 
     args = TrainingArguments(
         output_dir=a.out,
