@@ -20,6 +20,10 @@ state), then the same ``--steps-after`` steps on the same batches: ``final_stati
 The global batch is 4 sequences every step; micro-batch 1, so a DP rank ``r`` of ``d`` takes row
 ``i * d + r`` at micro-step ``i`` (every TP rank of a DP rank the same rows).
 
+``switch`` and ``schedule`` end through the interpreter's own exit, the names of their OS threads
+written after the library's exit hooks to ``threads_<mode>_rank<r>``; the other modes end without
+the interpreter's teardown (``exit_without_teardown``: plain DeepSpeed leaves gloo threads to it).
+
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment.
 """
 
