@@ -16,12 +16,15 @@ SIGKILL at a chosen moment, or (the oracle) the job resizes 4 -> 3 removing that
 
 Writes ``--out/losses_<member>.json`` (step -> loss, the vote's mean over ranks) and, at the end,
 rank 0 writes the gathered state (``save_final_state``) to ``--out/final.pt``. With ``--rss`` every
-member appends ``(step, RSS bytes)`` to ``--out/rss_<member>``.
+member appends ``(step, RSS bytes)`` to ``--out/rss_<member>``. Every process that ends normally
+writes, from an exit hook registered before ``initialize`` (so it runs after the library's own),
+the names of its OS threads to ``--out/threads_<member>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, save_final_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, record_threads_at_exit, save_final_state  # noqa: E402
 
 _ENGINE = []
 
@@ -106,6 +109,7 @@ def main():
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_dynatrain.log_to_console()
     member = os.environ["DYNATRAIN_MEMBER"]
+    atexit.register(record_threads_at_exit, os.path.join(a.out, f"threads_{member}"))  # after the library's
     torch.manual_seed(0)
     model = TinyLM()
     engine, _opt, loader, _sched = ds_dynatrain.initialize(
