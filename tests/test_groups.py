@@ -116,3 +116,35 @@ def test_built_group_serves_the_device_types_of_an_init_process_group_gloo_group
     finally:
         tdist.destroy_process_group()
         ours.shutdown()
+
+
+def test_a_formation_waiting_for_a_member_that_never_comes_ends_when_the_cache_closes():
+    """A background build whose member never arrives (one that died after the formation was
+    published) waits in the arrival barrier, not inside gloo's rendezvous: closing the cache (at
+    exit) cancels it at once, long before its timeout, and its thread is gone. Real TCPStore."""
+    import threading
+
+    from ds_dynatrain.elastic.groups import GroupCache, await_members
+
+    port = free_port()
+    master = tdist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def connect():
+        return tdist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+    cache = GroupCache(connect, "a", "gloo")
+    cache.prepare(("a", "b"), "test/pg/1/0/ab", timeout_s=120)
+    b = cache._builds[("a", "b")]
+    time.sleep(0.3)
+    assert not b.done.is_set()  # still waiting for "b"
+    t = time.monotonic()
+    cache.close()
+    assert time.monotonic() - t < 2.0
+    assert b.done.is_set() and not b.thread.is_alive()
+    assert b.pg is None and "cancelled" in b.error and "GroupBuildCancelled" in b.error
+    assert not [th for th in threading.enumerate() if th.name.startswith("dynatrain-group-")]
+    # the barrier alone: a rank that does not come within the timeout is named
+    store = tdist.PrefixStore("test/alone", connect())
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] of 3 did not arrive within 0 s"):
+        await_members(store, 0, 3, 0.2, threading.Event())
+    del master

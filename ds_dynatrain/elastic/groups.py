@@ -46,6 +46,38 @@ def close_all() -> None:
             cache.close()
 
 
+ARRIVAL_POLL_MAX_S = 0.02  # the longest pause between two looks at the arrival keys
+CLOSE_JOIN_S = 5.0  # at exit, how long one background build may take to end once cancelled
+
+
+class GroupBuildCancelled(TransitionAbortedError):
+    """A background group build was cancelled before its rendezvous (the process is exiting)."""
+
+
+def await_members(store, rank: int, world_size: int, timeout_s: float, cancel: threading.Event) -> None:
+    """Arrival barrier before gloo's rendezvous: set this rank's arrival key on ``store`` (a
+    ``PrefixStore`` of one formation) and poll (``store.check``, pauses growing from 1 ms to
+    :data:`ARRIVAL_POLL_MAX_S`) until every rank's is there. gloo's rendezvous blocks inside
+    ``ProcessGroupGloo``'s constructor until its timeout when a member never comes (one that died
+    after the formation was published), where nothing can stop it; this wait can be stopped.
+
+    Raises:
+        GroupBuildCancelled: ``cancel`` was set.
+        RuntimeError: not every rank arrived within ``timeout_s`` seconds (naming those missing).
+    """
+    store.set(f"dynatrain-arrived/{rank}", b"1")
+    keys = [f"dynatrain-arrived/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if cancel.wait(pause):
+            raise GroupBuildCancelled(f"rank {rank} of {world_size}: the group's formation was cancelled")
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([keys[r]])]
+            raise RuntimeError(f"ranks {missing} of {world_size} did not arrive within {timeout_s:.0f} s")
+        pause = min(2 * pause, ARRIVAL_POLL_MAX_S)
+
+
 def build_gloo_group(store, rank: int, world_size: int, timeout_s: float) -> tdist.ProcessGroup:
     """A gloo ``ProcessGroup`` over ``store`` (rank ``rank`` of ``world_size``), not registered
     anywhere: it can be built in any thread and installed later as the default group.
@@ -151,6 +183,8 @@ class _Build:
         self.seconds = 0.0
         self.group_count = 1  # torch's subgroup counter when this group was last the default
         self.done = threading.Event()
+        self.cancel = threading.Event()  # set at exit: a build still waiting for its members ends
+        self.thread: Optional[threading.Thread] = None
 
 
 class GroupCache:
@@ -198,6 +232,7 @@ class GroupCache:
             t = time.perf_counter()
             try:
                 store = tdist.PrefixStore(prefix, self.connect())
+                await_members(store, b.rank, len(members), timeout_s, b.cancel)
                 pg = build_gloo_group(store, b.rank, len(members), timeout_s)
                 if self._builds.get(members) is not b:  # replaced by a later formation meanwhile
                     pg.shutdown()
@@ -209,7 +244,8 @@ class GroupCache:
             b.done.set()
 
         if background:
-            threading.Thread(target=run, name=f"dynatrain-group-{prefix}", daemon=True).start()
+            b.thread = threading.Thread(target=run, name=f"dynatrain-group-{prefix}", daemon=True)
+            b.thread.start()
         else:
             run()
 
@@ -305,8 +341,15 @@ class GroupCache:
         return gone
 
     def close(self) -> None:
-        """Detach the default group and shut down every cached group (at exit)."""
+        """Detach the default group and shut down every cached group (at exit). Builds still
+        running are cancelled and waited for (at most :data:`CLOSE_JOIN_S` each): a thread left
+        inside torch's code during the interpreter's teardown can abort the process."""
         detach_default()
+        for b in self._builds.values():
+            b.cancel.set()
+        for b in self._builds.values():
+            if b.thread is not None:
+                b.thread.join(CLOSE_JOIN_S)
         for b in self._builds.values():
             if b.pg is not None and b.done.is_set():
                 try:
