@@ -183,7 +183,7 @@ class _Build:
         self.seconds = 0.0
         self.group_count = 1  # torch's subgroup counter when this group was last the default
         self.done = threading.Event()
-        self.cancel = threading.Event()  # set at exit: a build still waiting for its members ends
+        self.cancel = threading.Event()  # set at exit or when replaced: a build still waiting ends
         self.thread: Optional[threading.Thread] = None
 
 
@@ -222,6 +222,8 @@ class GroupCache:
         old = self._builds.get(members)
         if old is not None and old.error is None and (old.pg is not None or old.prefix == prefix):
             return
+        if old is not None:
+            old.cancel.set()  # an abandoned formation still waiting for its members ends
         b = _Build(members, prefix, members.index(self.member))
         self._builds[members] = b
         if self.backend != "gloo":
