@@ -50,10 +50,6 @@ ARRIVAL_POLL_MAX_S = 0.02  # the longest pause between two looks at the arrival 
 CLOSE_JOIN_S = 5.0  # at exit, how long one background build may take to end once cancelled
 
 
-class GroupBuildCancelled(TransitionAbortedError):
-    """A background group build was cancelled before its rendezvous (the process is exiting)."""
-
-
 def await_members(store, rank: int, world_size: int, timeout_s: float, cancel: threading.Event) -> None:
     """Arrival barrier before gloo's rendezvous: set this rank's arrival key on ``store`` (a
     ``PrefixStore`` of one formation) and poll (``store.check``, pauses growing from 1 ms to
@@ -62,7 +58,8 @@ def await_members(store, rank: int, world_size: int, timeout_s: float, cancel: t
     after the formation was published), where nothing can stop it; this wait can be stopped.
 
     Raises:
-        GroupBuildCancelled: ``cancel`` was set.
+        TransitionAbortedError: ``cancel`` was set (the process exits, or a later formation
+            replaced this one).
         RuntimeError: not every rank arrived within ``timeout_s`` seconds (naming those missing).
     """
     store.set(f"dynatrain-arrived/{rank}", b"1")
@@ -71,7 +68,7 @@ def await_members(store, rank: int, world_size: int, timeout_s: float, cancel: t
     pause = 0.001
     while not store.check(keys):
         if cancel.wait(pause):
-            raise GroupBuildCancelled(f"rank {rank} of {world_size}: the group's formation was cancelled")
+            raise TransitionAbortedError(f"rank {rank} of {world_size}: the group's formation was cancelled")
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([keys[r]])]
             raise RuntimeError(f"ranks {missing} of {world_size} did not arrive within {timeout_s:.0f} s")
