@@ -172,6 +172,14 @@ def run_plain(
     return out
 
 
+def assert_no_gloo_thread(path) -> None:
+    """The OS thread names a worker wrote at exit (``workers.common.record_threads_at_exit``) are
+    there and none is a gloo thread: no gloo group outlived the interpreter."""
+    with open(path) as f:
+        names = f.read().split()
+    assert names and not [n for n in names if "gloo" in n], (str(path), names)
+
+
 def read_jsonl(path: str) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -21,7 +21,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import ROOT, WORKERS, run_plain
+from conftest import ROOT, WORKERS, assert_no_gloo_thread, run_plain
 
 CKPTS = [(fmt, stage) for stage in (1, 2, 3) for fmt in ("ours", "torch")]
 TINYLM_PARAMS = {
@@ -58,8 +58,7 @@ def test_the_saving_processes_end_with_no_gloo_thread_alive(tinylm):
     no gloo thread is left to outlive the interpreter (one that did aborted a process after its
     work was done: "terminate called without an active exception", status -6)."""
     for r in range(2):
-        names = (tinylm / f"threads_rank{r}").read_text().split()
-        assert names and not [n for n in names if "gloo" in n], (r, names)
+        assert_no_gloo_thread(tinylm / f"threads_rank{r}")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import WORKERS, read_jsonl, run_plain
+from conftest import WORKERS, assert_no_gloo_thread, read_jsonl, run_plain
 
 # the full matrix of loads at other sizes and stages (make test-slow); make test loads at another size in
 # test_launchers, test_restore_fallback and test_records_job
@@ -177,8 +177,7 @@ def test_every_process_ends_with_no_gloo_thread_alive(migrated):
     files = sorted(migrated.glob("*/threads_rank*"))
     assert len(files) == sum(SAVES) + sum(LOADS), files
     for f in files:
-        names = f.read_text().split()
-        assert names and not [n for n in names if "gloo" in n], (f, names)
+        assert_no_gloo_thread(f)
 
 
 def test_checkpoint_of_another_model_refused_before_loading(migrated):

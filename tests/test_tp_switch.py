@@ -28,7 +28,7 @@ import os
 
 import pytest
 import torch
-from conftest import WORKERS, launch, run_plain
+from conftest import WORKERS, assert_no_gloo_thread, launch, run_plain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,8 +92,7 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
         jobs = run_plain(tmp_path, SCRIPT, nproc, [*common, "--mode", mode], timeout=200, name=mode)
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
     for r in range(nproc):  # the switched job's processes exit normally, no gloo thread outlives it
-        names = (tmp_path / f"threads_switch_rank{r}").read_text().split()
-        assert names and not [n for n in names if "gloo" in n], (r, names)
+        assert_no_gloo_thread(tmp_path / f"threads_switch_rank{r}")
     before, after = torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt")
     assert not _equal(before, after), "the switch changed the logical state"
     final_switch, final_static = torch.load(tmp_path / "final_switch.pt"), torch.load(tmp_path / "final_static.pt")

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_plain
+from tests.conftest import assert_no_gloo_thread, run_plain
 
 # several Trainer jobs per test (the shared uninterrupted run is built inside the first test's time):
 # beside a CPU-heavy job they took over the suite's default 240 s
@@ -104,9 +104,7 @@ def test_the_trainer_processes_end_with_no_gloo_thread_alive(zero2_run):
     files = sorted(f for f in os.listdir(zero2_run) if f.startswith("threads_"))
     assert len(files) == 2, files
     for f in files:
-        with open(os.path.join(zero2_run, f)) as fh:
-            names = fh.read().split()
-        assert names and not [n for n in names if "gloo" in n], (f, names)
+        assert_no_gloo_thread(os.path.join(zero2_run, f))
 
 
 def test_trainer_resumes_a_zero2_snapshot_of_2_ranks_on_3(tmp_path, zero2_run):
