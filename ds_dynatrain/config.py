@@ -187,10 +187,12 @@ class DynatrainConfig(_Strict):
     warm_switch_steps: int = Field(
         2,
         ge=0,
-        description="this many steps before a scheduled TP or PP switch at the job's world size (and at "
-        "`engine.prepare_resize`), a background thread touches the memory the new layout will need on top "
-        "of what each process holds (new partitions, larger working parameters and gradient buffers) and "
-        "holds it until the switch, which frees it just before the new partitions and engine are allocated: "
+        description="this many steps before a scheduled TP or PP switch at the job's world size, or a "
+        "scheduled change of a DP job's world size (and while a requested one is prepared behind training, "
+        "and at `engine.prepare_resize`), a background thread touches the memory the new layout will need "
+        "on top of what each process holds (new partitions; for a TP or PP switch also larger working "
+        "parameters and gradient buffers) and holds it until the switch, which frees it just before the new "
+        "partitions and engine are allocated: "
         "on a VM whose host takes back free pages they then come back with a fault in the guest only, not "
         "on the host. CPU training only (on an accelerator nothing is held); 0: never. A `dynatrain "
         "resize` request for another TP or PP degree at the job's world size is switched this many steps "

@@ -169,8 +169,13 @@ def test_resize_requests_from_outside_the_job(tmp_path):
     steps = _steps(tmp_path / "req.jsonl")
     last = steps[-1]["step"]
     assert last >= 24 and [r["step"] for r in steps] == list(range(1, last + 1))
-    resizes = [(r["from"], r["to"]) for r in read_jsonl(tmp_path / "req.jsonl") if r["event"] == "resize"]
+    records = [r for r in read_jsonl(tmp_path / "req.jsonl") if r["event"] == "resize"]
+    resizes = [(r["from"], r["to"]) for r in records]
     assert len(resizes) == 3 and resizes[0] == (2, 3), resizes
+    # each was prepared behind training, the new partitions of the ranks that stay touched ahead
+    # (warm_switch_steps): a share of the same optimizer state at each world size, padding apart
+    held = {r["to"]: r["prepared_bytes"] for r in records}
+    assert held[3] > 0 and all(held[w] * w == pytest.approx(held[3] * 3, rel=0.01) for w in held), held
     assert resizes[1][0] == 3 and resizes[1][1] == resizes[2][0] and {resizes[1][1], resizes[2][1]} == {2, 4}
     assert steps[-1]["world_size"] == resizes[2][1] and steps[0]["world_size"] == 2
     for out, _err in answers:

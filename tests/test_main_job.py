@@ -93,6 +93,37 @@ def test_losses_follow_static_run(main_job):
     assert all(r["world_size"] == 2 for r in b.values())
 
 
+def _partition_bytes(path) -> int:
+    """Bytes of the fp32 master partitions one rank saved in ``path`` (a snapshot's
+    ``*optim_states.pt``; ZeRO-1/2 ``single_partition_of_fp32_groups``, ZeRO-3
+    ``fp32_flat_groups``), padding included."""
+    from ds_dynatrain.checkpoint.saved_file import SavedFile
+
+    f = SavedFile(str(path))
+    try:
+        sd = f.tree["optimizer_state_dict"]
+        return sum(r.nbytes for r in sd.get("single_partition_of_fp32_groups") or sd["fp32_flat_groups"])
+    finally:
+        f.close()
+
+
+def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
+    """``warm_switch_steps`` (2) steps before each scheduled resize the ranks that stay touch the
+    memory of their new partitions (fp32 master and AdamW's two moments) in the background; the
+    resize frees it just before allocating them. Oracle: the master partitions each rank saved
+    at that world size (the snapshots of steps 8, on 1 rank, and 12, on 2)."""
+    tmp, el, _ = main_job
+    resizes = {r["to"]: r for r in read_jsonl(tmp / "elastic.jsonl") if r["event"] == "resize"}
+    d = tmp / "elastic_snapshots"
+    (one,) = (d / "global_step8").glob("*optim_states.pt")
+    two = sorted((d / "global_step12").glob("*optim_states.pt"))
+    assert resizes[1]["prepared_bytes"] == 3 * _partition_bytes(one), resizes[1]
+    assert resizes[2]["prepared_bytes"] == 3 * _partition_bytes(two[0]) == 3 * _partition_bytes(two[1]), resizes[2]
+    # world 3 saved nothing: its partitions are a third of world 1's, padding apart
+    assert resizes[3]["prepared_bytes"] == pytest.approx(resizes[1]["prepared_bytes"] / 3, rel=0.01), resizes[3]
+    assert all(r["prepared_touch_s"] > 0 for r in resizes.values())
+
+
 def test_snapshots_committed_and_pruned(main_job):
     tmp, el, _ = main_job
     d = tmp / "elastic_snapshots"

@@ -1,6 +1,7 @@
-"""The memory a prepared TP/PP switch touches ahead (``engine/switch_memory.py``): the estimate
-against the layouts' own sizes, the schedule look-ahead, and the background hold (a real thread,
-real memory, measured by the process's resident set)."""
+"""The memory a prepared switch touches ahead (``engine/switch_memory.py``): a TP/PP switch and a
+DP job's change of world size. The estimate against the layouts' own sizes (worked by hand from
+DeepSpeed's padding rules), the look-ahead at the schedule and at a request being prepared, and
+the background hold (a real thread, real memory, measured by the process's resident set)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from ds_dynatrain.engine.switch_memory import (
     HeldMemory,
     band_numel,
     next_band_switch,
+    next_world_change,
     partition_numel,
     release_switch_memory,
     switch_bytes,
+    world_change_bytes,
 )
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.vps.pipeline import PipelineLayout
 
 
@@ -39,11 +43,30 @@ def test_pp2_to_pp1_holds_the_new_partitions_and_the_growth_of_the_working_param
     assert WORKING_COPIES == 3
 
 
-def _dt(schedule, pp=2, members=2, ahead=2, tp=None):
+def test_a_change_of_world_size_holds_the_new_partitions():
+    groups = (
+        (ParamMeta("fc.weight", (10, 10), "float32"), ParamMeta("fc.bias", (10,), "float32")),
+        (ParamMeta("ln.weight", (7,), "float32"),),
+    )
+    one = ZeroLayout(1, groups, stage=2)
+    # ZeRO-1/2: each group padded to a multiple of 2 x world size, cut in equal partitions;
+    # 3 fp32 kinds (master, two moments), 4 bytes each
+    assert world_change_bytes(one, 1, 3) == (110 + 8) * 12  # 110 | 7 -> 8
+    assert world_change_bytes(one, 2, 3) == (112 // 2 + 8 // 2) * 12 == 720  # 110 -> 112 | 7 -> 8
+    assert world_change_bytes(one, 3, 3) == (114 // 3 + 12 // 3) * 12 == 504  # 110 -> 114 | 7 -> 12
+    assert world_change_bytes(one, 2, 1) == 240  # the master only (a momentless optimizer)
+    # ZeRO-3: each parameter cut in world-size pieces (rounded up), one sub-group per group here
+    three = ZeroLayout(1, groups, stage=3)
+    assert world_change_bytes(three, 2, 3) == (50 + 5 + 4) * 12 == 708
+
+
+def _dt(schedule, pp=2, members=2, ahead=2, tp=None, dp=False, preparing=None):
     cfg = DynatrainConfig(resize_schedule=schedule, warm_switch_steps=ahead)
     return SimpleNamespace(
         config=cfg,
-        pp_layout=SimpleNamespace(pp=pp) if tp is None else None,
+        preparing=preparing,
+        tp_layout=None if tp is None else SimpleNamespace(tp=tp),
+        pp_layout=SimpleNamespace(pp=pp) if tp is None and not dp else None,
         tp=tp or 1,
         members=("a",) * members,
         schedule={e.step: e.world_size for e in cfg.resize_schedule},
@@ -82,6 +105,33 @@ def test_next_band_switch_of_an_autotp_job():
     assert next_band_switch(_dt(schedule, tp=2), 4) is None  # TP 2 is the job's degree
     assert next_band_switch(_dt(schedule, tp=1), 4) == (2, 2)
     assert next_band_switch(_dt([{"step": 4, "world_size": 2}], tp=2), 3) is None  # no TP degree given
+
+
+@pytest.mark.parametrize(
+    "step,schedule,ahead,want",
+    [
+        (1, [{"step": 3, "world_size": 4}], 2, 4),  # a grow two steps ahead
+        (2, [{"step": 3, "world_size": 1}], 2, 1),  # a shrink one step ahead
+        (0, [{"step": 3, "world_size": 4}], 2, None),  # three: not yet
+        (3, [{"step": 3, "world_size": 4}], 2, None),  # its own step: done
+        (2, [{"step": 3, "world_size": 2}], 2, None),  # the size it has
+        (2, [{"step": 3, "world_size": 4}], 0, None),  # off
+        (2, [{"step": 3, "world_size": 2}, {"step": 4, "world_size": 4}], 2, None),  # the next entry decides
+    ],
+)
+def test_next_world_change_of_a_dp_job(step, schedule, ahead, want):
+    assert next_world_change(_dt(schedule, ahead=ahead, dp=True), step) == want
+
+
+def test_next_world_change_of_a_request_prepared_behind_training():
+    grow = SimpleNamespace(world_size=3)
+    assert next_world_change(_dt([], dp=True, preparing=grow), 5) == 3  # held until the switch
+    assert next_world_change(_dt([{"step": 6, "world_size": 1}], dp=True, preparing=grow), 5) == 3
+    assert next_world_change(_dt([], dp=True, preparing=grow, ahead=0), 5) is None
+    assert next_world_change(_dt([], dp=True, preparing=SimpleNamespace(world_size=2)), 5) is None
+    # band jobs: their grows are prepared by the joiners, their switches by next_band_switch
+    assert next_world_change(_dt([{"step": 6, "world_size": 4}], tp=2), 5) is None
+    assert next_world_change(_dt([{"step": 6, "world_size": 4}], pp=2), 5) is None
 
 
 def _rss() -> int:

@@ -31,7 +31,7 @@ from .construct import latest_by_commit
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
 from .state import ElasticState
-from .switch_memory import release_switch_memory, released_on_refusal
+from .switch_memory import prepare_world_change, release_switch_memory, released_on_refusal
 from .warmup import publish_inputs, publish_modules
 
 
@@ -100,42 +100,60 @@ class ElasticEngine(DeepSpeedEngine):
         self._require_member()
         self.wait_transition()
         dt = self._dt
-        if tensor_parallel is not None or dt.tp_layout is not None:
-            with released_on_refusal(dt):  # a hold for a switch that will not come goes
+        with released_on_refusal(dt):  # a hold for a switch that will not come goes
+            if tensor_parallel is not None or dt.tp_layout is not None:
                 return self._resize_tensor_parallel(world_size, must_leave, tensor_parallel)
-        split = dt.split(world_size)
-        if dt.membership is None:
-            raise ResizeRefusedError(
-                f"world size {world_size} refused: this process was started by {other_launcher()}, not by "
-                f"`dynatrain launch` (which hosts the job's membership store and starts joiners); {LAUNCHER_LIMITS}"
-            )
+            return self._resize_data_parallel(world_size, must_leave)
+
+    def _resize_data_parallel(self, world_size: int, must_leave: Tuple[str, ...]) -> Optional[dict]:
+        split = self._data_parallel_split(world_size)
         if world_size == self.dp_world_size and not must_leave:
             return None
         zero_optimizer_of(self)  # refuse engines we cannot resize before anything changes
         rec = resize_now(self, world_size, split, tuple(must_leave))
         return None if rec is None else rec.to_dict()
 
+    def _data_parallel_split(self, world_size: int):
+        """The batch split of a DP resize to ``world_size``; ResizeRefusedError where the resize
+        cannot happen (the global batch, ``max_world_size``, a job not started by ``dynatrain
+        launch``)."""
+        dt = self._dt
+        split = dt.split(world_size)
+        if dt.membership is None:
+            raise ResizeRefusedError(
+                f"world size {world_size} refused: this process was started by {other_launcher()}, not by "
+                f"`dynatrain launch` (which hosts the job's membership store and starts joiners); {LAUNCHER_LIMITS}"
+            )
+        return split
+
     def prepare_resize(self, world_size: int, tensor_parallel: Optional[int] = None) -> int:
-        """Prepare a later ``resize(world_size, tensor_parallel=...)`` that changes an AutoTP
-        job's TP degree at its world size: a background thread touches the memory the new layout
-        will need on this process (new partitions, larger working parameters and gradient
-        buffers) while training goes on, held until the switch frees it for the new engine
-        (:mod:`~ds_dynatrain.engine.switch_memory`). A scheduled switch is prepared by itself
-        (``dynatrain.warm_switch_steps`` steps early). Not collective. Nothing is held for a DP
-        job, another world size, an unchanged degree (which also lets go of a hold made before),
-        working parameters on an accelerator, or ``warm_switch_steps`` 0; a hold lasts until the
-        next change of layout, a ``resize`` that refuses, or the engine's close.
+        """Prepare a later ``resize``: a background thread touches the memory the new layout will
+        need on this process while training goes on, held until the switch frees it for the new
+        engine (:mod:`~ds_dynatrain.engine.switch_memory`). For an AutoTP job's change of TP
+        degree at its world size (``tensor_parallel``): the new partitions, larger working
+        parameters and gradient buffers; for a DP job's change of world size: the new partitions
+        of a rank that stays. A scheduled change, and a requested grow or shrink being prepared
+        behind training, is prepared by itself (``dynatrain.warm_switch_steps`` steps early).
+        Not collective. Nothing is held for an AutoTP job's change of world size, an unchanged
+        layout (which also lets go of a hold made before), working parameters on an accelerator,
+        or ``warm_switch_steps`` 0; a hold lasts until the next change of layout, a ``resize``
+        that refuses, or the engine's close.
 
         Returns:
             The bytes the thread will touch (at most half the host's available memory over its
             processes; fewer are touched where the switch comes first).
 
         Raises:
-            ResizeRefusedError: the layout ``resize`` would refuse; nothing has changed.
+            ResizeRefusedError: the layout ``resize`` would refuse (a world size that breaks the
+                global batch or exceeds ``max_world_size``, a job not started by ``dynatrain
+                launch``, an impossible TP degree); nothing has changed.
             NotAMemberError: this process left the job.
         """
         self._require_member()
         dt = self._dt
+        if dt.tp_layout is None and tensor_parallel is None and world_size != len(dt.members):
+            self._data_parallel_split(world_size)  # ResizeRefusedError: a resize that would refuse
+            return prepare_world_change(self, world_size)
         if dt.tp_layout is None or world_size != len(dt.members) or tensor_parallel in (None, dt.tp):
             release_switch_memory(dt)  # a hold made before: not wanted any more
             return 0

@@ -221,6 +221,7 @@ def abandon(engine, prep: Preparation, why: str) -> None:
     """Give up a prepared request: its joiners are stopped, the requester told why."""
     dt = engine._dt
     dt.preparing = None
+    release_switch_memory(dt)  # held for this request's world
     if engine.global_rank == 0:
         # the agents' cancellation first: a joiner that sees the generation given up exits, and
         # its agent must already know it was cancelled (not a joiner that died before it joined)

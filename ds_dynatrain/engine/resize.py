@@ -41,6 +41,7 @@ from .records import Record, ResizeRecord
 from .recover import InResize, fall_back_if_dead, is_peer_failure, recover
 from .replicas import close_replicas
 from .state import PendingResize, Preparation
+from .switch_memory import release_switch_memory
 from .transfer import begin_transition
 
 
@@ -167,6 +168,7 @@ def _agree(engine, r: _Resize) -> None:
 
 def _start_transfer(engine, r: _Resize) -> None:
     dt, plan, header = engine._dt, r.plan, r.header
+    release_switch_memory(dt, r.record)  # held for this resize: freed just before the new partitions
     r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
         plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer
     )

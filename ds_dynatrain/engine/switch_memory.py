@@ -1,6 +1,7 @@
-"""Memory a change of band layout (a TP or PP switch over the same processes) will need on top of
-what the process holds, touched ahead in a background thread while training goes on and held until
-the switch frees it for the new engine (a prepared switch).
+"""Memory a change of layout will need on top of what the process holds, touched ahead in a
+background thread while training goes on and held until the change frees it for the new engine (a
+prepared switch): a TP or PP switch over the same processes, and a DP job's change of world size on
+the ranks that stay.
 
 Why: a switch that makes a rank's share of the model larger (PP 2 -> 1, TP 2 -> 1) needs memory the
 process never held: the new partitions the transfer writes, the larger working parameters, and
@@ -13,13 +14,17 @@ back free pages (a virtio balloon with free page reporting) a fault on the host 
 rank touched in the background during the step before and freed at the switch, 0.05-0.09 s and
 none in the first runs (freed pages the kernel hands out again at once cost a fault in the guest
 only, not on the host); the benchmarks' runs since show the gain and its spread (README,
-"Performance"). On a host without such a balloon the gain is smaller, and with the working
-parameters on an accelerator nothing is held (the new layout's memory is device memory).
+"Performance"). A DP resize's survivor allocates its new partitions too: in a 1 -> 2 grow of that
+size, copying the half it keeps into them took 0.7-0.9 s cold against 0.05 s in a 2 -> 1 shrink,
+whose leaver had just freed its memory. On a host without such a balloon the gain is smaller, and
+with the working parameters on an accelerator nothing is held (the new layout's memory is device
+memory).
 
-What is held (:func:`switch_bytes`): the new partitions of the fp32 master and the optimizer's
-moments, plus three times the growth of the rank's working parameters (the parameters, their
-gradients in the reduction bucket, and the bucket's flat copy), at most a share of the host's
-available memory (:func:`memory_cap`).
+What is held: for a band switch (:func:`switch_bytes`) the new partitions of the fp32 master and
+the optimizer's moments, plus three times the growth of the rank's working parameters (the
+parameters, their gradients in the reduction bucket, and the bucket's flat copy); for a change of
+world size (:func:`world_change_bytes`) the new partitions; at most a share of the host's available
+memory (:func:`memory_cap`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from io_engine.priority import lower_thread_priority
 
 from ..errors import ResizeRefusedError
 from ..log import logger
+from ..zero.geometry import layout_of
 
 # touched and held in pieces, so that a release stops the thread soon; each above glibc's largest
 # mmap threshold (32 MiB on 64-bit, mallopt(3)), so that it is a mapping of its own, which goes back
@@ -70,6 +76,15 @@ def switch_bytes(old, new, rank: int, working_size: int, state_kinds: int) -> in
     if new.zero_of(rank).stage == 3:
         growth = 0
     return partitions + WORKING_COPIES * growth
+
+
+def world_change_bytes(layout, world_size: int, state_kinds: int) -> int:
+    """Bytes a rank that stays in a DP job's change from ZeRO ``layout`` to ``world_size`` ranks
+    will need that it does not hold: its new partitions (every rank's are the same size,
+    padding included), ``state_kinds`` fp32 tensors each. The working parameters stay as they are
+    (ZeRO-1/2; at ZeRO-3 their partitions change too, not counted: an estimate). 0 or more."""
+    new = layout.with_world_size(world_size)
+    return sum(new.partition_numel(b) for b in range(new.num_partitions)) * 4 * state_kinds
 
 
 def memory_cap() -> int:
@@ -135,6 +150,35 @@ def prepare_switch(engine, key: Tuple, new_layout: Callable[[], object]) -> int:
         ResizeRefusedError: from ``new_layout()``; the hold as it was.
     """
     dt = engine._dt
+
+    def nbytes(param: torch.Tensor) -> int:
+        new = new_layout()
+        old = dt.tp_layout if dt.tp_layout is not None else dt.pp_layout
+        return switch_bytes(old, new, engine.global_rank, param.element_size(), state_kinds(engine))
+
+    return _hold(engine, key, nbytes)
+
+
+def prepare_world_change(engine, world_size: int) -> int:
+    """Start holding the memory a DP job's change to ``world_size`` ranks will need on this rank
+    if it stays (:func:`world_change_bytes`; key ``("dp", world_size, None)``), as
+    :func:`prepare_switch` does for a band switch. Returns the bytes the thread will touch; 0 as
+    there. Not collective.
+
+    Raises:
+        LayoutMismatchError: (ZeRO-3) DeepSpeed's sub-groups differ from the computed ones.
+    """
+    return _hold(
+        engine,
+        ("dp", world_size, None),
+        lambda param: world_change_bytes(layout_of(engine), world_size, state_kinds(engine)),
+    )
+
+
+def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
+    """The hold of :func:`prepare_switch` and :func:`prepare_world_change`: ``nbytes_of(a working
+    parameter)`` bytes, capped by :func:`memory_cap`; its errors go up with the hold as it was."""
+    dt = engine._dt
     if dt.config.warm_switch_steps <= 0:
         return 0
     if dt.switch_hold is not None and dt.switch_hold.key == key:
@@ -142,16 +186,15 @@ def prepare_switch(engine, key: Tuple, new_layout: Callable[[], object]) -> int:
     param = next(iter(engine.module.parameters()))
     if param.device.type != "cpu":
         return 0
-    new = new_layout()
+    wanted = nbytes_of(param)
     release_switch_memory(dt)
-    old = dt.tp_layout if dt.tp_layout is not None else dt.pp_layout
-    rank = engine.global_rank
-    nbytes = min(switch_bytes(old, new, rank, param.element_size(), state_kinds(engine)), memory_cap())
+    nbytes = min(wanted, memory_cap())
     if nbytes <= 0:
         return 0
     dt.switch_hold = HeldMemory(nbytes, key)
-    if rank == 0:
-        logger.info(f"{key[0].upper()} {key[2]} at world size {key[1]}: {nbytes / 2**20:.0f} MiB touched ahead")
+    if engine.global_rank == 0:
+        what = f"world size {key[1]}" if key[0] == "dp" else f"{key[0].upper()} {key[2]} at world size {key[1]}"
+        logger.info(f"{what}: {nbytes / 2**20:.0f} MiB touched ahead")
     return nbytes
 
 
@@ -195,21 +238,49 @@ def next_band_switch(dt, step: int) -> Optional[Tuple[int, int]]:
     return None
 
 
+def next_world_change(dt, step: int) -> Optional[int]:
+    """The world size of a DP job's next change of world size (no AutoTP, no pipeline): a
+    ``dynatrain resize`` request being prepared behind training (``dt.preparing``), or else the
+    next entry of the resize schedule after ``step``, within ``dynatrain.warm_switch_steps`` steps;
+    None where there is none or ``warm_switch_steps`` is 0."""
+    ahead = dt.config.warm_switch_steps
+    if ahead <= 0 or dt.tp_layout is not None or dt.pp_layout is not None:
+        return None
+    if dt.preparing is not None:
+        return dt.preparing.world_size if dt.preparing.world_size != len(dt.members) else None
+    for s, world in sorted(dt.schedule.items()):
+        if s <= step:
+            continue
+        if s - step > ahead or world == len(dt.members):
+            return None
+        return world
+    return None
+
+
 def prepare_scheduled(engine) -> None:
-    """At a step boundary: prepare the next scheduled TP or PP switch at the job's world size
-    (:func:`next_band_switch`) with ``engine.prepare_resize``; a layout it refuses is left to the
-    switch, which says why, and any other failure is logged, never raised (training goes on and
-    the switch comes cold)."""
+    """At a step boundary: prepare the next change of layout known ahead: a DP job's change of
+    world size (:func:`next_world_change`) with :func:`prepare_world_change`, a scheduled TP or PP
+    switch at the job's world size (:func:`next_band_switch`) with ``engine.prepare_resize``. A
+    layout the switch will refuse is left to it, which says why, and any other failure is logged,
+    never raised (training goes on and the switch comes cold)."""
     dt = engine._dt
+    world = next_world_change(dt, engine.global_steps)
+    if world is not None:
+        _prepare_or_warn(engine, f"the resize to {world}", lambda: prepare_world_change(engine, world))
+        return
     ahead = next_band_switch(dt, engine.global_steps)
     if ahead is None:
         return
     degree = {"pipeline_parallel" if dt.pp_layout is not None else "tensor_parallel": ahead[1]}
+    _prepare_or_warn(engine, f"the switch scheduled in {ahead}", lambda: engine.prepare_resize(ahead[0], **degree))
+
+
+def _prepare_or_warn(engine, what: str, prepare: Callable[[], int]) -> None:
     try:
-        engine.prepare_resize(ahead[0], **degree)
+        prepare()
     except ResizeRefusedError:
         pass  # the switch refuses it, with the reason
     except Exception as err:  # noqa: BLE001 - an optimisation: training goes on cold
-        release_switch_memory(dt)
+        release_switch_memory(engine._dt)
         if engine.global_rank == 0:
-            logger.warning(f"the memory of the switch scheduled in {ahead} is not touched ahead: {err}")
+            logger.warning(f"the memory of {what} is not touched ahead: {err}")
