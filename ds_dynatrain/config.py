@@ -194,7 +194,8 @@ class DynatrainConfig(_Strict):
         "parameters and gradient buffers) and holds it until the switch, which frees it just before the new "
         "partitions and engine are allocated: "
         "on a VM whose host takes back free pages they then come back with a fault in the guest only, not "
-        "on the host. CPU training only (on an accelerator nothing is held); 0: never. A `dynatrain "
+        "on the host. A joiner of a DP job holds its engine's partitions and flat parameter copy the same way "
+        "until the switch. CPU training only (on an accelerator nothing is held); 0: never. A `dynatrain "
         "resize` request for another TP or PP degree at the job's world size is switched this many steps "
         "after it is read (0: at once)",
     )

@@ -122,6 +122,14 @@ def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
     # world 3 saved nothing: its partitions are a third of world 1's, padding apart
     assert resizes[3]["prepared_bytes"] == pytest.approx(resizes[1]["prepared_bytes"] / 3, rel=0.01), resizes[3]
     assert all(r["prepared_touch_s"] > 0 for r in resizes.values())
+    # each grow's joiner held its engine's partitions and, at ZeRO-2, the flat fp32 copy of the
+    # working parameters (about a third of world 1's three partitions)
+    import re
+
+    held = [int(m) for m in re.findall(r"joiner holds (\d+) MiB touched", el.output)]
+    flat = 0 if "ZeRO stage 3" in el.output else resizes[1]["prepared_bytes"] / 3
+    want = [(resizes[w]["prepared_bytes"] + flat) / 2**20 for w in (3, 2)]
+    assert len(held) == 2 and all(abs(h - w) <= 1 for h, w in zip(held, want)), (held, want)
 
 
 def test_snapshots_committed_and_pruned(main_job):

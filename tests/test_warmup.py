@@ -10,14 +10,25 @@ import json
 import os
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as tdist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ds_dynatrain.config import DynatrainConfig
 from ds_dynatrain.elastic.keys import BATCH_KEY, GO_KEY
-from ds_dynatrain.engine.warmup import describe_inputs, loss_of, synthetic_inputs, warm_joiner, warm_up
+from ds_dynatrain.engine.warmup import (
+    describe_inputs,
+    engine_bytes,
+    hold_engine_memory,
+    loss_of,
+    synthetic_inputs,
+    warm_joiner,
+    warm_up,
+)
+from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 
 
 def tiny_llama(dropout: float = 0.1) -> LlamaForCausalLM:
@@ -129,6 +140,30 @@ def test_joiner_holds_the_memory_its_warm_up_needed_touched(store):
     # pages the process held already and had freed (its heap) may serve a little of the rest
     assert held.dtype == torch.uint8 and held.numel() >= grad_bytes - (1 << 20)
     assert int(held[::4096].sum()) == 0  # written: every page was touched
+
+
+def test_engine_bytes_are_the_new_partitions_and_the_flat_working_copy():
+    groups = ((ParamMeta("fc.weight", (10, 10), "bfloat16"), ParamMeta("fc.bias", (10,), "bfloat16")),)
+    # ZeRO-2 at 2 ranks: 110 elements padded to 112, 56 a rank, fp32 master + two moments; and
+    # DeepSpeed's flat bf16 copy of all 110 working parameters
+    assert engine_bytes(ZeroLayout(1, groups, stage=2), 2) == 56 * 4 * 3 + 110 * 2
+    # ZeRO-3: the working parameters are partitioned too; pieces of 50 and 5
+    assert engine_bytes(ZeroLayout(1, groups, stage=3), 2) == 55 * 4 * 3
+
+
+def test_a_joiner_holds_its_engine_memory_touched(tmp_path):
+    """Beside the warm-up's memory, a DP joiner holds its engine's partitions and flat copy at the
+    world size it joins (fp32 working parameters here), written, until the switch frees it."""
+    model = torch.nn.Linear(1024, 1024)
+    params = list(model.parameters())
+    dt = SimpleNamespace(config=DynatrainConfig(), held=[], ds_config={"zero_optimization": {"stage": 2}})
+    nbytes = hold_engine_memory(dt, model, [params], 4)
+    n = 1024 * 1024 + 1024  # padded to a multiple of 2 x 4 already
+    assert nbytes == n // 4 * 4 * 3 + n * 4
+    (held,) = dt.held
+    assert held.numel() == nbytes and int(held[::4096].sum()) == 0  # every page written
+    off = SimpleNamespace(config=DynatrainConfig(warm_switch_steps=0), held=[], ds_config=dt.ds_config)
+    assert hold_engine_memory(off, model, [params], 4) == 0 and off.held == []
 
 
 def test_joiner_joins_cold_when_the_generation_forms_first(store):

@@ -44,7 +44,7 @@ from .restore import restore
 from .state import ElasticState
 from .tp_grow import join_tensor_parallel
 from .tp_switch import check_layout, tp_layout_for_model
-from .warmup import warm_joiner
+from .warmup import hold_engine_memory, warm_joiner
 
 
 def client_groups(model: torch.nn.Module, optimizer, model_parameters) -> List[list]:
@@ -179,10 +179,11 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     # one CPU thread beside the host's running workers
     one_thread_unless_fixed()
     tensor_parallel = is_tensor_parallel_job(dt.ds_config)
+    groups = client_groups(model, optimizer, model_parameters)
     if not tensor_parallel:  # an AutoTP grow waits for its joiners at the rendezvous: no warm-up
         dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s, hold=dt.held)
+        hold_engine_memory(dt, model, groups, ctx.world_size)
     rec = joined_generation(dt, ctx)
-    groups = client_groups(model, optimizer, model_parameters)
     if tensor_parallel:
         join_tensor_parallel(engine, rec, model, optimizer, model_parameters, lr_scheduler, groups)
         return

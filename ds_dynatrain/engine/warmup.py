@@ -11,8 +11,10 @@ its ZeRO optimizer check imports its Muon optimizer, which loads torch.compile's
 2.7 s of the 2.9 s a joiner's engine set-up took (``deepspeed/runtime/zero/utils.py``,
 ``is_zero_supported_optimizer``).
 
-The memory the warm-up needed on top of the process as it stood (the rise of its peak resident set)
-stays allocated and touched until the switch (:func:`held_memory`): memory a process frees goes back
+The memory the warm-up needed on top of the process as it stood (the rise of its peak resident set),
+and as much as the engine's set-up allocates first (the ZeRO partitions of the fp32 master and the
+moments, and DeepSpeed's flat copy of the working parameters: :func:`hold_engine_memory`), stay
+allocated and touched until the switch (:func:`held_memory`): memory a process frees goes back
 to its kernel, and on a host that reports free pages to its hypervisor (a virtio balloon with free
 page reporting, as a Firecracker VM may have) back to the host about 2 s later;
 touching it again then costs a fault on the host for every page. Measured on such a VM, 1.2 GB touched
@@ -40,7 +42,9 @@ import torch
 
 from ..elastic.keys import BATCH_KEY, GO_KEY, MODULES_KEY
 from ..log import logger
+from .construct import own_layout
 from .pending import rss_peak_rise, start_peak_rss
+from .switch_memory import memory_cap, world_change_bytes
 
 _PLAIN = (bool, int, float, str, type(None))
 POLL_S = 0.05
@@ -182,6 +186,41 @@ def held_memory(nbytes: int) -> Optional[torch.Tensor]:
     held = torch.empty(nbytes, dtype=torch.uint8)
     held.fill_(0)
     return held
+
+
+def engine_bytes(layout, world_size: int) -> int:
+    """Bytes a joiner's engine set-up allocates first at ``world_size`` ranks, its model described
+    by ZeRO ``layout``: its partitions of the fp32 master and two moments
+    (:func:`~ds_dynatrain.engine.switch_memory.world_change_bytes`, an Adam-like optimizer's) and,
+    at ZeRO-1/2, the flat copy of the working parameters DeepSpeed builds (``stage_1_and_2.py``,
+    ``bit16_groups_flat``). An estimate."""
+    nbytes = world_change_bytes(layout, world_size, 3)
+    if layout.stage != 3:
+        nbytes += sum(p.numel * p.element_size for g in layout.groups for p in g)
+    return nbytes
+
+
+def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_size: int) -> int:
+    """A DP joiner before its generation forms: touch and hold, in ``dt.held`` (freed with the
+    warm-up's at the switch), the memory its engine's set-up will allocate first
+    (:func:`engine_bytes` of its layout at ``world_size``, at most
+    :func:`~ds_dynatrain.engine.switch_memory.memory_cap`). Returns the bytes held; 0 where
+    ``dynatrain.warm_switch_steps`` is 0 or the parameters are on an accelerator (the new memory
+    is device memory). ``groups``: the parameter groups the optimizer will hold."""
+    param = next(model.parameters(), None)
+    if dt.config.warm_switch_steps <= 0 or param is None or param.device.type != "cpu":
+        return 0
+    t0 = time.perf_counter()
+    nbytes = min(engine_bytes(own_layout(dt, model, groups, world_size), world_size), memory_cap())
+    held = held_memory(nbytes)
+    if held is None:
+        return 0
+    dt.held.append(held)
+    logger.info(
+        f"joiner holds {nbytes / 2**20:.0f} MiB touched for its engine's partitions until the switch "
+        f"({time.perf_counter() - t0:.2f} s)"
+    )
+    return nbytes
 
 
 def warm_joiner(store, model: torch.nn.Module, generation: int, timeout_s: float, hold: Optional[list] = None):
