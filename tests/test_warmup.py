@@ -164,6 +164,8 @@ def test_a_joiner_holds_its_engine_memory_touched(tmp_path):
     assert held.numel() == nbytes and int(held[::4096].sum()) == 0  # every page written
     off = SimpleNamespace(config=DynatrainConfig(warm_switch_steps=0), held=[], ds_config=dt.ds_config)
     assert hold_engine_memory(off, model, [params], 4) == 0 and off.held == []
+    # groups a layout cannot describe (a parameter in two of them) hold nothing and raise nothing
+    assert hold_engine_memory(dt, model, [params, params], 4) == 0 and len(dt.held) == 1
 
 
 def test_joiner_joins_cold_when_the_generation_forms_first(store):

@@ -206,12 +206,17 @@ def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_siz
     (:func:`engine_bytes` of its layout at ``world_size``, at most
     :func:`~ds_dynatrain.engine.switch_memory.memory_cap`). Returns the bytes held; 0 where
     ``dynatrain.warm_switch_steps`` is 0 or the parameters are on an accelerator (the new memory
-    is device memory). ``groups``: the parameter groups the optimizer will hold."""
+    is device memory) or the layout cannot be described (logged, never raised: the engine's set-up
+    says why, if it fails). ``groups``: the parameter groups the optimizer will hold."""
     param = next(model.parameters(), None)
     if dt.config.warm_switch_steps <= 0 or param is None or param.device.type != "cpu":
         return 0
     t0 = time.perf_counter()
-    nbytes = min(engine_bytes(own_layout(dt, model, groups, world_size), world_size), memory_cap())
+    try:
+        nbytes = min(engine_bytes(own_layout(dt, model, groups, world_size), world_size), memory_cap())
+    except Exception as err:  # noqa: BLE001 - an optimisation: the joiner joins with less held
+        logger.info(f"joiner holds no memory for its engine: {type(err).__name__}: {err}")
+        return 0
     held = held_memory(nbytes)
     if held is None:
         return 0
