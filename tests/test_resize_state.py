@@ -64,6 +64,7 @@ def runs(request, tmp_path_factory):
             str(STEPS),
             "--refuse-at",
             "1",
+            "--prepare",
             "--resize",
             ",".join(f"{s}:{w}" for s, w in SCHEDULE.items()),
             "--ds-ckpt-at",
@@ -179,8 +180,31 @@ def test_refused_resizes_change_nothing(runs):
     assert zero and "world size 0 refused" in zero
     assert five and "not divisible" in five and "train_batch_size=12" in five
     assert ninety_nine and "world size 99 refused: above max_world_size=6" in ninety_nine
+    # engine.prepare_resize refuses what the resize refuses, with the same reason, holding nothing
+    assert r["prepare_errors"] == r["errors"] and r["held"] is False
     resizes = [x for x in read_jsonl(out / "metrics.jsonl") if x["event"] == "resize"]
     assert [(x["from"], x["to"], x["step"]) for x in resizes] == [(2, 1, 2), (1, 2, 4), (2, 3, 6), (3, 2, 9)]
+
+
+def test_an_announced_resize_finds_its_new_partitions_touched(runs):
+    """``engine.prepare_resize(world_size)`` before each resize: every rank touched as many bytes
+    as the ranks that stay will allocate for their new partitions (fp32 master and two moments),
+    and the resize freed them just before allocating the partitions (the record's figure).
+    Oracle: the partitions the ranks hold after the resize (the gathered state's sizes over the
+    new world size, each padded by DeepSpeed's rule: a multiple of 2 x world size)."""
+    import json
+
+    _stage, _tmp, out, _ = runs
+    resizes = {x["step"]: x for x in read_jsonl(out / "metrics.jsonl") if x["event"] == "resize"}
+    announced = {}
+    for path in out.glob("prepared_*.json"):
+        for step, nbytes in json.loads(path.read_text()).items():
+            announced.setdefault(int(step), set()).add(nbytes)
+    numel = sum(t["fp32"].numel() for name, t in torch.load(out / "final.pt").items() if not name.startswith("__"))
+    for step, rec in resizes.items():
+        world = rec["to"]
+        padded = -(-numel // (2 * world)) * 2 * world  # one optimizer group here
+        assert announced[step] == {rec["prepared_bytes"]} == {padded // world * 4 * 3}, (step, rec, announced)
 
 
 def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -29,6 +30,11 @@ def main():
     p.add_argument("--resize", default="", help="STEP:WORLD,... resizes through engine.resize")
     p.add_argument("--ds-ckpt-at", default="", help="STEP,... save a DeepSpeed checkpoint before that resize")
     p.add_argument("--refuse-at", type=int, default=0, help="at this step, ask for impossible world sizes")
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="announce each resize with engine.prepare_resize and wait for its memory to be touched",
+    )
     p.add_argument(
         "--joiner-width",
         type=int,
@@ -54,6 +60,7 @@ def main():
         if engine.global_rank == 0:
             torch.save(state, os.path.join(a.out, f"{tag}.pt"))
 
+    prepared = {}  # step -> bytes engine.prepare_resize announced before that step's resize
     if engine.global_steps > 0:  # a joiner: take part in the survivors' post-resize gather
         engine.wait_transition()
         save(f"after_{engine.global_steps}")
@@ -67,13 +74,14 @@ def main():
                 continue
             if s == a.refuse_at:
                 state0 = gather_state(engine)
-                errors = []
+                errors, prepare_errors = [], []
                 for bad in (0, 5, 99):
-                    try:
-                        engine.resize(bad)
-                        errors.append(None)
-                    except ResizeRefusedError as err:
-                        errors.append(str(err))
+                    for call, said in ((engine.prepare_resize, prepare_errors), (engine.resize, errors)):
+                        try:
+                            call(bad)
+                            said.append(None)
+                        except ResizeRefusedError as err:
+                            said.append(str(err))
                 state1 = gather_state(engine)
                 same = all(
                     torch.equal(state0[k][kind], state1[k][kind])
@@ -83,7 +91,16 @@ def main():
                 )
                 if engine.global_rank == 0:
                     with open(os.path.join(a.out, "refusals.json"), "w") as f:
-                        json.dump({"errors": errors, "state_unchanged": same, "world_size": engine.dp_world_size}, f)
+                        json.dump(
+                            {
+                                "errors": errors,
+                                "prepare_errors": prepare_errors,
+                                "state_unchanged": same,
+                                "world_size": engine.dp_world_size,
+                                "held": engine._dt.switch_hold is not None,
+                            },
+                            f,
+                        )
             if s in resize:
                 if s in ds_ckpt_at:  # with DeepSpeed's default engine: ds_to_universal reads torch.save files
                     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -96,6 +113,11 @@ def main():
                     )
                     engine.checkpoint_engine = ours
                 save(f"before_{s}")
+                if a.prepare:
+                    prepared[s] = engine.prepare_resize(resize[s])  # touched in the background
+                    hold, deadline = engine._dt.switch_hold, time.monotonic() + 60
+                    while hold is not None and hold.touched < prepared[s] and time.monotonic() < deadline:
+                        time.sleep(0.01)  # all of it touched: the record's figure is the whole hold
                 engine.resize(resize[s])
                 if not engine.is_member:
                     break
@@ -105,6 +127,9 @@ def main():
                 break
     if engine.is_member:
         save("final")
+    if a.prepare:
+        with open(os.path.join(a.out, f"prepared_{os.environ['DYNATRAIN_MEMBER']}.json"), "w") as f:
+            json.dump(prepared, f)
     return 0
 
 
