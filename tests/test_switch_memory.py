@@ -155,6 +155,11 @@ def test_held_memory_is_touched_in_the_background_and_freed_at_release():
     assert _rss() - base < 0.5 * nbytes  # given back
     release_switch_memory(dt, rec)  # nothing held: nothing happens
     assert rec.prepared_bytes == nbytes
+    # a hold made for another layout is freed all the same, but not counted as this switch's
+    dt.switch_hold = HeldMemory(CHUNK_BYTES, ("dp", 3, None))
+    other = SimpleNamespace(prepared_bytes=None, prepared_touch_s=None)
+    release_switch_memory(dt, other, key=("dp", 4, None))
+    assert dt.switch_hold is None and other.prepared_bytes is None
 
 
 def test_a_release_stops_the_thread_after_the_piece_it_writes():

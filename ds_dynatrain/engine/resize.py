@@ -168,7 +168,8 @@ def _agree(engine, r: _Resize) -> None:
 
 def _start_transfer(engine, r: _Resize) -> None:
     dt, plan, header = engine._dt, r.plan, r.header
-    release_switch_memory(dt, r.record)  # held for this resize: freed just before the new partitions
+    # held for this resize (one for another world size too): freed just before the new partitions
+    release_switch_memory(dt, r.record, key=("dp", r.world_size, None))
     r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
         plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer
     )

@@ -198,14 +198,15 @@ def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
     return nbytes
 
 
-def release_switch_memory(dt, rec=None) -> None:
+def release_switch_memory(dt, rec=None, key: Optional[Tuple] = None) -> None:
     """Free the memory held for a switch (none: nothing happens); with ``rec`` (the record of the
-    switch it was held for), put the bytes held and the seconds the touching took into it."""
+    switch it was held for), put the bytes held and the seconds the touching took into it, unless
+    ``key`` is given and the hold was made for another layout (its key differs)."""
     hold, dt.switch_hold = dt.switch_hold, None
     if hold is None:
         return
     nbytes, seconds = hold.release()
-    if rec is not None:
+    if rec is not None and (key is None or hold.key == key):
         rec.prepared_bytes, rec.prepared_touch_s = nbytes, seconds
 
 
