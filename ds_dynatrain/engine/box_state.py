@@ -120,7 +120,11 @@ def switch_in_place(engine, plan, rec: ResizeRecord, t0: float, rebuild: Callabl
         TransitionAbortedError: a peer failed during the transfer.
     """
     dt, rank = engine._dt, tdist.get_rank()
-    release_switch_memory(dt, rec)  # held for this switch: freed just before the new partitions and engine
+    # held for this switch (one for another layout too): freed just before the new partitions and engine
+    kind, degree = (
+        ("tp", rec.tensor_parallel_to) if rec.tensor_parallel_to is not None else ("pp", rec.pipeline_parallel_to)
+    )
+    release_switch_memory(dt, rec, key=(kind, rec.to_world_size, degree))
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, rank, kinds_of(state))
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))
