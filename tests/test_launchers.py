@@ -184,7 +184,13 @@ def test_deepspeed_launcher_runs_the_main_job_saves_on_two_processes_and_loads_o
 def test_other_launchers_are_named_from_the_variables_they_set():
     """The variables are those each launcher's source sets in its workers (torch's
     ``torch/distributed/run.py``, DeepSpeed's ``launcher/launch.py``, accelerate's ``utils/launch.py``)."""
-    from ds_dynatrain.elastic.launch_env import LaunchContext, enter_lone_process, lone_process, other_launcher
+    from ds_dynatrain.elastic.launch_env import (
+        LaunchContext,
+        enter_lone_process,
+        lone_process,
+        other_launcher,
+        started_elsewhere,
+    )
 
     ranks = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     torchrun = dict(ranks, TORCHELASTIC_RUN_ID="none", LOCAL_WORLD_SIZE="2")
@@ -195,6 +201,10 @@ def test_other_launchers_are_named_from_the_variables_they_set():
     assert other_launcher(deepspeed) == "DeepSpeed's launcher (deepspeed)"
     assert other_launcher(ranks) == "a launcher other than `dynatrain launch`"
     assert other_launcher({}) == "no launcher"
+    # the end of a refusal's "this process was ...": each says it once
+    assert started_elsewhere(torchrun) == "started by torchrun, not by `dynatrain launch`"
+    assert started_elsewhere(ranks) == "started by a launcher other than `dynatrain launch`"
+    assert started_elsewhere({}) == "started without a launcher, not by `dynatrain launch`"
     assert not any(map(lone_process, (torchrun, accelerate, deepspeed, ranks)))
     assert not lone_process({"OMPI_COMM_WORLD_SIZE": "4"}) and not lone_process({"SLURM_NTASKS": "2"})
     ours = LaunchContext("127.0.0.1", 29400, "g0r0", 0, 0, 1, 0, joiner=False).worker_environ()

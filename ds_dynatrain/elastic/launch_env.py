@@ -202,6 +202,18 @@ def other_launcher(environ: Optional[Mapping[str, str]] = None) -> str:
     return "a launcher other than `dynatrain launch`" if "WORLD_SIZE" in env else "no launcher"
 
 
+def started_elsewhere(environ: Optional[Mapping[str, str]] = None) -> str:
+    """How this process was started, when not by ``dynatrain launch``, as the end of a sentence
+    that begins "this process was ": ``"started by torchrun, not by `dynatrain launch`"``, or
+    ``"started without a launcher, ..."`` for a lone process (:func:`other_launcher`)."""
+    name = other_launcher(environ)
+    if name == "no launcher":
+        return "started without a launcher, not by `dynatrain launch`"
+    if name.startswith("a launcher other than"):
+        return f"started by {name}"
+    return f"started by {name}, not by `dynatrain launch`"
+
+
 def lone_process(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when no launcher started this process: no ``dynatrain launch`` context and none of
     the variables by which torch.distributed, MPI or a cloud service tell a process its place in

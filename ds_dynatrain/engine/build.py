@@ -26,7 +26,7 @@ from ..elastic.launch_env import (
     local_rank,
     lone_process,
     member_id,
-    other_launcher,
+    started_elsewhere,
 )
 from ..elastic.membership import GenerationRecord, Membership
 from ..elastic.threads import one_thread_unless_fixed
@@ -86,10 +86,7 @@ def start_engine(
     membership = None
     if ctx is None:
         if dt_cfg.resize_schedule and not is_tensor_parallel_job(ds_config):  # a TP job's keeps its world
-            raise ConfigError(
-                f"dynatrain.resize_schedule: this process was started by {other_launcher()}, not by "
-                f"`dynatrain launch`; {LAUNCHER_LIMITS}"
-            )
+            raise ConfigError(f"dynatrain.resize_schedule: this process was {started_elsewhere()}; {LAUNCHER_LIMITS}")
         _init_distributed(backend, distributed_port, dist_init_required)
         world_size, rank, generation = tdist.get_world_size(), tdist.get_rank(), 0
         member = member_id(0, rank)

@@ -22,7 +22,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
-from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher
+from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher, started_elsewhere
 from ..errors import ResizeRefusedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
@@ -121,8 +121,8 @@ class ElasticEngine(DeepSpeedEngine):
         split = dt.split(world_size)
         if dt.membership is None:
             raise ResizeRefusedError(
-                f"world size {world_size} refused: this process was started by {other_launcher()}, not by "
-                f"`dynatrain launch` (which hosts the job's membership store and starts joiners); {LAUNCHER_LIMITS}"
+                f"world size {world_size} refused: this process was {started_elsewhere()} (which hosts the "
+                f"job's membership store and starts joiners); {LAUNCHER_LIMITS}"
             )
         return split
 

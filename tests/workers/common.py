@@ -50,7 +50,8 @@ def allow_cpu_fp16() -> None:
 
 class TinyLM(torch.nn.Module):
     """Odd sizes on purpose: 37-token vocabulary, width 13, a 1-element parameter; the total
-    parameter count (1,447) is not divisible by 2, 3 or 4."""
+    parameter count (890) is not a multiple of 4, 6 or 8, so DeepSpeed pads its flat ZeRO-1/2
+    partitions (to a multiple of 2 x world size) at 2, 3 and 4 ranks."""
 
     def __init__(self, width: int = 13):
         super().__init__()
