@@ -193,7 +193,11 @@ def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
         return 0
     dt.switch_hold = HeldMemory(nbytes, key)
     if engine.global_rank == 0:
-        what = f"world size {key[1]}" if key[0] == "dp" else f"{key[0].upper()} {key[2]} at world size {key[1]}"
+        what = (
+            f"the resize to world size {key[1]}"
+            if key[0] == "dp"
+            else f"{key[0].upper()} {key[2]} at world size {key[1]}"
+        )
         logger.info(f"{what}: {nbytes / 2**20:.0f} MiB touched ahead")
     return nbytes
 
