@@ -123,13 +123,18 @@ def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
     assert resizes[3]["prepared_bytes"] == pytest.approx(resizes[1]["prepared_bytes"] / 3, rel=0.01), resizes[3]
     assert all(r["prepared_touch_s"] > 0 for r in resizes.values())
     # each grow's joiner held its engine's partitions and, at ZeRO-2, the flat fp32 copy of the
-    # working parameters (about a third of world 1's three partitions)
+    # working parameters (about a third of world 1's three partitions), unless the survivors'
+    # switch had begun when it got there (this model's steps take milliseconds, a joiner's start
+    # seconds): touching it then would only have made them wait
     import re
 
-    held = [int(m) for m in re.findall(r"joiner holds (\d+) MiB touched", el.output)]
+    said = re.findall(
+        r"joiner holds (\d+) MiB touched|joiner holds no memory for its engine: its generation", el.output
+    )
     flat = 0 if "ZeRO stage 3" in el.output else resizes[1]["prepared_bytes"] / 3
     want = [(resizes[w]["prepared_bytes"] + flat) / 2**20 for w in (3, 2)]
-    assert len(held) == 2 and all(abs(h - w) <= 1 for h, w in zip(held, want)), (held, want)
+    assert len(said) == 2, said
+    assert all(not h or abs(int(h) - w) <= 1 for h, w in zip(said, want)), (said, want)
 
 
 def test_snapshots_committed_and_pruned(main_job):

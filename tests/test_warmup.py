@@ -151,21 +151,25 @@ def test_engine_bytes_are_the_new_partitions_and_the_flat_working_copy():
     assert engine_bytes(ZeroLayout(1, groups, stage=3), 2) == 55 * 4 * 3
 
 
-def test_a_joiner_holds_its_engine_memory_touched(tmp_path):
+def test_a_joiner_holds_its_engine_memory_touched(store):
     """Beside the warm-up's memory, a DP joiner holds its engine's partitions and flat copy at the
-    world size it joins (fp32 working parameters here), written, until the switch frees it."""
+    world size it joins (fp32 working parameters here), written, until the switch frees it; not
+    once its generation's go has come (a real TCPStore)."""
     model = torch.nn.Linear(1024, 1024)
     params = list(model.parameters())
-    dt = SimpleNamespace(config=DynatrainConfig(), held=[], ds_config={"zero_optimization": {"stage": 2}})
-    nbytes = hold_engine_memory(dt, model, [params], 4)
+    ds_config, membership = {"zero_optimization": {"stage": 2}}, SimpleNamespace(store=store)
+    dt = SimpleNamespace(config=DynatrainConfig(), held=[], ds_config=ds_config, membership=membership)
+    nbytes = hold_engine_memory(dt, model, [params], 4, 3)
     n = 1024 * 1024 + 1024  # padded to a multiple of 2 x 4 already
     assert nbytes == n // 4 * 4 * 3 + n * 4
     (held,) = dt.held
     assert held.numel() == nbytes and int(held[::4096].sum()) == 0  # every page written
-    off = SimpleNamespace(config=DynatrainConfig(warm_switch_steps=0), held=[], ds_config=dt.ds_config)
-    assert hold_engine_memory(off, model, [params], 4) == 0 and off.held == []
+    off = SimpleNamespace(config=DynatrainConfig(warm_switch_steps=0), held=[], ds_config=ds_config)
+    assert hold_engine_memory(off, model, [params], 4, 3) == 0 and off.held == []
     # groups a layout cannot describe (a parameter in two of them) hold nothing and raise nothing
-    assert hold_engine_memory(dt, model, [params, params], 4) == 0 and len(dt.held) == 1
+    assert hold_engine_memory(dt, model, [params, params], 4, 3) == 0 and len(dt.held) == 1
+    store.set(GO_KEY.format(3), "1")  # the survivors switch: the joiner must not make them wait
+    assert hold_engine_memory(dt, model, [params], 4, 3) == 0 and len(dt.held) == 1
 
 
 def test_joiner_joins_cold_when_the_generation_forms_first(store):

@@ -179,7 +179,7 @@ def _join(engine: ElasticEngine, ctx: LaunchContext, model, optimizer, model_par
     groups = client_groups(model, optimizer, model_parameters)
     if not tensor_parallel:  # an AutoTP grow waits for its joiners at the rendezvous: no warm-up
         dt.warmup_s = warm_joiner(dt.membership.store, model, ctx.generation, dt.group_timeout_s, hold=dt.held)
-        hold_engine_memory(dt, model, groups, ctx.world_size)
+        hold_engine_memory(dt, model, groups, ctx.world_size, ctx.generation)
     rec = joined_generation(dt, ctx)
     if tensor_parallel:
         join_tensor_parallel(engine, rec, model, optimizer, model_parameters, lr_scheduler, groups)

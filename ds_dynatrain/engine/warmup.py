@@ -200,16 +200,20 @@ def engine_bytes(layout, world_size: int) -> int:
     return nbytes
 
 
-def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_size: int) -> int:
-    """A DP joiner before its generation forms: touch and hold, in ``dt.held`` (freed with the
-    warm-up's at the switch), the memory its engine's set-up will allocate first
+def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_size: int, generation: int) -> int:
+    """A DP joiner of ``generation`` before it forms: touch and hold, in ``dt.held`` (freed with
+    the warm-up's at the switch), the memory its engine's set-up will allocate first
     (:func:`engine_bytes` of its layout at ``world_size``, at most
     :func:`~ds_dynatrain.engine.switch_memory.memory_cap`). Returns the bytes held; 0 where
-    ``dynatrain.warm_switch_steps`` is 0 or the parameters are on an accelerator (the new memory
-    is device memory) or the layout cannot be described (logged, never raised: the engine's set-up
+    ``dynatrain.warm_switch_steps`` is 0, the parameters are on an accelerator (the new memory is
+    device memory), the generation's go has come (the survivors are switching: touching now would
+    make them wait), or the layout cannot be described (logged, never raised: the engine's set-up
     says why, if it fails). ``groups``: the parameter groups the optimizer will hold."""
     param = next(model.parameters(), None)
     if dt.config.warm_switch_steps <= 0 or param is None or param.device.type != "cpu":
+        return 0
+    if dt.membership.store.check([GO_KEY.format(generation)]):
+        logger.info("joiner holds no memory for its engine: its generation is forming")
         return 0
     t0 = time.perf_counter()
     try:
