@@ -192,14 +192,19 @@ LAUNCHER_LIMITS = (
 )
 
 
+UNNAMED_LAUNCHER = "a launcher other than `dynatrain launch`"
+NO_LAUNCHER = "no launcher"
+
+
 def other_launcher(environ: Optional[Mapping[str, str]] = None) -> str:
     """The launcher that started this process, when not ``dynatrain launch``, as words for a
-    message (``"torchrun"``); ``"no launcher"`` for a lone process."""
+    message (``"torchrun"``); :data:`UNNAMED_LAUNCHER` where only ``WORLD_SIZE`` tells,
+    :data:`NO_LAUNCHER` for a lone process."""
     env = os.environ if environ is None else environ
     for variable, name in OTHER_LAUNCHERS:
         if variable in env:
             return name
-    return "a launcher other than `dynatrain launch`" if "WORLD_SIZE" in env else "no launcher"
+    return UNNAMED_LAUNCHER if "WORLD_SIZE" in env else NO_LAUNCHER
 
 
 def started_elsewhere(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -207,9 +212,9 @@ def started_elsewhere(environ: Optional[Mapping[str, str]] = None) -> str:
     that begins "this process was ": ``"started by torchrun, not by `dynatrain launch`"``, or
     ``"started without a launcher, ..."`` for a lone process (:func:`other_launcher`)."""
     name = other_launcher(environ)
-    if name == "no launcher":
+    if name == NO_LAUNCHER:
         return "started without a launcher, not by `dynatrain launch`"
-    if name.startswith("a launcher other than"):
+    if name == UNNAMED_LAUNCHER:
         return f"started by {name}"
     return f"started by {name}, not by `dynatrain launch`"
 

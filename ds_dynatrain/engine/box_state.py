@@ -16,7 +16,7 @@ from ..transition.boxes import execute_box_plan
 from ..zero.state import MASTER, extract_partitions, install_master, install_optimizer_state, working_from_master
 from .pending import publish
 from .records import ResizeRecord
-from .switch_memory import release_switch_memory
+from .switch_memory import record_key, release_switch_memory
 
 
 def kinds_of(state) -> Dict[str, torch.dtype]:
@@ -121,10 +121,7 @@ def switch_in_place(engine, plan, rec: ResizeRecord, t0: float, rebuild: Callabl
     """
     dt, rank = engine._dt, tdist.get_rank()
     # held for this switch (one for another layout too): freed just before the new partitions and engine
-    kind, degree = (
-        ("tp", rec.tensor_parallel_to) if rec.tensor_parallel_to is not None else ("pp", rec.pipeline_parallel_to)
-    )
-    release_switch_memory(dt, rec, key=(kind, rec.to_world_size, degree))
+    release_switch_memory(dt, rec, key=record_key(rec))
     state = extract_partitions(engine)
     dests = new_partitions(plan.new_layout, rank, kinds_of(state))
     count_transfer(rec, plan, state, move_state(dt, plan, rank, state, dests))

@@ -41,7 +41,7 @@ from .records import Record, ResizeRecord
 from .recover import InResize, fall_back_if_dead, is_peer_failure, recover
 from .replicas import close_replicas
 from .state import PendingResize, Preparation
-from .switch_memory import release_switch_memory
+from .switch_memory import record_key, release_switch_memory
 from .transfer import begin_transition
 
 
@@ -169,7 +169,7 @@ def _agree(engine, r: _Resize) -> None:
 def _start_transfer(engine, r: _Resize) -> None:
     dt, plan, header = engine._dt, r.plan, r.header
     # held for this resize (one for another world size too): freed just before the new partitions
-    release_switch_memory(dt, r.record, key=("dp", r.world_size, None))
+    release_switch_memory(dt, r.record, key=record_key(r.record))
     r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
         plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer
     )

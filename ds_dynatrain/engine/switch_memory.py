@@ -202,6 +202,16 @@ def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
     return nbytes
 
 
+def record_key(rec) -> Tuple:
+    """The key of a hold made for the layout resize record ``rec`` changes to: ``("tp", world size,
+    TP degree)``, ``("pp", world size, PP degree)`` or ``("dp", world size, None)``."""
+    if rec.tensor_parallel_to is not None:
+        return "tp", rec.to_world_size, rec.tensor_parallel_to
+    if rec.pipeline_parallel_to is not None:
+        return "pp", rec.to_world_size, rec.pipeline_parallel_to
+    return "dp", rec.to_world_size, None
+
+
 def release_switch_memory(dt, rec=None, key: Optional[Tuple] = None) -> None:
     """Free the memory held for a switch (none: nothing happens); with ``rec`` (the record of the
     switch it was held for), put the bytes held and the seconds the touching took into it, unless
@@ -225,22 +235,29 @@ def released_on_refusal(dt) -> Iterator[None]:
         raise
 
 
+def _next_scheduled(dt, step: int) -> Optional[Tuple[int, int]]:
+    """The first entry of the resize schedule after ``step``, if it is within ``dynatrain.
+    warm_switch_steps`` steps: ``(its step, world size)``; None otherwise."""
+    later = [(s, world) for s, world in sorted(dt.schedule.items()) if s > step]
+    if not later or later[0][0] - step > dt.config.warm_switch_steps:
+        return None
+    return later[0]
+
+
 def next_band_switch(dt, step: int) -> Optional[Tuple[int, int]]:
     """The next entry of the resize schedule after ``step`` that changes the TP or PP degree at the
     job's world size, within ``dynatrain.warm_switch_steps`` steps: ``(world size, degree)``;
     None where there is none (a grow or shrink of the world is prepared by its joiners and their
     warm-up instead)."""
-    ahead = dt.config.warm_switch_steps
-    by_step = dt.pp_schedule if dt.pp_layout is not None else dt.tp_schedule
+    entry = _next_scheduled(dt, step)
+    if entry is None:
+        return None
+    s, world = entry
+    degree = (dt.pp_schedule if dt.pp_layout is not None else dt.tp_schedule).get(s)
     current = dt.pp_layout.pp if dt.pp_layout is not None else dt.tp
-    for s, world in sorted(dt.schedule.items()):
-        if s <= step:
-            continue
-        degree = by_step.get(s)
-        if s - step > ahead or world != len(dt.members) or degree is None or degree == current:
-            return None
-        return world, degree
-    return None
+    if world != len(dt.members) or degree is None or degree == current:
+        return None
+    return world, degree
 
 
 def next_world_change(dt, step: int) -> Optional[int]:
@@ -252,14 +269,11 @@ def next_world_change(dt, step: int) -> Optional[int]:
     if ahead <= 0 or dt.tp_layout is not None or dt.pp_layout is not None:
         return None
     if dt.preparing is not None:
-        return dt.preparing.world_size if dt.preparing.world_size != len(dt.members) else None
-    for s, world in sorted(dt.schedule.items()):
-        if s <= step:
-            continue
-        if s - step > ahead or world == len(dt.members):
-            return None
-        return world
-    return None
+        world = dt.preparing.world_size
+    else:
+        entry = _next_scheduled(dt, step)
+        world = None if entry is None else entry[1]
+    return None if world == len(dt.members) else world
 
 
 def prepare_scheduled(engine) -> None:
