@@ -187,24 +187,26 @@ def test_refused_resizes_change_nothing(runs):
 
 
 def test_an_announced_resize_finds_its_new_partitions_touched(runs):
-    """``engine.prepare_resize(world_size)`` before each resize: every rank touched as many bytes
-    as the ranks that stay will allocate for their new partitions (fp32 master and two moments),
-    and the resize freed them just before allocating the partitions (the record's figure).
-    Oracle: the partitions the ranks hold after the resize (the gathered state's sizes over the
-    new world size, each padded by DeepSpeed's rule: a multiple of 2 x world size)."""
+    """``engine.prepare_resize(world_size)`` before each resize: every rank that stays touched as
+    many bytes as it will allocate for its new partitions (fp32 master and two moments), and the
+    resize freed them just before allocating the partitions (the record's figure); a rank the
+    shrink let go touched nothing. Oracle: the partitions the ranks hold after the resize (the
+    gathered state's sizes over the new world size, each padded by DeepSpeed's rule: a multiple of
+    2 x world size), and which processes the resize itself kept."""
     import json
 
     _stage, _tmp, out, _ = runs
     resizes = {x["step"]: x for x in read_jsonl(out / "metrics.jsonl") if x["event"] == "resize"}
-    announced = {}
+    stayers, leavers = {}, {}
     for path in out.glob("prepared_*.json"):
-        for step, nbytes in json.loads(path.read_text()).items():
-            announced.setdefault(int(step), set()).add(nbytes)
+        for step, said in json.loads(path.read_text()).items():
+            (stayers if said["stayed"] else leavers).setdefault(int(step), []).append(said["bytes"])
     numel = sum(t["fp32"].numel() for name, t in torch.load(out / "final.pt").items() if not name.startswith("__"))
     for step, rec in resizes.items():
         world = rec["to"]
         padded = -(-numel // (2 * world)) * 2 * world  # one optimizer group here
-        assert announced[step] == {rec["prepared_bytes"]} == {padded // world * 4 * 3}, (step, rec, announced)
+        assert set(stayers[step]) == {rec["prepared_bytes"]} == {padded // world * 4 * 3}, (step, rec, stayers)
+        assert leavers.get(step, []) == [0] * max(0, rec["from"] - rec["to"]), (step, rec, leavers)
 
 
 def test_bf16_resizes_move_the_master_in_small_chunks(tmp_path):

@@ -29,19 +29,8 @@ def request_joiners(engine, world_size: int, must_leave: Tuple[str, ...] = ()) -
     """
     dt = engine._dt
     g = dt.generation + 1
-    key = (g, world_size, must_leave)
-    new_members = dt.assigned.get(key)
-    if new_members is None:
-        new_members = next_members(
-            layout_of(engine),
-            dt.members,
-            dt.standby,
-            dt.history,
-            world_size,
-            must_leave,
-            joiner_name=lambda r: member_id(g, r),
-        )
-    dt.assigned[key] = new_members
+    new_members = dt.assigned.get((g, world_size, must_leave)) or planned_members(engine, world_size, must_leave)
+    dt.assigned[(g, world_size, must_leave)] = new_members
     joiners = tuple(m for m in new_members if m not in set(dt.members) and m not in dt.standby)
     if dt.published.get(g) == new_members:
         return new_members
@@ -51,6 +40,24 @@ def request_joiners(engine, world_size: int, must_leave: Tuple[str, ...] = ()) -
     dt.published[g] = new_members
     dt.published_step[g] = engine.global_steps
     return new_members
+
+
+def planned_members(engine, world_size: int, must_leave: Tuple[str, ...] = ()) -> Tuple[str, ...]:
+    """The members, in rank order, that :func:`request_joiners` would publish for a change to
+    ``world_size`` ranks now (:func:`~ds_dynatrain.planner.assignment.next_members`; a new joiner
+    named after the rank it takes). Pure: nothing is published or remembered. Not collective: every
+    rank computes the same members from the same state."""
+    dt = engine._dt
+    g = dt.generation + 1
+    return next_members(
+        layout_of(engine),
+        dt.members,
+        dt.standby,
+        dt.history,
+        world_size,
+        must_leave,
+        joiner_name=lambda r: member_id(g, r),
+    )
 
 
 def _publish_generation(

@@ -43,6 +43,7 @@ from io_engine.priority import lower_thread_priority
 from ..errors import ResizeRefusedError
 from ..log import logger
 from ..zero.geometry import layout_of
+from .members import planned_members
 
 # touched and held in pieces, so that a release stops the thread soon; each above glibc's largest
 # mmap threshold (32 MiB on 64-bit, mallopt(3)), so that it is a mapping of its own, which goes back
@@ -162,12 +163,18 @@ def prepare_switch(engine, key: Tuple, new_layout: Callable[[], object]) -> int:
 def prepare_world_change(engine, world_size: int) -> int:
     """Start holding the memory a DP job's change to ``world_size`` ranks will need on this rank
     if it stays (:func:`world_change_bytes`; key ``("dp", world_size, None)``), as
-    :func:`prepare_switch` does for a band switch. Returns the bytes the thread will touch; 0 as
-    there. Not collective.
+    :func:`prepare_switch` does for a band switch. A rank that a shrink to ``world_size`` would
+    let go (not among :func:`~ds_dynatrain.engine.members.planned_members`, the members the
+    resize will pick unless a preemption comes first) holds nothing and lets go of a hold made
+    before. Returns the bytes the thread will touch; 0 as there. Not collective.
 
     Raises:
         LayoutMismatchError: (ZeRO-3) DeepSpeed's sub-groups differ from the computed ones.
     """
+    dt = engine._dt
+    if world_size < len(dt.members) and dt.member not in planned_members(engine, world_size):
+        release_switch_memory(dt)
+        return 0
     return _hold(
         engine,
         ("dp", world_size, None),

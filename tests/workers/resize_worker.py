@@ -60,7 +60,7 @@ def main():
         if engine.global_rank == 0:
             torch.save(state, os.path.join(a.out, f"{tag}.pt"))
 
-    prepared = {}  # step -> bytes engine.prepare_resize announced before that step's resize
+    prepared = {}  # step -> bytes engine.prepare_resize announced before that step's resize, stayed
     if engine.global_steps > 0:  # a joiner: take part in the survivors' post-resize gather
         engine.wait_transition()
         save(f"after_{engine.global_steps}")
@@ -119,6 +119,8 @@ def main():
                     while hold is not None and hold.touched < prepared[s] and time.monotonic() < deadline:
                         time.sleep(0.01)  # all of it touched: the record's figure is the whole hold
                 engine.resize(resize[s])
+                if a.prepare:
+                    prepared[s] = {"bytes": prepared[s], "stayed": engine.is_member}
                 if not engine.is_member:
                     break
                 engine.wait_transition()  # the optimizer moments arrive in the background
