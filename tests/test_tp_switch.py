@@ -123,8 +123,9 @@ def test_tp_switch_equals_the_static_run(tmp_path, case, request):
     if "--refuse" in args:
         assert switched["refusals"] == [
             f"TP degree 3 refused: it does not divide the world size {nproc}",
-            f"world size {nproc - 1} refused: an AutoTP job started by a launcher other than `dynatrain launch` "
-            f"changes its TP degree at its world size ({nproc}); `dynatrain launch` serves its shrinks",
+            f"world size {nproc - 1} refused: this process was started by a launcher other than `dynatrain "
+            f"launch`; such an AutoTP job changes only its TP degree at its world size ({nproc}); `dynatrain "
+            "launch` serves its shrinks",
         ]
 
 

@@ -22,7 +22,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
 from ..checkpoint.snapshot import SnapshotCheckpointEngine
-from ..elastic.launch_env import LAUNCHER_LIMITS, other_launcher, started_elsewhere
+from ..elastic.launch_env import LAUNCHER_LIMITS, started_elsewhere
 from ..errors import ResizeRefusedError
 from ..log import logger
 from ..zero.geometry import zero_optimizer_of
@@ -174,8 +174,8 @@ class ElasticEngine(DeepSpeedEngine):
             return None if tp == dt.tp else tp_switch.switch_tensor_parallel(self, tp).to_dict()
         if dt.membership is None:
             raise ResizeRefusedError(
-                f"world size {world_size} refused: an AutoTP job started by {other_launcher()} changes its TP "
-                f"degree at its world size ({world}); `dynatrain launch` serves its shrinks"
+                f"world size {world_size} refused: this process was {started_elsewhere()}; such an AutoTP job "
+                f"changes only its TP degree at its world size ({world}); `dynatrain launch` serves its shrinks"
             )
         if world_size > world:
             if must_leave:
