@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, WORKERS, read_jsonl
+from conftest import ROOT, WORKERS, assert_no_gloo_thread, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
@@ -119,8 +119,7 @@ def test_a_signal_to_the_launcher_ends_the_job_with_a_final_snapshot(tmp_path, s
     assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
     assert not leftover, "a worker outlived the launcher"
     for m in ("g0r0", "g0r1"):  # after the library's exit hooks (a hook of the worker's, run after them)
-        names = (tmp_path / f"threads_{m}").read_text().split()
-        assert not [n for n in names if "gloo" in n], (m, names)
+        assert_no_gloo_thread(tmp_path / f"threads_{m}")
     steps = [r["step"] for r in read_jsonl(tmp_path / "job.jsonl") if r["event"] == "step"]
     assert steps == list(range(1, HOLD + 2))  # it trained the held step's successor, and no further
     snaps = tmp_path / "snapshots"

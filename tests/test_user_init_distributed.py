@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from conftest import WORKERS, launch, read_jsonl
+from conftest import WORKERS, assert_no_gloo_thread, launch, read_jsonl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # a whole resizing job (make test-slow)
 
@@ -45,8 +45,7 @@ def _job(tmp_path, name: str, init: bool):
 
 def _no_gloo_thread_left(d, members) -> None:
     for m in members:
-        names = (d / f"threads_{m}").read_text().split()
-        assert not [n for n in names if "gloo" in n], (m, names)
+        assert_no_gloo_thread(d / f"threads_{m}")
 
 
 @pytest.mark.timeout(900)
