@@ -137,6 +137,23 @@ def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
     assert res["seconds"] < 30  # well within the 30 s wait timeout: a closed connection is noticed at once
 
 
+def test_parameters_go_to_the_joiners_from_their_holders_only(tmp_path):
+    """After a grow the joiners (ranks 1 and 3 of 4) receive each tensor from holder ``k mod 2``
+    (ranks 0 and 2); the holders, whose values differ, keep their own. Oracle: the values each
+    holder made, element by element, in four dtypes and an empty tensor."""
+    jobs = run_plain(
+        tmp_path,
+        os.path.join(WORKERS, "transition_worker.py"),
+        4,
+        ["--mode", "spread", "--out", str(tmp_path)],
+        timeout=90,
+    )
+    assert all(j.returncode == 0 for j in jobs), jobs[0].output[-3000:]
+    for r in range(4):
+        (res,) = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res == {"ok": True, "rank": r}, res
+
+
 def test_flat_in_place_reuses_the_buffer_the_parameters_live_in():
     from ds_dynatrain.zero.rebuild import flat_in_place
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Tuple
 
-import torch
-import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..checkpoint.model_config import MODEL_CONFIG_KEY, with_model_config
@@ -25,6 +23,7 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.launch_env import LAUNCHER_LIMITS, started_elsewhere
 from ..errors import ResizeRefusedError
 from ..log import logger
+from ..transition.spread import send_to_joiners
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize, tp_switch
 from .construct import latest_by_commit
@@ -368,17 +367,18 @@ class ElasticEngine(DeepSpeedEngine):
 
     def _broadcast_model(self):
         """DeepSpeed's set-up broadcast of the working parameters, shaped by the resize: none
-        after a shrink (every survivor holds them already), spread over the survivors as sources
-        after a grow (parameter ``k`` from survivor ``k mod S``), DeepSpeed's own otherwise."""
+        after a shrink (every survivor holds them already); after a grow, only the joiners
+        receive, each parameter ``k`` from survivor ``k mod S`` (point-to-point messages, all
+        posted at once, so the survivors send over their own connections in parallel and no
+        survivor receives what it holds; :func:`~ds_dynatrain.transition.spread.send_to_joiners`);
+        DeepSpeed's own otherwise."""
         dt = self.__dict__.get("_dt")
         mode = dt.rebuild_broadcast if dt is not None else None
         if mode is None:
             return super()._broadcast_model()
         if mode == "none":
             return None
-        holders = list(mode)
-        for k, (_, p) in enumerate(self.module.named_parameters()):
-            tdist.broadcast(p.data.view(torch.uint8), src=holders[k % len(holders)])
+        send_to_joiners([p.data for _, p in self.module.named_parameters()], list(mode))
         return None
 
     def destroy(self):

@@ -12,6 +12,12 @@ Mode ``die``: a 3 → 1 transition in which the process of rank ``--victim`` exi
 its first exchange (INJECTED through the engine's ``fault_hook`` seam); the others record the
 error they get and how long it took.
 
+Mode ``spread``: :func:`~ds_dynatrain.transition.spread.send_to_joiners` over a real default gloo
+group of the 4 processes, ranks 0 and 2 holding tensors of several shapes and dtypes (an empty one
+among them) with values that differ between the two holders, ranks 1 and 3 joining with -1
+everywhere; each process records whether every tensor holds what it must (a joiner: tensor ``k``
+as holder ``k mod 2`` made it; a holder: its own values, unchanged).
+
 Started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment (4 processes).
 """
 
@@ -93,9 +99,44 @@ def one(store, case: int, a: int, b: int, me: str, inflight: int, background: bo
     }
 
 
+SHAPES = (
+    ((37, 13), torch.float32),
+    ((5,), torch.int64),
+    ((7, 3), torch.bfloat16),
+    ((0,), torch.float32),
+    ((1,), torch.float32),
+)
+
+
+def holder_values(k: int, holder: int) -> torch.Tensor:
+    """Tensor ``k`` as holder rank ``holder`` makes it: distinct per tensor, element and holder."""
+    shape, dtype = SHAPES[k]
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64) + 1000 * k + 100_000 * (holder + 1)).to(dtype).reshape(shape)
+
+
+def spread(store, rank: int, world: int) -> dict:
+    from ds_dynatrain.transition.spread import send_to_joiners
+
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("spread", store), rank=rank, world_size=world)
+    holders = [0, 2]
+    mine = [
+        holder_values(k, rank) if rank in holders else torch.full(shape, -1, dtype=dtype)
+        for k, (shape, dtype) in enumerate(SHAPES)
+    ]
+    send_to_joiners(mine, holders)
+    want = [holder_values(k, rank if rank in holders else holders[k % 2]) for k in range(len(SHAPES))]
+    ok = all(torch.equal(t, w) for t, w in zip(mine, want))
+    tdist.barrier()
+    tdist.destroy_process_group()
+    return {"ok": ok, "rank": rank}
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["all", "die"], required=True)
+    p.add_argument("--mode", choices=["all", "die", "spread"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--background", action="store_true", help="mode die: run the transfer in a background thread")
@@ -115,6 +156,8 @@ def main():
                 for inflight, background in ((transition.DEFAULT_MAX_INFLIGHT_BYTES, False), (64, False), (1024, True)):
                     results.append(one(store, case, x, y, me, inflight, background))
                     case += 1
+    elif a.mode == "spread":
+        results.append(spread(store, rank, world))
     else:
         if rank == a.victim:
 
