@@ -1,9 +1,10 @@
 """The pipeline + ZeRO-1 layout computed from the layer list alone equals what DeepSpeed's
 ``PipelineModule`` and pipeline engine really build (``tests/workers/pipeline_layout_worker.py``,
-real gloo groups): the stage bounds equal ``module.parts`` for DeepSpeed's partition methods, each
-stage's trainable parameters are ours by name, shape and order, the global rank of (stage, DP
-rank) is DeepSpeed's, and every rank's fp32 master partitions equal, bitwise, those the oracle lays
-out from the full initial weights.
+real gloo groups): the stage bounds equal ``module.parts`` for DeepSpeed's partition methods,
+each stage's trainable parameters are ours by name, shape and order, each layer's count of
+trainable elements is DeepSpeed's (``_count_layer_params``, the weights of method
+``parameters``), the global rank of (stage, DP rank) is DeepSpeed's, and every rank's fp32 master
+partitions equal, bitwise, those the oracle lays out from the full initial weights.
 
 Cases: PP 2 (``parameters``), PP 2 x DP 2 bf16 (``uniform``), PP 4 (``type:block``) with the
 tied embedding/head on the first and last stage.
@@ -36,6 +37,8 @@ def test_pipeline_layout_equals_deepspeed(tmp_path, case):
     for rank in range(world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["our_parts"] == r["parts"], f"rank {rank}: stage bounds"
+        # the weights a rebuild hands partition_balanced instead of building every layer again
+        assert r["our_layer_params"] == r["layer_params"], f"rank {rank}: each layer's trainable elements"
         assert r["our_params"] == r["params"], f"rank {rank}: the stage's parameters"
         assert r["layout_rank"] == rank
         assert r["partition_sizes"][0] == r["partition_sizes"][1], f"rank {rank}"

@@ -37,7 +37,7 @@ import torch
 from ..elastic.membership import GenerationRecord
 from ..errors import ResizeRefusedError
 from ..planner.pp_plan import plan_pp_transition
-from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
+from ..zero.pipe_module import layer_param_counts, pipeline_module_at, reset_pipeline_globals
 from ..zero.pipeline import layer_type_names
 from .band_grow import grow_in_place, grow_members, joiner_receives, publish_join
 from .box_state import install_moved_state
@@ -151,7 +151,7 @@ def join_pipeline_parallel(
     dt.members, dt.generation, dt.retired = plan.new_members, rec.generation, False
     dt.pp_layout = new
     reset_pipeline_globals()
-    stage_module = pipeline_module_at(module, new.pp, method)
+    stage_module = pipeline_module_at(module, new.pp, method, layer_param_counts(new))
     optimizer, model_parameters = _on_stage(stage_module, new, optimizer, model_parameters)
     dt.rebuild_broadcast = "none"  # the working parameters are made from the installed master
     config = ds_config_for(dt, dt.split(new.dp, "DP size"), client_objects=False)

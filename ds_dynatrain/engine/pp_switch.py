@@ -27,7 +27,7 @@ import torch.distributed as tdist
 
 from ..errors import LayoutMismatchError, ResizeRefusedError
 from ..planner.pp_plan import plan_pp_transition
-from ..zero.pipe_module import pipeline_module_at, reset_pipeline_globals
+from ..zero.pipe_module import layer_param_counts, pipeline_module_at, reset_pipeline_globals
 from ..zero.pipeline import layer_type_names, pipeline_parts
 from ..zero.rebuild import teardown
 from .box_state import switch_in_place
@@ -181,7 +181,7 @@ def rebuild_pipeline_at(engine, new, split) -> None:
         close_snapshots(engine)  # a snapshot still being written finishes with the old engine's state
         teardown(engine)
         reset_pipeline_globals()
-        module = pipeline_module_at(old_module, new.pp, dt.config.pipeline_partition_method)
+        module = pipeline_module_at(old_module, new.pp, dt.config.pipeline_partition_method, layer_param_counts(new))
         by_group = stage_groups(module, new)
         for g, group in enumerate(basic.param_groups):
             group["params"] = by_group.get(g, [])

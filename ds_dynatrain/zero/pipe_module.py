@@ -4,6 +4,9 @@ pipeline globals DeepSpeed keeps between builds (deepspeed 0.19.8: ``runtime/pip
 
 from __future__ import annotations
 
+import weakref
+from typing import List, Optional, Sequence
+
 import torch
 
 from ..errors import LayoutMismatchError
@@ -52,15 +55,19 @@ def check_rebuildable(module) -> None:
         raise LayoutMismatchError(f"a pipeline topology {type(module._topo).__name__}: only PP x DP can change PP")
 
 
-def pipeline_module_at(old, pp: int, partition_method: str):
+def pipeline_module_at(old, pp: int, partition_method: str, layer_params: Optional[Sequence[int]] = None):
     """A new ``PipelineModule`` of ``old``'s layer list and settings at ``pp`` stages over the
     same processes, split by ``partition_method``; the random generators are left as they were.
 
     Its parameters are left unwritten (their values are installed next) where no layer of the list
-    holds a buffer: the module is built on the meta device (DeepSpeed's count of every layer's
-    parameters and this stage's layers cost no memory and no initialisation) and moved to the CPU
-    empty, where ``PipelineModule.__init__`` moves it to the device. A layer list with buffers is
-    built for real (a buffer's value comes from its layer's constructor).
+    holds a buffer: the module is built on the meta device (this stage's layers cost no memory and
+    no initialisation) and moved to the CPU empty, where ``PipelineModule.__init__`` moves it to
+    the device. A layer list with buffers is built for real (a buffer's value comes from its
+    layer's constructor). ``layer_params``, when given, is each layer's count of trainable
+    elements (:func:`layer_param_counts` of the job's pipeline layout): DeepSpeed's
+    ``partition_balanced`` then splits those weights instead of building every layer once more to
+    count them (``_count_layer_params``, method ``parameters``); the stage bounds it picks are
+    checked against the layout after the rebuild as always.
 
     Collective: every process of the world calls it (the module makes its groups). Call after
     :func:`reset_pipeline_globals`.
@@ -73,36 +80,61 @@ def pipeline_module_at(old, pp: int, partition_method: str):
         if _any_buffer(specs):
             return PipelineModule(layers=specs, num_stages=pp, partition_method=partition_method, **kwargs)
         with torch.device("meta"):
-            module = _empty_built(PipelineModule)(
+            module = _empty_built(PipelineModule, layer_params)(
                 layers=specs, num_stages=pp, partition_method=partition_method, **kwargs
             )
     module.__class__ = PipelineModule
     return module
 
 
-def _empty_built(base):
+def layer_param_counts(layout) -> List[int]:
+    """Trainable elements of each entry of a :class:`~ds_dynatrain.vps.pipeline.PipelineLayout`'s
+    layer list (a tied layer's at each of its entries, as DeepSpeed counts a ``TiedLayerSpec``):
+    the weights ``PipelineModule._count_layer_params`` gives ``partition_balanced``."""
+    return [sum(p.numel for p in layer.params) for layer in layout.layers]
+
+
+def _empty_built(base, layer_params: Optional[Sequence[int]] = None):
     """``base`` (``PipelineModule``) whose constructor's move to the device allocates its meta
-    parameters there unwritten (``to_empty``)."""
+    parameters there unwritten (``to_empty``), and whose count of each layer's parameters is
+    ``layer_params`` when given."""
 
     class EmptyBuilt(base):
         def to(self, *args, **kwargs):
             device = torch._C._nn._parse_to(*args, **kwargs)[0]
             return self.to_empty(device=device)
 
+        def _count_layer_params(self):
+            if layer_params is None:
+                return super()._count_layer_params()
+            return list(layer_params)
+
     return EmptyBuilt
 
 
+# whether a layer spec builds a layer with a buffer: the same at every rebuild of one job
+_BUFFERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _any_buffer(specs) -> bool:
-    """Whether a layer of the list holds a buffer (each spec built on the meta device)."""
+    """Whether a layer of the list holds a buffer (each spec built on the meta device once in the
+    process's life: the answer is remembered for the spec object)."""
     from deepspeed.pipe import LayerSpec
 
     for spec in specs:
         if isinstance(spec, LayerSpec):
-            layer = meta_build(spec)
-        elif isinstance(spec, torch.nn.Module):
-            layer = spec
-        else:
-            continue
-        if next(layer.buffers(), None) is not None:
+            try:
+                known = _BUFFERED.get(spec)
+            except TypeError:  # a spec class that cannot be a weak dictionary's key
+                known = None
+            if known is None:
+                known = next(meta_build(spec).buffers(), None) is not None
+                try:
+                    _BUFFERED[spec] = known
+                except TypeError:
+                    pass
+            if known:
+                return True
+        elif isinstance(spec, torch.nn.Module) and next(spec.buffers(), None) is not None:
             return True
     return False

@@ -24,6 +24,7 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from ds_dynatrain.zero.geometry import fp32_partitions  # noqa: E402
+from ds_dynatrain.zero.pipe_module import layer_param_counts  # noqa: E402
 from ds_dynatrain.zero.pipeline import pipeline_layout  # noqa: E402
 from tests.workers.common import exit_without_teardown  # noqa: E402
 
@@ -120,6 +121,8 @@ def main() -> None:
         "our_params": [[p.key, list(p.shape)] for p in ours.stage_params(stage)],
         "partitions_equal": equal,
         "partition_sizes": [[len(g) for g in got], [len(w) for w in want]],
+        "layer_params": [int(n) for n in module._count_layer_params()],
+        "our_layer_params": layer_param_counts(ours),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
