@@ -131,7 +131,7 @@ class ElasticEngine(DeepSpeedEngine):
         engine (:mod:`~ds_dynatrain.engine.switch_memory`). For an AutoTP job's change of TP
         degree at its world size (``tensor_parallel``): the new partitions, larger working
         parameters and gradient buffers; for a DP job's change of world size: the new partitions
-        of a rank that stays. A scheduled change, and a requested grow or shrink being prepared
+        of a rank that stays (a rank the shrink will let go holds nothing). A scheduled change, and a requested grow or shrink being prepared
         behind training, is prepared by itself (``dynatrain.warm_switch_steps`` steps early).
         Not collective. Nothing is held for an AutoTP job's change of world size, an unchanged
         layout (which also lets go of a hold made before), working parameters on an accelerator,
@@ -140,7 +140,7 @@ class ElasticEngine(DeepSpeedEngine):
 
         Returns:
             The bytes the thread will touch (at most half the host's available memory over its
-            processes; fewer are touched where the switch comes first).
+            processes; fewer are touched where the switch comes first); 0 where nothing is held.
 
         Raises:
             ResizeRefusedError: the layout ``resize`` would refuse (a world size that breaks the
