@@ -17,8 +17,8 @@ def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> 
     each joiner. Every message is posted before any is waited for, so each holder sends over its
     own connections while the others do; a holder receives nothing (it holds the same values).
     Replaces DeepSpeed's set-up broadcast after a grow, which sends every tensor to every rank
-    (``DeepSpeedEngine._broadcast_model``): at 2 -> 3 ranks each holder also sent the other
-    holder what it held. Collective over the default group: every rank calls it with tensors of the same
+    (``DeepSpeedEngine._broadcast_model``): at 2 -> 3 ranks each holder also sent the other holder
+    what it held. Collective over the default group: every rank calls it with tensors of the same
     shapes and dtypes in the same order; empty tensors (partitioned ZeRO-3 parameters) are
     skipped.
 
