@@ -133,10 +133,10 @@ class ElasticEngine(DeepSpeedEngine):
         parameters and gradient buffers; for a DP job's change of world size: the new partitions
         of a rank that stays (a rank the shrink will let go holds nothing). A scheduled change,
         and a requested grow or shrink being prepared behind training, is prepared by itself
-        (``dynatrain.warm_switch_steps`` steps early). Not collective. Nothing is held for an AutoTP job's change of world size, an unchanged
-        layout (which also lets go of a hold made before), working parameters on an accelerator,
-        or ``warm_switch_steps`` 0; a hold lasts until the next change of layout, a ``resize``
-        that refuses, or the engine's close.
+        (``dynatrain.warm_switch_steps`` steps early). Not collective. Nothing is held for an
+        AutoTP job's change of world size, an unchanged layout (which also lets go of a hold made
+        before), working parameters on an accelerator, or ``warm_switch_steps`` 0; a hold lasts
+        until the next change of layout, a ``resize`` that refuses, or the engine's close.
 
         Returns:
             The bytes the thread will touch (at most half the host's available memory over its
