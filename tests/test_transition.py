@@ -91,20 +91,25 @@ def test_chunks_cover_the_stream_within_the_bound(sizes, limit):
             assert all(p.numel() < limit for p, _ in pieces)
 
 
-def test_transitions_between_1_and_4_processes(tmp_path):
-    jobs = run_plain(
-        tmp_path,
-        os.path.join(WORKERS, "transition_worker.py"),
-        4,
-        ["--mode", "all", "--out", str(tmp_path)],
-        timeout=200,
+def _run_workers(tmp_path, args, timeout: float):
+    """``transition_worker.py`` on 4 processes with ``args`` (``--out`` added); returns the jobs."""
+    return run_plain(
+        tmp_path, os.path.join(WORKERS, "transition_worker.py"), 4, [*args, "--out", str(tmp_path)], timeout=timeout
     )
+
+
+def _results(tmp_path, rank: int) -> list:
+    """The list of results ``transition_worker.py`` wrote for ``rank``."""
+    return json.loads((tmp_path / f"rank{rank}.json").read_text())
+
+
+def test_transitions_between_1_and_4_processes(tmp_path):
+    jobs = _run_workers(tmp_path, ["--mode", "all"], timeout=200)
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-3000:]
     by_case = {}
     for r in range(4):
-        with open(tmp_path / f"rank{r}.json") as f:
-            for res in json.load(f):
-                by_case.setdefault(res["case"], []).append(res)
+        for res in _results(tmp_path, r):
+            by_case.setdefault(res["case"], []).append(res)
     assert len(by_case) == 36
     transitions = set()
     for case, res in by_case.items():
@@ -122,16 +127,9 @@ def test_transitions_between_1_and_4_processes(tmp_path):
     "background", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["foreground", "background"]
 )
 def test_peer_dying_mid_transition_fails_the_others_fast(tmp_path, background):
-    jobs = run_plain(
-        tmp_path,
-        os.path.join(WORKERS, "transition_worker.py"),
-        4,
-        ["--mode", "die", "--victim", "1", "--out", str(tmp_path)] + (["--background"] if background else []),
-        timeout=90,
-    )
+    jobs = _run_workers(tmp_path, ["--mode", "die", "--victim", "1"] + (["--background"] if background else []), 90)
     assert jobs[1].returncode == 17  # the victim vanished as injected
-    with open(tmp_path / "rank0.json") as f:
-        res = json.load(f)[0]
+    res = _results(tmp_path, 0)[0]
     assert "error" in res, res
     assert "member p1" in res["error"] and "step" in res["error"] and "chunk" in res["error"]
     assert res["seconds"] < 30  # well within the 30 s wait timeout: a closed connection is noticed at once
@@ -141,16 +139,10 @@ def test_parameters_go_to_the_joiners_from_their_holders_only(tmp_path):
     """After a grow the joiners (ranks 1 and 3 of 4) receive each tensor from holder ``k mod 2``
     (ranks 0 and 2); the holders, whose values differ, keep their own. Oracle: the values each
     holder made, element by element, in four dtypes and an empty tensor."""
-    jobs = run_plain(
-        tmp_path,
-        os.path.join(WORKERS, "transition_worker.py"),
-        4,
-        ["--mode", "spread", "--out", str(tmp_path)],
-        timeout=90,
-    )
+    jobs = _run_workers(tmp_path, ["--mode", "spread"], timeout=90)
     assert all(j.returncode == 0 for j in jobs), jobs[0].output[-3000:]
     for r in range(4):
-        (res,) = json.loads((tmp_path / f"rank{r}.json").read_text())
+        (res,) = _results(tmp_path, r)
         assert res == {"ok": True, "rank": r}, res
 
 

@@ -172,14 +172,13 @@ def prepare_world_change(engine, world_size: int) -> int:
         LayoutMismatchError: (ZeRO-3) DeepSpeed's sub-groups differ from the computed ones.
     """
     dt = engine._dt
-    if world_size < len(dt.members) and dt.member not in planned_members(engine, world_size):
-        release_switch_memory(dt)
-        return 0
-    return _hold(
-        engine,
-        ("dp", world_size, None),
-        lambda param: world_change_bytes(layout_of(engine), world_size, state_kinds(engine)),
-    )
+
+    def nbytes(param: torch.Tensor) -> int:
+        if world_size < len(dt.members) and dt.member not in planned_members(engine, world_size):
+            return 0  # let go by the shrink: _hold releases a hold made before and holds nothing
+        return world_change_bytes(layout_of(engine), world_size, state_kinds(engine))
+
+    return _hold(engine, ("dp", world_size, None), nbytes)
 
 
 def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:

@@ -123,18 +123,21 @@ def _any_buffer(specs) -> bool:
 
     for spec in specs:
         if isinstance(spec, LayerSpec):
-            try:
-                known = _BUFFERED.get(spec)
-            except TypeError:  # a spec class that cannot be a weak dictionary's key
-                known = None
-            if known is None:
-                known = next(meta_build(spec).buffers(), None) is not None
-                try:
-                    _BUFFERED[spec] = known
-                except TypeError:
-                    pass
-            if known:
+            if _spec_has_buffer(spec):
                 return True
         elif isinstance(spec, torch.nn.Module) and next(spec.buffers(), None) is not None:
             return True
     return False
+
+
+def _spec_has_buffer(spec) -> bool:
+    """Whether the layer ``spec`` builds holds a buffer, built on the meta device the first time
+    and remembered in :data:`_BUFFERED` (not for a spec class that cannot be a weak key)."""
+    try:
+        return _BUFFERED[spec]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable or not weakly referable: built every time
+        return next(meta_build(spec).buffers(), None) is not None
+    known = _BUFFERED[spec] = next(meta_build(spec).buffers(), None) is not None
+    return known

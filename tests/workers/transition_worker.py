@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -111,9 +112,7 @@ SHAPES = (
 def holder_values(k: int, holder: int) -> torch.Tensor:
     """Tensor ``k`` as holder rank ``holder`` makes it: distinct per tensor, element and holder."""
     shape, dtype = SHAPES[k]
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     return (torch.arange(n, dtype=torch.float64) + 1000 * k + 100_000 * (holder + 1)).to(dtype).reshape(shape)
 
 
