@@ -114,6 +114,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert all(x.startswith("NotAMemberError: member g0r") for said in left for x in said), left
 
 
+@pytest.mark.slow  # make test keeps the requested switch and the preemption, each on its own (above)
 def test_a_preemption_gives_up_a_requested_pp_switch_still_being_prepared(tmp_path, static_steps):
     """PP 2 x DP 1 over 2 processes, asked for PP 1 after step 1: read after step 2, its switch due
     after step 4. The second process gets a preemption notice after step 3: at step 4's boundary

@@ -54,7 +54,7 @@ def not_a_store():
 def test_resize_to_something_that_is_not_a_store_says_one_line(not_a_store):
     cmd = [sys.executable, "-m", "ds_dynatrain.cli", "resize", "--store", f"127.0.0.1:{not_a_store}"]
     p = subprocess.run(
-        cmd + ["--world-size", "2", "--timeout", "5"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=100
+        cmd + ["--world-size", "2", "--timeout", "1"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=100
     )
     assert p.returncode == 1, p.stderr[-3000:]
     lines = p.stderr.splitlines()

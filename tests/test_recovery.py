@@ -238,6 +238,7 @@ def test_a_kill_recovers_in_place_as_a_resize_at_the_recovered_step(tmp_path, st
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # make test keeps the restart from a snapshot after a SIGKILL (test_refill.py)
 def test_two_dead_holding_each_others_replica_fall_back_to_the_snapshot(tmp_path):
     snaps = os.path.join(tmp_path, "snaps")
     # g0r2 holds g0r1's replica; both die right after step 4 returns, before any other collective
@@ -279,7 +280,7 @@ def test_a_kill_during_a_resize_transfer_recovers_in_place_from_the_old_generati
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # the restart path: the fallback of two dead neighbours covers it in make test
+@pytest.mark.slow  # the restart path: make test covers it after a SIGKILL (test_refill.py)
 def test_replicas_older_than_the_snapshot_fall_back_to_it(tmp_path):
     snaps = os.path.join(tmp_path, "snaps")
     # replicas of steps 4 and 8, a snapshot every step: the death after step 6 finds the snapshot of

@@ -212,17 +212,23 @@ def _static_after_step_3(tmp_path, nproc: int, tp_to: int, extra) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "tp_to, extra",
-    [(2, []), pytest.param(1, ["--stage", "3", "--bf16"], marks=pytest.mark.slow)],
-    ids=["tp2dp1_to_tp2dp2", "tp2dp1_to_tp1dp4_zero3_bf16"],
+    "tp_to, extra, by_schedule",
+    [
+        (2, [], False),
+        # make test-slow: the same grow from the config's resize_schedule (the DP job's scheduled grow
+        # is test_main_job's), and to TP 1 under ZeRO-3 bf16
+        pytest.param(2, [], True, marks=pytest.mark.slow),
+        pytest.param(1, ["--stage", "3", "--bf16"], False, marks=pytest.mark.slow),
+    ],
+    ids=["tp2dp1_to_tp2dp2", "tp2dp1_to_tp2dp2_schedule", "tp2dp1_to_tp1dp4_zero3_bf16"],
 )
-def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra):
+def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra, by_schedule):
     """``dynatrain launch`` of 2 processes at TP 2 x DP 1 grows after step 3 to 4 processes
     (``engine.resize(4, tensor_parallel=T)``): the launcher starts two joiners, which build their
     engines at the new layout and receive their state. The gathered logical state right after the
     grow equals the state before it, bitwise; the losses of steps 4-5 and the final state equal a
     plain DeepSpeed run of 4 processes at the new layout set from the state after step 3, bitwise.
-    The ZeRO-3 bf16 case grows to TP 1 x DP 4. The TP 2 case then runs again with the grow in
+    The ZeRO-3 bf16 case grows to TP 1 x DP 4. The schedule case then runs again with the grow in
     the config's ``resize_schedule`` (its joiners started ahead, while the survivors train): the
     same losses and final state."""
     config = dict(CONFIG, dynatrain={"metrics_path": str(tmp_path / "metrics.jsonl")})
@@ -240,7 +246,7 @@ def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra):
         (2, 4, 2, tp_to)
     ]
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
-    if extra:
+    if not by_schedule:
         return
     for name in ("final_launch.pt", "losses_launch.json"):
         (tmp_path / name).unlink()

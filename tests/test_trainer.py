@@ -125,6 +125,7 @@ def test_a_resume_with_another_global_batch_is_warned_about(tmp_path, zero2_run)
     assert "global batch of" not in jobs[1].output  # said once, by rank 0
 
 
+@pytest.mark.slow  # make test keeps the kill mid-flush of the snapshot engine (test_snapshot_engine.py)
 def test_a_kill_during_a_snapshot_resumes_from_the_last_durable_checkpoint(tmp_path, zero2_run):
     """``save_total_limit=1``, every rank SIGKILLed (a real kill; the seam picks the moment) while
     checkpoint-4 flushes, after Trainer's rotation: checkpoint-2 is still there and complete, and
