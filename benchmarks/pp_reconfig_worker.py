@@ -27,8 +27,6 @@ Modes (rank 0 writes ``--out``, JSON; times in seconds, sizes in bytes):
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
 import time
@@ -38,7 +36,13 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.switch_worker import load_route, measure_switch, save_route  # noqa: E402
+from benchmarks.switch_worker import (  # noqa: E402
+    load_route,
+    measure_switch,
+    parse_worker_args,
+    run_mode_and_exit,
+    save_route,
+)
 from benchmarks.tp_reconfig_worker import no_op_builds  # noqa: E402
 
 VOCAB = 8192
@@ -158,30 +162,8 @@ def run_ds_load(a) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load", "ours-load"], required=True)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=17)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--pp-from", type=int, default=1)
-    p.add_argument("--pp-to", type=int, default=1)
-    p.add_argument("--steps-before", type=int, default=3, help="ours: steps at the old PP")
-    p.add_argument("--steps-after", type=int, default=4, help="ours: steps at the new PP")
-    p.add_argument(
-        "--prepare", action="store_true", help="ours: engine.prepare_resize before the last two steps before the switch"
-    )
-    p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
-    p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
-    p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")
-    p.add_argument("--tag", help="checkpoint tag (ds-save, ds-load)")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load, "ours-load": run_ds_load}[a.mode](a)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # results written, groups destroyed: no interpreter teardown (a stray gloo thread can abort it)
+    a = parse_worker_args("pp", "PP", 17)
+    run_mode_and_exit(a, {"ours": run_ours, "ds-save": run_ds_save, "ds-load": run_ds_load, "ours-load": run_ds_load})
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ batch of ``step``; times in seconds, sizes in bytes."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import statistics
+import sys
 import time
+from typing import Callable, Dict, Sequence
 
 from benchmarks.reconfig_worker import dir_bytes, write_json
 
@@ -136,3 +140,42 @@ def load_route(engine, a, train) -> None:
             },
         )
     tdist.destroy_process_group()
+
+
+def parse_worker_args(flag: str, label: str, layers: int, model_args: Sequence[tuple] = ()) -> argparse.Namespace:
+    """The command line of a switch worker: ``--mode`` (``ours``, ``ds-save``, ``ds-load``,
+    ``ours-load``), the model's size, ``--<flag>-from``/``--<flag>-to`` (degrees of ``label``), the
+    step counts of each mode, the checkpoint and the result file. ``model_args``: further
+    ``(name, type, default)`` options of the model placed after ``--layers``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ours", "ds-save", "ds-load", "ours-load"], required=True)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=layers)
+    for name, kind, default in model_args:
+        p.add_argument(name, type=kind, default=default)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument(f"--{flag}-from", type=int, default=1)
+    p.add_argument(f"--{flag}-to", type=int, default=1)
+    p.add_argument("--steps-before", type=int, default=3, help=f"ours: steps at the old {label}")
+    p.add_argument("--steps-after", type=int, default=4, help=f"ours: steps at the new {label}")
+    p.add_argument(
+        "--prepare", action="store_true", help="ours: engine.prepare_resize before the last two steps before the switch"
+    )
+    p.add_argument("--steps", type=int, default=1, help="ds-*: steps to run")
+    p.add_argument("--first-step", type=int, default=0, help="ds-load: the step index of its first batch")
+    p.add_argument("--dir", help="checkpoint directory (ds-save, ds-load)")
+    p.add_argument("--tag", help="checkpoint tag (ds-save, ds-load)")
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+def run_mode_and_exit(a: argparse.Namespace, modes: Dict[str, Callable[[argparse.Namespace], None]]) -> None:
+    """Run ``modes[a.mode](a)`` with DeepSpeed's logger at WARNING, then end the process at once
+    (``os._exit(0)``): the results are written and the groups destroyed, and no interpreter
+    teardown runs (a stray gloo thread can abort it)."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    modes[a.mode](a)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
