@@ -10,9 +10,11 @@ resized 4 -> 3 at the reported step, removing the same member (the oracle).
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
+import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -118,36 +120,52 @@ def _state(i: int, step: int):
 
 
 def test_a_refresh_cut_by_a_failure_never_serves_a_torn_replica():
-    sets = _ring_of_sets(3)
-    for step in (1, 2):
-        for i, rs in enumerate(sets):
-            rs.capture(step, _state(i, step), {"step": step})
-            rs.start(step)
-        for rs in sets:
-            rs.wait()
-    # complete replicas of 1 and 2: m1 holds m0's
-    assert sets[1].offer() == Offer("m1", (1, 2), "m0", (1, 2))
-    assert torch.equal(sets[1].replica_at(2)[1]["exp_avg"], _state(0, 2)[1]["exp_avg"])
-
-    def fail(step):  # INJECTED: m0's refresh thread fails before its payload is posted
-        if threading.current_thread() is sets[0]._thread:
-            raise RuntimeError("injected: m0 died before sending step 3")
-
-    transport.fault_hook = fail
+    """m0's refresh of step 3 fails before its payload is posted: m1's slot of step 3 stays torn
+    and is never offered, the replica of step 2 serves intact. Then the sets are closed (as a
+    recovery closes them) and dropped, and their groups must be gone with them, by reference
+    counting alone: a gloo group left with a receive that never completed keeps one of gloo's
+    threads spinning, a whole core, for as long as the group object lives, so neither the failed
+    refresh's error nor the wait that raised it may hold it in a reference cycle."""
+    gc.disable()  # a cycle would keep the groups alive until a collection
     try:
-        sets[0].capture(3, _state(0, 3), {"step": 3})
-        sets[0].start(3)
-        for i, rs in enumerate(sets[1:], 1):
-            rs.capture(3, _state(i, 3), {"step": 3})
-            rs.start(3)
-        errors = [rs.settle(10.0) for rs in sets]
+        sets = _ring_of_sets(3)
+        for step in (1, 2):
+            for i, rs in enumerate(sets):
+                rs.capture(step, _state(i, step), {"step": step})
+                rs.start(step)
+            for rs in sets:
+                rs.wait()
+        # complete replicas of 1 and 2: m1 holds m0's
+        assert sets[1].offer() == Offer("m1", (1, 2), "m0", (1, 2))
+        assert torch.equal(sets[1].replica_at(2)[1]["exp_avg"], _state(0, 2)[1]["exp_avg"])
+
+        def fail(step):  # INJECTED: m0's refresh thread fails before its payload is posted
+            if threading.current_thread() is sets[0]._thread:
+                raise RuntimeError("injected: m0 died before sending step 3")
+
+        transport.fault_hook = fail
+        try:
+            sets[0].capture(3, _state(0, 3), {"step": 3})
+            sets[0].start(3)
+            for i, rs in enumerate(sets[1:], 1):
+                rs.capture(3, _state(i, 3), {"step": 3})
+                rs.start(3)
+            errors = [rs.settle(10.0) for rs in sets]
+        finally:
+            transport.fault_hook = None
+        assert errors[0] is not None and errors[1] is not None  # m0 failed; m1 never got the payload
+        offer = sets[1].offer()
+        assert 3 not in offer.replica and offer.replica == (2,)  # the torn slot is not offered
+        assert recovery_step([offer, sets[2].offer()], ["m0"])[0] == 2
+        assert torch.equal(sets[1].replica_at(2)[0]["fp32"], _state(0, 2)[0]["fp32"])  # the older one intact
+        groups = [weakref.ref(rs._group) for rs in sets]
+        for rs in sets:
+            rs.close()
+        sets.clear()  # the last references (fail keeps the list)
+        del rs
+        assert [g() is None for g in groups] == [True] * 3
     finally:
-        transport.fault_hook = None
-    assert errors[0] is not None and errors[1] is not None  # m0 failed; m1 never got the payload
-    offer = sets[1].offer()
-    assert 3 not in offer.replica and offer.replica == (2,)  # the torn slot is not offered
-    assert recovery_step([offer, sets[2].offer()], ["m0"])[0] == 2
-    assert torch.equal(sets[1].replica_at(2)[0]["fp32"], _state(0, 2)[0]["fp32"])  # the older one intact
+        gc.enable()
 
 
 # ---------------------------------------------------------------------- jobs

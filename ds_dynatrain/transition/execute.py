@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
+from ..log import logger
 from ..planner.plan import Plan
 from .schedule import Stream, exchanges, transition_members, transition_ranks  # noqa: F401 (re-exported)
 
@@ -327,7 +329,11 @@ class PendingTransition:
             try:
                 self._stats = target(*args, **kwargs)
             except BaseException as err:  # handed to the waiting thread
-                self._error = err
+                logger.debug(f"background transfer failed:\n{traceback.format_exc()}")
+                # without its frames: they would keep the transfer's group and its unfinished works
+                # alive, and a gloo group left with a receive that never completed keeps one of its
+                # threads spinning (a whole core) for as long as the group object lives
+                self._error = err.with_traceback(None)
             finally:
                 self.finished = time.perf_counter()
 

@@ -138,7 +138,10 @@ class ReplicaSet:
                 self._exchange(step, self.own[own], slot)
                 self.refreshes += 1
             except BaseException as err:  # noqa: BLE001 - reported by wait()
-                self._error = err
+                # without its traceback: the frames would keep the group and its unfinished works
+                # alive past close(), and a gloo group left with a receive that never completed
+                # keeps one of its threads spinning (a whole core) until the group object goes
+                self._error = err.with_traceback(None)
             self.last_refresh_s = time.perf_counter() - t
 
         self._thread = threading.Thread(target=run, name=f"dynatrain-replica-{step}", daemon=True)
@@ -195,7 +198,10 @@ class ReplicaSet:
             self._thread = None
         err, self._error = self._error, None
         if err is not None:
-            raise err if isinstance(err, TransitionAbortedError) else TransitionAbortedError(str(err))
+            try:
+                raise err if isinstance(err, TransitionAbortedError) else TransitionAbortedError(str(err))
+            finally:
+                err = None  # no cycle through this frame: the caller's frames go when it is handled
         return time.perf_counter() - t
 
     def settle(self, timeout_s: float) -> Optional[str]:
