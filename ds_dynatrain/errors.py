@@ -68,3 +68,18 @@ class SnapshotNotFoundError(CheckpointIncompleteError):
 
 class SnapshotWriteError(DynatrainError):
     """A snapshot could not be written on some rank; ``latest`` still names the previous one."""
+
+
+def without_frames(err: BaseException) -> BaseException:
+    """``err`` with the tracebacks of it and of every exception it chains (``__cause__``,
+    ``__context__``) dropped, for an error kept past the thread that raised it: the frames would
+    keep that thread's locals alive (a process group, its unfinished works). Returns ``err``."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return err

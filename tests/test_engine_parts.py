@@ -203,3 +203,41 @@ def test_tokens_per_sample_of_a_batch():
     assert tokens_per_sample(torch.zeros(4, dtype=torch.long)) is None
     assert tokens_per_sample({"x": torch.zeros(2, 7, dtype=torch.long)}) is None
     assert tokens_per_sample([torch.zeros(2, 7, dtype=torch.long)]) is None
+
+
+def test_an_error_kept_past_its_thread_holds_none_of_its_frames():
+    """``without_frames`` on an error raised from another (``raise ... from``) inside a handler of
+    a third: nothing that the raising frames held stays alive once the error is the only thing
+    kept (what a background transfer or replica refresh hands to the thread that waits for it);
+    the messages and the chain stay."""
+    import gc
+    import weakref
+
+    from ds_dynatrain.errors import TransitionAbortedError, without_frames
+
+    class Held:  # stands for a process group with unfinished works
+        pass
+
+    def fail(held):
+        try:
+            try:
+                raise RuntimeError("timed out waiting for recv")
+            except RuntimeError:
+                raise ValueError("inner handler failed") from None
+        except ValueError as err:
+            raise TransitionAbortedError("receive from g0r1 failed") from err
+
+    gc.disable()  # reference counting alone
+    try:
+        held = Held()
+        ref = weakref.ref(held)
+        try:
+            fail(held)
+        except TransitionAbortedError as err:
+            kept = without_frames(err)
+        del held
+        assert ref() is None
+        assert str(kept) == "receive from g0r1 failed" and str(kept.__cause__) == "inner handler failed"
+        assert kept.__traceback__ is None and kept.__cause__.__traceback__ is None
+    finally:
+        gc.enable()

@@ -44,7 +44,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..errors import TransitionAbortedError
+from ..errors import TransitionAbortedError, without_frames
 from ..log import logger
 from ..planner.plan import Plan
 from .schedule import Stream, exchanges, transition_members, transition_ranks  # noqa: F401 (re-exported)
@@ -333,7 +333,7 @@ class PendingTransition:
                 # without its frames: they would keep the transfer's group and its unfinished works
                 # alive, and a gloo group left with a receive that never completed keeps one of its
                 # threads spinning (a whole core) for as long as the group object lives
-                self._error = err.with_traceback(None)
+                self._error = without_frames(err)
             finally:
                 self.finished = time.perf_counter()
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import TransitionAbortedError
+from ..errors import TransitionAbortedError, without_frames
 from ..planner.recovery import Offer
 
 TAG_BASE = 1 << 20  # tags of the replica group's messages (header and payload of each refresh)
@@ -138,10 +138,10 @@ class ReplicaSet:
                 self._exchange(step, self.own[own], slot)
                 self.refreshes += 1
             except BaseException as err:  # noqa: BLE001 - reported by wait()
-                # without its traceback: the frames would keep the group and its unfinished works
+                # without tracebacks: their frames would keep the group and its unfinished works
                 # alive past close(), and a gloo group left with a receive that never completed
                 # keeps one of its threads spinning (a whole core) until the group object goes
-                self._error = err.with_traceback(None)
+                self._error = without_frames(err)
             self.last_refresh_s = time.perf_counter() - t
 
         self._thread = threading.Thread(target=run, name=f"dynatrain-replica-{step}", daemon=True)
