@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -329,7 +328,7 @@ class PendingTransition:
             try:
                 self._stats = target(*args, **kwargs)
             except BaseException as err:  # handed to the waiting thread
-                logger.debug(f"background transfer failed:\n{traceback.format_exc()}")
+                logger.debug("background transfer failed", exc_info=True)  # formatted only if logged
                 # without its frames: they would keep the transfer's group and its unfinished works
                 # alive, and a gloo group left with a receive that never completed keeps one of its
                 # threads spinning (a whole core) for as long as the group object lives

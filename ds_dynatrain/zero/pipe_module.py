@@ -136,8 +136,10 @@ def _spec_has_buffer(spec) -> bool:
     try:
         return _BUFFERED[spec]
     except KeyError:
-        pass
+        cacheable = True
     except TypeError:  # unhashable or not weakly referable: built every time
-        return next(meta_build(spec).buffers(), None) is not None
-    known = _BUFFERED[spec] = next(meta_build(spec).buffers(), None) is not None
+        cacheable = False
+    known = next(meta_build(spec).buffers(), None) is not None
+    if cacheable:
+        _BUFFERED[spec] = known
     return known
