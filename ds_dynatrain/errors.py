@@ -72,14 +72,20 @@ class SnapshotWriteError(DynatrainError):
 
 def without_frames(err: BaseException) -> BaseException:
     """``err`` with the tracebacks of it and of every exception it chains (``__cause__``,
-    ``__context__``) dropped, for an error kept past the thread that raised it: the frames would
-    keep that thread's locals alive (a process group, its unfinished works). Returns ``err``."""
+    ``__context__``) dropped, and the locals of their finished frames cleared
+    (``traceback.clear_frames``; a frame still running keeps its own), for an error kept past the
+    code that raised it: the frames would keep that code's locals alive (a process group, its
+    unfinished works, a failed generation's engine). Returns ``err``."""
+    import traceback
+
     todo, seen = [err], set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        e.__traceback__ = None
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
         todo += [e.__cause__, e.__context__]
     return err

@@ -172,12 +172,22 @@ def run_plain(
     return out
 
 
-def assert_no_gloo_thread(path) -> None:
+STUCK_FORMATION = "member {}: the formation of the group of "  # GroupCache.close's warning
+
+
+def assert_no_gloo_thread(path, output: Optional[str] = None, member: Optional[str] = None) -> None:
     """The OS thread names a worker wrote at exit (``workers.common.record_threads_at_exit``) are
-    there and none is a gloo thread: no gloo group outlived the interpreter."""
+    there and none is a gloo thread: no gloo group outlived the interpreter.
+
+    With ``output`` (the job's log) and ``member``: a test where a member dies while the others
+    may be forming a group with it. A formation the dead member had arrived at stays inside
+    gloo's rendezvous until gloo's timeout, which nothing can cancel: one gloo thread is accepted
+    per such formation that ``member``'s exit named in its warning, and none otherwise."""
     with open(path) as f:
         names = f.read().split()
-    assert names and not [n for n in names if "gloo" in n], (str(path), names)
+    gloo = [n for n in names if "gloo" in n]
+    stuck = output.count(STUCK_FORMATION.format(member)) if output is not None else 0
+    assert names and len(gloo) <= stuck, (str(path), names, f"{stuck} formation(s) named stuck at exit")
 
 
 def read_jsonl(path: str) -> list:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import TransitionAbortedError
+from ..log import logger
 
 DEAD_POLL_S = 0.05  # how often a group being formed checks whether a member died
 
@@ -342,13 +343,25 @@ class GroupCache:
     def close(self) -> None:
         """Detach the default group and shut down every cached group (at exit). Builds still
         running are cancelled and waited for (at most :data:`CLOSE_JOIN_S` each): a thread left
-        inside torch's code during the interpreter's teardown can abort the process."""
+        inside torch's code during the interpreter's teardown can abort the process.
+
+        One case cannot be cancelled: a member that arrived and then died leaves the others inside
+        gloo's rendezvous (``ProcessGroupGloo``'s constructor), which returns only at its timeout,
+        up to five times ``timeout_s`` when the dead member had already published its address
+        (measured on torch 2.13). Such a build is named in a warning and its thread (with gloo's
+        ``gloo_tcp_loop``) ends with the process."""
         detach_default()
         for b in self._builds.values():
             b.cancel.set()
         for b in self._builds.values():
             if b.thread is not None:
                 b.thread.join(CLOSE_JOIN_S)
+                if b.thread.is_alive():
+                    logger.warning(
+                        f"member {self.member}: the formation of the group of {list(b.members)} is still inside "
+                        f"gloo's rendezvous {CLOSE_JOIN_S:.0f} s after it was cancelled (a member arrived, then "
+                        "died); its thread ends with the process"
+                    )
         for b in self._builds.values():
             if b.pg is not None and b.done.is_set():
                 try:

@@ -15,13 +15,13 @@ on the demo model, so not on the fast path).
 from __future__ import annotations
 
 import gc
-import traceback
 from dataclasses import dataclass
 from typing import Any, Tuple
 
 import torch
 import torch.distributed as tdist
 
+from ..errors import without_frames
 from ..log import logger
 from ..zero.comm import release_default_arguments, reset_deepspeed_comm
 from ..zero.geometry import is_zero3, zero_optimizer_of
@@ -42,18 +42,6 @@ class Kept:
     flat: Tuple[torch.Tensor, ...]
 
 
-def drop_traceback(err: BaseException) -> None:
-    """Clear the frames of ``err`` and of the exceptions it chains (they hold the failed works)."""
-    seen = set()
-    e = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        e = e.__cause__ or e.__context__
-
-
 def release(engine, err: BaseException) -> Kept:
     """Detach ``engine`` and release the process groups of its generation (see the module).
 
@@ -68,7 +56,7 @@ def release(engine, err: BaseException) -> Kept:
     kept = Kept(zopt.optimizer, engine.lr_scheduler, engine.module, () if zero3 else tuple(zopt.bit16_groups_flat))
     params = kept.model.named_parameters()  # full shapes (plain already where a resize released them)
     shapes = {n: (getattr(p, "ds_shape", p.shape), p.dtype) for n, p in params} if zero3 else {}
-    drop_traceback(err)
+    without_frames(err)
     _abandon_snapshot(engine)
     try:
         teardown(engine)
