@@ -307,6 +307,7 @@ def test_two_hosts_under_srun_join_while_a_resize_is_pending(tmp_path, two_hosts
     _close(torch.load(tmp_path / "final.pt"), final, "two-host job vs static")
 
 
+@pytest.mark.slow  # the slot refusal and its message are test_placement's (real TCPStore), in make test
 @pytest.mark.timeout(300)
 def test_no_free_slot_refuses_and_a_joiner_dying_before_it_joins_gives_the_request_up(tmp_path):
     """A host of 3 slots running 2 workers. A resize to 6 needs 6 slots: `dynatrain resize` refuses

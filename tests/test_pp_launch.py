@@ -69,6 +69,9 @@ def _close(got, want) -> bool:
     return all(abs(g["loss"] - by_step[g["step"]]) <= 1e-5 * abs(by_step[g["step"]]) for g in got)
 
 
+# make test-slow (the suite's time): make test keeps a PP job's requests under launch (the grow and
+# shrink below) and its PP switch (test_pp_switch)
+@pytest.mark.slow
 def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_on_a_request(tmp_path, static_steps):
     """PP 2 x DP 2 over 4 processes. Asked for a TP degree after step 1 (refused) and for PP 1
     after step 2 (read after step 3, its memory touched during the two steps ``warm_switch_steps``
@@ -114,7 +117,7 @@ def test_a_pipeline_job_serves_requests_and_shrinks_online_on_a_preemption_and_o
     assert all(x.startswith("NotAMemberError: member g0r") for said in left for x in said), left
 
 
-@pytest.mark.slow  # make test keeps the requested switch and the preemption, each on its own (above)
+@pytest.mark.slow  # the requested switch and the preemption, each on its own, are the test above
 def test_a_preemption_gives_up_a_requested_pp_switch_still_being_prepared(tmp_path, static_steps):
     """PP 2 x DP 1 over 2 processes, asked for PP 1 after step 1: read after step 2, its switch due
     after step 4. The second process gets a preemption notice after step 3: at step 4's boundary

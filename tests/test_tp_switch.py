@@ -161,7 +161,9 @@ CONFIG = {
 @pytest.mark.parametrize(
     "preempt, zero3",
     [
-        (False, False),
+        # make test-slow (the suite's time): make test keeps a TP job's world size changed under
+        # launch (the grow below, with joiners) and its TP degree lowered (tp2_to_tp1_zero2_and_schedule)
+        pytest.param(False, False, marks=pytest.mark.slow),
         pytest.param(True, False, marks=pytest.mark.slow),
         pytest.param(False, True, marks=pytest.mark.slow),
     ],

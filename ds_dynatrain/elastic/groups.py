@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..errors import TransitionAbortedError
+from ..errors import TransitionAbortedError, without_frames
 from ..log import logger
 
 DEAD_POLL_S = 0.05  # how often a group being formed checks whether a member died
@@ -390,7 +390,7 @@ class BackgroundGroup:
                 else:
                     self._result = result
             except BaseException as err:  # noqa: BLE001 - handed to get()
-                self._error = err
+                self._error = without_frames(err)  # its frames would hold the build's store client
             self._done.set()
 
         threading.Thread(target=run, name=name, daemon=True).start()
