@@ -6,6 +6,8 @@ layout) from "the job failed underneath us" (transition aborted, peer lost). Mes
 rank, parameter, key or file involved.
 """
 
+import traceback
+
 
 class DynatrainError(RuntimeError):
     """Root of every error raised by ds_dynatrain."""
@@ -76,8 +78,6 @@ def without_frames(err: BaseException) -> BaseException:
     (``traceback.clear_frames``; a frame still running keeps its own), for an error kept past the
     code that raised it: the frames would keep that code's locals alive (a process group, its
     unfinished works, a failed generation's engine). Returns ``err``."""
-    import traceback
-
     todo, seen = [err], set()
     while todo:
         e = todo.pop()
