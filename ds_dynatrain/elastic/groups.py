@@ -359,8 +359,8 @@ class GroupCache:
                 if b.thread.is_alive():
                     logger.warning(
                         f"member {self.member}: the formation of the group of {list(b.members)} is still inside "
-                        f"gloo's rendezvous {CLOSE_JOIN_S:.0f} s after it was cancelled (a member arrived, then "
-                        "died); its thread ends with the process"
+                        f"gloo's rendezvous {CLOSE_JOIN_S:.0f} s after it was cancelled (a member that arrived "
+                        "never completed it, as one that died does); its thread ends with the process"
                     )
         for b in self._builds.values():
             if b.pg is not None and b.done.is_set():
