@@ -48,7 +48,7 @@ def close_all() -> None:
 
 
 ARRIVAL_POLL_MAX_S = 0.02  # the longest pause between two looks at the arrival keys
-CLOSE_JOIN_S = 5.0  # at exit, how long one background build may take to end once cancelled
+CLOSE_JOIN_S = 5.0  # at exit, how long the background builds may take to end once cancelled
 
 
 def await_members(store, rank: int, world_size: int, timeout_s: float, cancel: threading.Event) -> None:
@@ -342,7 +342,7 @@ class GroupCache:
 
     def close(self) -> None:
         """Detach the default group and shut down every cached group (at exit). Builds still
-        running are cancelled and waited for (at most :data:`CLOSE_JOIN_S` each): a thread left
+        running are cancelled and waited for (at most :data:`CLOSE_JOIN_S` in all): a thread left
         inside torch's code during the interpreter's teardown can abort the process.
 
         One case cannot be cancelled: a member that arrived and then died leaves the others inside
@@ -353,9 +353,10 @@ class GroupCache:
         detach_default()
         for b in self._builds.values():
             b.cancel.set()
+        deadline = time.monotonic() + CLOSE_JOIN_S  # one wait for all: the builds end together
         for b in self._builds.values():
             if b.thread is not None:
-                b.thread.join(CLOSE_JOIN_S)
+                b.thread.join(max(0.0, deadline - time.monotonic()))
                 if b.thread.is_alive():
                     logger.warning(
                         f"member {self.member}: the formation of the group of {list(b.members)} is still inside "
