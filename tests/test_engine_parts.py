@@ -241,3 +241,97 @@ def test_an_error_kept_past_its_thread_holds_none_of_its_frames():
         assert kept.__traceback__ is None and kept.__cause__.__traceback__ is None
     finally:
         gc.enable()
+
+
+def test_a_background_call_hands_its_value_or_its_error_to_the_waiting_thread():
+    """:class:`BackgroundCall` (a transfer's or a transition group's build thread): the value;
+    a ``TransitionAbortedError`` raised again with its message, another error named under the
+    caller's words, each with the call's error as the cause and none of its frames kept; a call
+    still running named by ``late()`` within the wait's limit."""
+    import gc
+    import threading
+    import weakref
+
+    from ds_dynatrain.errors import TransitionAbortedError
+    from ds_dynatrain.transition.background import BackgroundCall
+
+    call = BackgroundCall(lambda: 41, "test-call", keep=lambda v: v + 1)
+    assert call.result(10, lambda: "late", "failed") == 42 and call.done() and call.error is None
+
+    class Held:  # stands for a group with unfinished works, held by the failing frame
+        pass
+
+    def fail(held, err):
+        raise err
+
+    gc.disable()  # reference counting alone
+    try:
+        for raised, said in (
+            (TransitionAbortedError("receive from g0r1 failed"), "^receive from g0r1 failed$"),
+            (RuntimeError("Connection closed by peer"), "^a transfer failed: Connection closed by peer$"),
+        ):
+            held = Held()
+            ref = weakref.ref(held)
+            call = BackgroundCall(lambda held=held, raised=raised: fail(held, raised), "test-call")
+            del held
+            with pytest.raises(TransitionAbortedError, match=said) as info:
+                call.result(10, lambda: "late", "a transfer failed")
+            assert info.value.__cause__ is call.error and call.error.__traceback__ is None
+            del info
+            assert ref() is None  # the kept error holds no frame of the thread
+    finally:
+        gc.enable()
+
+    go = threading.Event()
+    call = BackgroundCall(lambda: go.wait(10), "test-call")
+    with pytest.raises(TransitionAbortedError, match="^still running after 0.2 s$"):
+        call.result(0.2, lambda: "still running after 0.2 s", "failed")
+    go.set()
+    assert call.result(10, lambda: "late", "failed") is True
+
+
+def test_a_background_group_given_up_is_shut_down_whenever_its_build_ends():
+    """:class:`BackgroundGroup` closed after its build ended shuts the group down at once; closed
+    while it is still being built, the build shuts it down when it ends; ``get`` then returns
+    nothing; a group taken is not shut down. Real one-rank gloo groups on a ``HashStore``, their
+    ``shutdown`` calls recorded (the seam)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from ds_dynatrain.elastic.groups import BackgroundGroup
+
+    shut = []
+
+    class Recorded:
+        def __init__(self):
+            self.pg = tdist.ProcessGroupGloo(tdist.HashStore(), 0, 1, timedelta(seconds=10))
+
+        def shutdown(self):
+            shut.append(self)
+            self.pg.shutdown()
+
+    def build(go=None):
+        if go is not None:
+            go.wait(10)
+        return Recorded()
+
+    taken = BackgroundGroup(build, "test-group").get(10)
+    assert isinstance(taken, Recorded) and shut == []
+
+    built = BackgroundGroup(build, "test-group")
+    group = built.get(10)
+    built.close()
+    assert shut == [group]
+    built.close()  # once only
+    assert shut == [group]
+
+    go = threading.Event()
+    late = BackgroundGroup(lambda: build(go), "test-group")
+    late.close()
+    assert not late.ready() and shut == [group]
+    go.set()
+    assert late.get(10) is None and late.error is None
+    assert len(shut) == 2 and shut[1] is not group
+    taken.pg.shutdown()

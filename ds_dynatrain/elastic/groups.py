@@ -29,8 +29,9 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..errors import TransitionAbortedError, without_frames
+from ..errors import TransitionAbortedError
 from ..log import logger
+from ..transition.background import BackgroundCall
 
 DEAD_POLL_S = 0.05  # how often a group being formed checks whether a member died
 
@@ -378,38 +379,31 @@ class BackgroundGroup:
     training goes on). :meth:`get` waits for it and re-raises the build's error."""
 
     def __init__(self, build: Callable[[], object], name: str):
-        self._result = None
-        self._error: Optional[BaseException] = None
-        self._done = threading.Event()
         self._closed = False
 
-        def run():
-            try:
-                result = build()
-                if self._closed:
-                    result.shutdown()
-                else:
-                    self._result = result
-            except BaseException as err:  # noqa: BLE001 - handed to get()
-                self._error = without_frames(err)  # its frames would hold the build's store client
-            self._done.set()
+        def keep(group):
+            if self._closed:  # given up while it was built: nobody will take it
+                group.shutdown()
+                return None
+            return group
 
-        threading.Thread(target=run, name=name, daemon=True).start()
+        self._call = BackgroundCall(build, name, keep)
 
     def ready(self) -> bool:
-        return self._done.is_set()
+        return self._call.done()
 
     def close(self) -> None:
         """Shut the group down if it was built (a given-up transition); a build still running
         shuts its group down when it ends."""
         self._closed = True
-        if self._done.is_set() and self._result is not None:
-            self._result.shutdown()
-            self._result = None
+        if self._call.done():
+            group = self._call.take()
+            if group is not None:
+                group.shutdown()
 
     @property
     def error(self) -> Optional[str]:
-        return None if self._error is None else str(self._error)
+        return None if self._call.error is None else str(self._call.error)
 
     def get(self, timeout_s: float):
         """The group, once built.
@@ -417,10 +411,8 @@ class BackgroundGroup:
         Raises:
             TransitionAbortedError: the build failed or did not end within ``timeout_s``.
         """
-        if not self._done.wait(timeout_s):
-            raise TransitionAbortedError(f"a transition group was not built within {timeout_s:.0f} s")
-        if self._error is not None:
-            if isinstance(self._error, TransitionAbortedError):
-                raise self._error
-            raise TransitionAbortedError(f"a transition group could not be built: {self._error}") from self._error
-        return self._result
+        return self._call.result(
+            timeout_s,
+            lambda: f"a transition group was not built within {timeout_s:.0f} s",
+            "a transition group could not be built",
+        )

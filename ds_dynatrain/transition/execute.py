@@ -33,7 +33,6 @@ buffers.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,9 +42,9 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..errors import TransitionAbortedError, without_frames
-from ..log import logger
+from ..errors import TransitionAbortedError
 from ..planner.plan import Plan
+from .background import BackgroundCall
 from .schedule import Stream, exchanges, transition_members, transition_ranks  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
@@ -317,30 +316,12 @@ class PendingTransition:
     """A transition running in a background thread (:func:`start_plan`)."""
 
     def __init__(self, target, *args, **kwargs):
-        self._stats: Optional[TransitionStats] = None
-        self._error: Optional[BaseException] = None
-        self.started = time.perf_counter()
-        self.finished: Optional[float] = None
         self.progress: dict = {}
         kwargs["progress"] = self.progress
-
-        def run():
-            try:
-                self._stats = target(*args, **kwargs)
-            except BaseException as err:  # handed to the waiting thread
-                logger.debug("background transfer failed", exc_info=True)  # formatted only if logged
-                # without its frames: they would keep the transfer's group and its unfinished works
-                # alive, and a gloo group left with a receive that never completed keeps one of its
-                # threads spinning (a whole core) for as long as the group object lives
-                self._error = without_frames(err)
-            finally:
-                self.finished = time.perf_counter()
-
-        self._thread = threading.Thread(target=run, name="dynatrain-transition", daemon=True)
-        self._thread.start()
+        self._call = BackgroundCall(lambda: target(*args, **kwargs), "dynatrain-transition")
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._call.done()
 
     def wait(self, timeout_s: Optional[float] = None) -> TransitionStats:
         """Block until the transfer is complete; returns its stats.
@@ -352,17 +333,14 @@ class PendingTransition:
             TransitionAbortedError: the transfer failed (the background error, naming the peer,
                 step and chunk), or it did not finish within ``timeout_s`` seconds.
         """
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TransitionAbortedError(
+
+        def late() -> str:
+            return (
                 f"transition: background transfer still running after {timeout_s:.0f} s, exchanging with member "
                 f"{self.progress.get('peer')} at {self.progress.get('where')}"
             )
-        if self._error is not None:
-            if isinstance(self._error, TransitionAbortedError):
-                raise TransitionAbortedError(str(self._error)) from self._error
-            raise TransitionAbortedError(f"transition: background transfer failed: {self._error}") from self._error
-        return self._stats
+
+        return self._call.result(timeout_s, late, "transition: background transfer failed")
 
 
 def start_plan(*args, **kwargs) -> PendingTransition:
