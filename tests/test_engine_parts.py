@@ -323,7 +323,7 @@ def test_a_background_group_given_up_is_shut_down_whenever_its_build_ends():
     built = BackgroundGroup(build, "test-group")
     group = built.get(10)
     built.close()
-    assert shut == [group]
+    assert shut == [group] and built.get(10) is None
     built.close()  # once only
     assert shut == [group]
 

@@ -380,12 +380,16 @@ class BackgroundGroup:
 
     def __init__(self, build: Callable[[], object], name: str):
         self._closed = False
+        self._built = None  # the group, until close() shuts it down
+        self._lock = threading.Lock()  # the build's end and close() decide who shuts it down
 
         def keep(group):
-            if self._closed:  # given up while it was built: nobody will take it
-                group.shutdown()
-                return None
-            return group
+            with self._lock:
+                if self._closed:  # given up while it was built: nobody will take it
+                    group.shutdown()
+                    return None
+                self._built = group
+                return group
 
         self._call = BackgroundCall(build, name, keep)
 
@@ -395,24 +399,25 @@ class BackgroundGroup:
     def close(self) -> None:
         """Shut the group down if it was built (a given-up transition); a build still running
         shuts its group down when it ends."""
-        self._closed = True
-        if self._call.done():
-            group = self._call.take()
-            if group is not None:
-                group.shutdown()
+        with self._lock:
+            self._closed = True
+            group, self._built = self._built, None
+        if group is not None:
+            group.shutdown()
 
     @property
     def error(self) -> Optional[str]:
         return None if self._call.error is None else str(self._call.error)
 
     def get(self, timeout_s: float):
-        """The group, once built.
+        """The group, once built; None once :meth:`close` gave it up.
 
         Raises:
             TransitionAbortedError: the build failed or did not end within ``timeout_s``.
         """
-        return self._call.result(
+        group = self._call.result(
             timeout_s,
             lambda: f"a transition group was not built within {timeout_s:.0f} s",
             "a transition group could not be built",
         )
+        return None if self._closed else group

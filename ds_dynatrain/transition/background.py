@@ -43,11 +43,6 @@ class BackgroundCall:
         """The call's error, once it raised one; else None."""
         return self._error
 
-    def take(self) -> object:
-        """The kept value, now no longer kept (None before the call returned)."""
-        value, self._value = self._value, None
-        return value
-
     def result(self, timeout_s: Optional[float], late: Callable[[], str], failed: str) -> object:
         """Wait for the call (``timeout_s`` seconds; None: for ever) and return its kept value.
 
