@@ -214,38 +214,44 @@ def _static_after_step_3(tmp_path, nproc: int, tp_to: int, extra) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "tp_to, extra, by_schedule",
+    "world, tp_to, extra, by_schedule",
     [
-        (2, [], False),
-        # make test-slow: the same grow from the config's resize_schedule (the DP job's scheduled grow
-        # is test_main_job's), and to TP 1 under ZeRO-3 bf16
-        pytest.param(2, [], True, marks=pytest.mark.slow),
-        pytest.param(1, ["--stage", "3", "--bf16"], False, marks=pytest.mark.slow),
+        # a grow to a world the config's TP degree (2) does not divide: the joiner checks the config
+        # at the job's launch world size, and is built at the job's new degree
+        (3, 1, ["--global-batch", "3"], False),
+        # make test-slow: the grow at the same TP degree, again from the config's resize_schedule (the
+        # DP job's scheduled grow is test_main_job's), and to TP 1 under ZeRO-3 bf16
+        pytest.param(4, 2, [], False, marks=pytest.mark.slow),
+        pytest.param(4, 2, [], True, marks=pytest.mark.slow),
+        pytest.param(4, 1, ["--stage", "3", "--bf16"], False, marks=pytest.mark.slow),
     ],
-    ids=["tp2dp1_to_tp2dp2", "tp2dp1_to_tp2dp2_schedule", "tp2dp1_to_tp1dp4_zero3_bf16"],
+    ids=["tp2dp1_to_tp1dp3", "tp2dp1_to_tp2dp2", "tp2dp1_to_tp2dp2_schedule", "tp2dp1_to_tp1dp4_zero3_bf16"],
 )
-def test_tp_grow_under_launch_equals_the_static_run(tmp_path, tp_to, extra, by_schedule):
-    """``dynatrain launch`` of 2 processes at TP 2 x DP 1 grows after step 3 to 4 processes
-    (``engine.resize(4, tensor_parallel=T)``): the launcher starts two joiners, which build their
-    engines at the new layout and receive their state. The gathered logical state right after the
-    grow equals the state before it, bitwise; the losses of steps 4-5 and the final state equal a
-    plain DeepSpeed run of 4 processes at the new layout set from the state after step 3, bitwise.
-    The ZeRO-3 bf16 case grows to TP 1 x DP 4. The schedule case then runs again with the grow in
-    the config's ``resize_schedule`` (its joiners started ahead, while the survivors train): the
-    same losses and final state."""
+def test_tp_grow_under_launch_equals_the_static_run(tmp_path, world, tp_to, extra, by_schedule):
+    """``dynatrain launch`` of 2 processes at TP 2 x DP 1 grows after step 3 to ``world``
+    processes (``engine.resize(world, tensor_parallel=T)``): the launcher starts the joiners,
+    which build their engines at the new layout and receive their state. The gathered logical
+    state right after the grow equals the state before it, bitwise; the losses of steps 4-5 and
+    the final state equal a plain DeepSpeed run of ``world`` processes at the new layout set from
+    the state after step 3, bitwise. Cases: TP 1 x DP 3 (a global batch of 3; the config's
+    ``autotp_size`` 2 does not divide 3), TP 2 x DP 2, TP 1 x DP 4 under ZeRO-3 bf16. The schedule
+    case then runs again with the grow in the config's ``resize_schedule`` (its joiners started
+    ahead, while the survivors train): the same losses and final state."""
     config = dict(CONFIG, dynatrain={"metrics_path": str(tmp_path / "metrics.jsonl")})
     if "--stage" in extra:
         config.update(zero_optimization={"stage": 3}, bf16={"enabled": True})
+    if "--global-batch" in extra:
+        config.update(train_batch_size=int(extra[extra.index("--global-batch") + 1]))
     common = ["--mode", "launch", "--out", str(tmp_path), "--tp-from", "2", "--tp-to", "2", "--steps", "5", *extra]
-    job = launch(tmp_path, SCRIPT, 2, config, [*common, "--resize-at", f"3:4:{tp_to}"], timeout=300, name="grow")
+    job = launch(tmp_path, SCRIPT, 2, config, [*common, "--resize-at", f"3:{world}:{tp_to}"], timeout=300, name="grow")
     assert job.returncode == 0, job.output[-4000:]
-    assert f"resize TP 2 x DP 1 → TP {tp_to} x DP {4 // tp_to} after step 3" in job.output
+    assert f"resize TP 2 x DP 1 → TP {tp_to} x DP {world // tp_to} after step 3" in job.output
     assert not _equal(torch.load(tmp_path / "before.pt"), torch.load(tmp_path / "after.pt"))
-    static, final_static = _static_after_step_3(tmp_path, 4, tp_to, extra)
+    static, final_static = _static_after_step_3(tmp_path, world, tp_to, extra)
     ran = json.loads((tmp_path / "losses_launch.json").read_text())
     assert ran["losses"] == static["losses"] and ran["tp"] == tp_to
     assert [(r["from"], r["to"], r["tensor_parallel_from"], r["tensor_parallel_to"]) for r in ran["records"]] == [
-        (2, 4, 2, tp_to)
+        (2, world, 2, tp_to)
     ]
     assert not _equal(torch.load(tmp_path / "final_launch.pt"), final_static)
     if not by_schedule:

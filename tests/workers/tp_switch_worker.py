@@ -339,6 +339,7 @@ OWN_EXIT = ("switch", "schedule")
 
 
 def main() -> None:
+    global GLOBAL  # --global-batch sets it
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=["switch", "schedule", "static", "launch", "save", "load"], required=True)
@@ -372,7 +373,9 @@ def main() -> None:
     p.add_argument(
         "--refuse", action="store_true", help="first ask for impossible layouts, or (load) a damaged checkpoint"
     )
+    p.add_argument("--global-batch", type=int, default=GLOBAL, help="sequences a step (the config's in launch mode)")
     a = p.parse_args()
+    GLOBAL = a.global_batch
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no op build in the tests
