@@ -94,10 +94,12 @@ def start_engine(
         membership = Membership(ctx, dt_cfg.collective_timeout_s, backend, on_new_default=reset_deepspeed_comm)
         world_size, member, generation = ctx.world_size, ctx.member, ctx.generation
     # the launch world size, and every scheduled one, must keep the global batch (split over DP ranks);
-    # a joiner checks what the job's first processes checked, at the job's launch world size: the
-    # generation it joins may train at another TP degree than the config's (a switch), one that
-    # need not divide the config's (a grow to TP 1 x DP 3 of a job launched at TP 2)
-    checked_world = int(membership.job()["world_size"]) if ctx is not None and ctx.joiner else world_size
+    # an AutoTP joiner checks what the job's first processes checked, at the job's launch world size:
+    # the generation it joins may train at another TP degree than the config's (a switch), one that
+    # need not divide the config's (a grow to TP 1 x DP 3 of a job launched at TP 2). A DP joiner
+    # checks its own world (a front-end fills the batch keys in for it)
+    tp_joiner = ctx is not None and ctx.joiner and is_tensor_parallel_job(ds_config)
+    checked_world = int(membership.job()["world_size"]) if tp_joiner else world_size
     tp = check_tensor_parallel(ds_config, dt_cfg, checked_world, launched=ctx is not None)
     global_batch, micro = check_elastic_config(ds_config, dt_cfg, checked_world // tp, elastic=ctx is not None)
     if ctx is not None and ctx.joiner:
