@@ -80,8 +80,9 @@ def _publish_generation(
         try:
             nodes = place_joiners(dt.membership.store, staying, joiners)
         except ResizeRefusedError as err:
-            # requests were checked when rank 0 read them and the schedule at launch: only a host
-            # lost since (or hosts unlike node 0) gets here, and the ranks are past the decision
+            # requests were checked when rank 0 read them and the schedule at launch: a host lost
+            # since (or hosts unlike node 0) gets here, and an engine.resize, which no rank checks
+            # first; the ranks are past the decision
             logger.warning(f"generation {g}: {err}; its joiners start on the least loaded hosts")
             nodes = place_joiners(dt.membership.store, staying, joiners, force=True)
     dt.membership.request_spawn(g, world_size, [members.index(j) for j in joiners], joiners, nodes)
