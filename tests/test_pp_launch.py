@@ -51,6 +51,12 @@ def static_steps(tmp_path_factory):
     assert job.returncode == 0, job.output[-4000:]
     want = read_jsonl(str(out / "steps.jsonl"))
     assert [(r["step"], r["world"], r["pp"]) for r in want] == [(s, 2, 2) for s in range(1, 25)]
+    # the job's own step records: one a step, its DP size (1 at PP 2) and the loss train_batch returned
+    steps = [r for r in read_jsonl(str(out / "metrics.jsonl")) if r["event"] == "step"]
+    assert [(r["step"], r["world_size"], r["loss"], r["samples"]) for r in steps] == [
+        (w["step"], 1, w["loss"], 4) for w in want
+    ]
+    assert all(r["step_s"] > 0 and r["samples_per_s"] > 0 for r in steps)
     return want
 
 

@@ -85,7 +85,7 @@ def after_optimizer_step(engine) -> None:
         dt.standby = tuple(m for i, m in enumerate(dt.standby) if i not in tally.standby_gone)
     dt.loss_sum, dt.loss_count = 0.0, 0
     dt.step_losses.append((engine.global_steps, tally.loss))
-    _record_step(engine, tally, step_s)
+    record_step(engine, tally.loss, step_s)
     if tally.stop or len(tally.preempted) == world:
         _end_job(engine, tally)  # raises SystemExit(0) on every rank
     replicas.after_vote(engine)
@@ -131,14 +131,15 @@ def _gone_standby(engine) -> frozenset:
     return frozenset(i for i, m in enumerate(dt.standby) if m in gone)
 
 
-def _record_step(engine, tally: StepTally, step_s: float) -> None:
-    """Rank 0: the step record, and every ``log_interval_steps`` a step line whose step time and
-    throughput are those of the steps since the last line."""
+def record_step(engine, loss: float, step_s: float) -> None:
+    """Rank 0: the step record of the step just completed (``loss``: its mean over every rank;
+    ``step_s`` seconds), and every ``log_interval_steps`` a step line whose step time and
+    throughput are those of the steps since the last line. Other ranks: nothing."""
     dt, step = engine._dt, engine.global_steps
     if engine.global_rank != 0:
         return
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
-    rec = StepRecord.of(step, engine.dp_world_size, tally.loss, lr, dt.global_batch, step_s, dt.tokens_per_sample)
+    rec = StepRecord.of(step, engine.dp_world_size, loss, lr, dt.global_batch, step_s, dt.tokens_per_sample)
     rec.threads = torch.get_num_threads()
     dt.metrics.write(rec)
     if dt.membership is not None:

@@ -12,6 +12,7 @@ a stop, and a restart from its snapshots after a worker died.
 from __future__ import annotations
 
 import atexit
+import time
 from typing import List, Optional
 
 import torch
@@ -30,7 +31,7 @@ from ..zero.pipe_module import check_rebuildable
 from ..zero.pipeline import layer_type_names
 from ..zero.state import relink_optimizer_state
 from . import loading
-from .boundary import spawn_ahead
+from .boundary import record_step, spawn_ahead
 from .construct import ds_config_for, latest_by_commit
 from .join import joined_generation
 from .lifecycle import at_thread_shutdown, close_at_exit, shutdown, take_preemption_notices
@@ -188,14 +189,17 @@ class ElasticPipelineEngine(PipelineEngine):
         )
 
     def train_batch(self, data_iter=None):
-        """DeepSpeed's ``train_batch``; then, under ``dynatrain launch``, the step boundary of
+        """DeepSpeed's ``train_batch`` and its step record (rank 0: the ``metrics_path`` line and
+        the step log line, as a data-parallel job's); then, under ``dynatrain launch``, the step boundary of
         :func:`~ds_dynatrain.engine.pp_launch.at_step_boundary` (a stop of the job ends the process
         here with ``SystemExit(0)``); every ``snapshot.interval_steps``, a snapshot of this step;
         and at a step the resize schedule names, the switch to its PP degree (every process reaches
         the same step; a snapshot of that step is of the layout before the switch). A step whose
         boundary grew the job takes neither: its joiners enter at the next step."""
+        t0 = time.perf_counter()
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
+        record_step(self, float(loss), time.perf_counter() - t0)  # every stage has the last stage's loss
         if not dt.modules_published and dt.membership is not None and self.global_rank == 0:
             dt.modules_published = True  # what a joiner imports before it joins (names only)
             publish_modules(dt.membership.store)
