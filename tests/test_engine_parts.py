@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -335,3 +336,23 @@ def test_a_background_group_given_up_is_shut_down_whenever_its_build_ends():
     assert late.get(10) is None and late.error is None
     assert len(shut) == 2 and shut[1] is not group
     taken.pg.shutdown()
+
+
+def test_a_layout_argument_that_is_no_integer_is_refused_by_name():
+    """``resize`` and ``prepare_resize`` (both engines) check their arguments with
+    ``require_integers`` before anything else: a string, a float or a bool is refused naming the
+    argument and the value (a ``ResizeRefusedError``, which the engines leave the job unchanged
+    on), where a comparison inside the switch raised a bare ``TypeError``; None stays allowed for
+    a degree."""
+    from ds_dynatrain.engine.state import require_integers
+    from ds_dynatrain.errors import ResizeRefusedError
+
+    require_integers(2, pipeline_parallel=None, tensor_parallel=1)
+    for kwargs, said in (
+        (dict(world_size=2, pipeline_parallel="x"), "pipeline_parallel 'x' refused: it must be an integer"),
+        (dict(world_size=2.0), "world_size 2.0 refused: it must be an integer"),
+        (dict(world_size=None), "world_size None refused: it must be an integer"),
+        (dict(world_size=2, tensor_parallel=True), "tensor_parallel True refused: it must be an integer"),
+    ):
+        with pytest.raises(ResizeRefusedError, match=re.escape(said)):
+            require_integers(**kwargs)

@@ -29,7 +29,7 @@ from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize,
 from .construct import latest_by_commit
 from .frontend import FrontendRestart, catching
 from .resize import resize as resize_now
-from .state import ElasticState
+from .state import ElasticState, require_integers
 from .switch_memory import prepare_world_change, release_switch_memory, released_on_refusal
 from .warmup import publish_inputs, publish_modules
 
@@ -100,6 +100,7 @@ class ElasticEngine(DeepSpeedEngine):
         self.wait_transition()
         dt = self._dt
         with released_on_refusal(dt):  # a hold for a switch that will not come goes
+            require_integers(world_size, tensor_parallel=tensor_parallel)
             if tensor_parallel is not None or dt.tp_layout is not None:
                 return self._resize_tensor_parallel(world_size, must_leave, tensor_parallel)
             return self._resize_data_parallel(world_size, must_leave)
@@ -149,6 +150,7 @@ class ElasticEngine(DeepSpeedEngine):
             NotAMemberError: this process left the job.
         """
         self._require_member()
+        require_integers(world_size, tensor_parallel=tensor_parallel)
         dt = self._dt
         if dt.tp_layout is None and tensor_parallel is None and world_size != len(dt.members):
             self._data_parallel_split(world_size)  # ResizeRefusedError: a resize that would refuse

@@ -42,7 +42,7 @@ from .pp_resize import pp_for_world, shrink_pipeline_parallel
 from .pp_switch import check_stage_groups, layout_for, prepare_pipeline_switch, switch_pipeline_parallel
 from .records import MetricsWriter
 from .restore import restore
-from .state import ElasticState
+from .state import ElasticState, require_integers
 from .switch_memory import prepare_scheduled, release_switch_memory, released_on_refusal
 from .warmup import publish_inputs, publish_modules, warm_joiner
 
@@ -97,6 +97,7 @@ class ElasticPipelineEngine(PipelineEngine):
         """
         self._dt.require_member()
         with released_on_refusal(self._dt):  # a hold for a switch that will not come goes
+            require_integers(world_size, pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel)
             return self._change_layout(world_size, pipeline_parallel, tensor_parallel)
 
     def _change_layout(self, world_size: int, pipeline_parallel: Optional[int], tensor_parallel: Optional[int]):
@@ -144,6 +145,7 @@ class ElasticPipelineEngine(PipelineEngine):
         """
         dt = self._dt
         dt.require_member()
+        require_integers(world_size, pipeline_parallel=pipeline_parallel)
         if world_size != len(dt.members) or pipeline_parallel in (None, dt.pp_layout.pp):
             release_switch_memory(dt)  # a hold made before: not wanted any more
             return 0

@@ -13,9 +13,23 @@ import torch
 from ..batch import BatchSplit, split_global_batch
 from ..config import DynatrainConfig
 from ..elastic.membership import Membership
-from ..errors import NotAMemberError, TransitionAbortedError
+from ..errors import NotAMemberError, ResizeRefusedError, TransitionAbortedError
 from ..transition.execute import PendingTransition
 from .records import MetricsWriter
+
+
+def require_integers(world_size, **degrees) -> None:
+    """Refuse a layout argument of ``resize`` or ``prepare_resize`` that is no integer (a degree
+    may be None: unchanged or picked).
+
+    Raises:
+        ResizeRefusedError: naming the argument and the value given; nothing has changed.
+    """
+    for name, v in (("world_size", world_size), *degrees.items()):
+        if v is None and name != "world_size":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ResizeRefusedError(f"{name} {v!r} refused: it must be an integer")
 
 
 @dataclass
