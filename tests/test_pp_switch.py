@@ -62,6 +62,8 @@ def test_pp_switch_equals_the_static_run(tmp_path, case):
     for mode in ("switch", "schedule", "static"):
         jobs = run_plain(tmp_path, WORKER, world, ["--mode", mode, *common], timeout=240, name=mode)
         assert all(j.returncode == 0 for j in jobs), jobs[0].output[-4000:]
+        if mode == "switch":  # DeepSpeed's comm uses torch's current collectives, also at DP > 1
+            assert not any("FutureWarning" in j.output for j in jobs), jobs[0].output[-4000:]
     switch = [json.loads((tmp_path / f"switch_rank{r}.json").read_text()) for r in range(world)]
     static = json.loads((tmp_path / "static_rank0.json").read_text())
     rec = switch[0]["record"]

@@ -17,7 +17,7 @@ from ..elastic.threads import share_cpus
 from ..errors import LayoutMismatchError
 from ..zero.geometry import working_dtype, zero12_settings
 from ..zero.pipeline import pipeline_layout
-from ..zero.quiet import scheduler_start_quiet
+from ..zero.quiet import scheduler_start_quiet, use_current_collectives
 from ..zero.rebuild import light_rebuild
 from .construct import attach_snapshot_engine
 from .device import bind_device, engine_args
@@ -39,6 +39,7 @@ def construct_pipeline(
     if dt.membership is not None:  # this host's CPUs shared among the generation's workers on it
         share_cpus(dt.membership.store, dt.members, dt.member)
     engine._dt = dt
+    use_current_collectives()  # DeepSpeed's comm started with the script's init: torch's current names
     mpu = module.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
     deepspeed.set_optimizer_flags(config_class, module)
