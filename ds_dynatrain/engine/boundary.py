@@ -131,15 +131,16 @@ def _gone_standby(engine) -> frozenset:
     return frozenset(i for i, m in enumerate(dt.standby) if m in gone)
 
 
-def record_step(engine, loss: float, step_s: float) -> None:
-    """Rank 0: the step record of the step just completed (``loss``: its mean over every rank;
-    ``step_s`` seconds), and every ``log_interval_steps`` a step line whose step time and
-    throughput are those of the steps since the last line. Other ranks: nothing."""
+def record_step(engine, loss, step_s: float) -> None:
+    """Rank 0: the step record of the step just completed (``loss``: its mean over every rank, a
+    float or a 0-d tensor, read here only, so that no other rank waits for its device; ``step_s``
+    seconds), and every ``log_interval_steps`` a step line whose step time and throughput are
+    those of the steps since the last line. Other ranks: nothing."""
     dt, step = engine._dt, engine.global_steps
     if engine.global_rank != 0:
         return
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
-    rec = StepRecord.of(step, engine.dp_world_size, loss, lr, dt.global_batch, step_s, dt.tokens_per_sample)
+    rec = StepRecord.of(step, engine.dp_world_size, float(loss), lr, dt.global_batch, step_s, dt.tokens_per_sample)
     rec.threads = torch.get_num_threads()
     dt.metrics.write(rec)
     if dt.membership is not None:

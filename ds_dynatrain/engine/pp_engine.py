@@ -201,7 +201,7 @@ class ElasticPipelineEngine(PipelineEngine):
         t0 = time.perf_counter()
         loss = super().train_batch(data_iter)
         dt, step = self._dt, self.global_steps
-        record_step(self, float(loss), time.perf_counter() - t0)  # every stage has the last stage's loss
+        record_step(self, loss, time.perf_counter() - t0)  # every stage has the last stage's loss
         if not dt.modules_published and dt.membership is not None and self.global_rank == 0:
             dt.modules_published = True  # what a joiner imports before it joins (names only)
             publish_modules(dt.membership.store)
