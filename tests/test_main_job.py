@@ -122,6 +122,9 @@ def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
     # world 3 saved nothing: its partitions are a third of world 1's, padding apart
     assert resizes[3]["prepared_bytes"] == pytest.approx(resizes[1]["prepared_bytes"] / 3, rel=0.01), resizes[3]
     assert all(r["prepared_touch_s"] > 0 for r in resizes.values())
+    # the moments' new partitions (fp32 training: the master is not moved) were received into
+    # that memory as it was: two of its three partition tensors
+    assert all(r["partitions_held_bytes"] == 2 * r["prepared_bytes"] // 3 for r in resizes.values()), resizes
     # each grow's joiner held its engine's partitions and, at ZeRO-2, the flat fp32 copy of the
     # working parameters (about a third of world 1's three partitions), unless the survivors'
     # switch had begun when it got there (this model's steps take milliseconds, a joiner's start
@@ -135,6 +138,11 @@ def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
     want = [(resizes[w]["prepared_bytes"] + flat) / 2**20 for w in (3, 2)]
     assert len(said) == 2, said
     assert all(not h or abs(int(h) - w) <= 1 for h, w in zip(said, want)), (said, want)
+    # a joiner that held them received its moments into two of its three partition tensors
+    received = [int(m) for m in re.findall(r"joiner receives its partitions into (\d+) MiB", el.output)]
+    holders = [w for h, w in zip(said, (3, 2)) if h]
+    assert len(received) == len(holders), (received, said)
+    assert all(abs(m - 2 * resizes[w]["prepared_bytes"] / 3 / 2**20) <= 1 for m, w in zip(received, holders)), received
 
 
 def test_snapshots_committed_and_pruned(main_job):

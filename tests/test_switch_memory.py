@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_pp_plan import _tied_model
 
 from ds_dynatrain.config import DynatrainConfig
@@ -24,6 +25,7 @@ from ds_dynatrain.engine.switch_memory import (
     release_switch_memory,
     switch_bytes,
     world_change_bytes,
+    world_change_partitions,
 )
 from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
 from ds_dynatrain.vps.pipeline import PipelineLayout
@@ -55,6 +57,8 @@ def test_a_change_of_world_size_holds_the_new_partitions():
     assert world_change_bytes(one, 2, 3) == (112 // 2 + 8 // 2) * 12 == 720  # 110 -> 112 | 7 -> 8
     assert world_change_bytes(one, 3, 3) == (114 // 3 + 12 // 3) * 12 == 504  # 110 -> 114 | 7 -> 12
     assert world_change_bytes(one, 2, 1) == 240  # the master only (a momentless optimizer)
+    # the tensors held: each partition's length once per kind, in partition order
+    assert world_change_partitions(one, 3, 3) == [38, 38, 38, 4, 4, 4]
     # ZeRO-3: each parameter cut in world-size pieces (rounded up), one sub-group per group here
     three = ZeroLayout(1, groups, stage=3)
     assert world_change_bytes(three, 2, 3) == (50 + 5 + 4) * 12 == 708
@@ -162,12 +166,36 @@ def test_held_memory_is_touched_in_the_background_and_freed_at_release():
     assert dt.switch_hold is None and other.prepared_bytes is None
 
 
+def test_a_world_change_hold_hands_its_partitions_over_written():
+    """A DP resize's hold: its partition tensors (fp32, the new partitions' lengths) are written
+    first and handed to the resize whose key is the hold's, the rest is freed; a release for
+    another world size frees them too and hands nothing over (real thread, real memory)."""
+    numels = [(40 << 20) // 4, (40 << 20) // 4, 1000]  # two 40 MiB partitions, a small one
+    nbytes = 4 * sum(numels) + CHUNK_BYTES
+    base = _rss()
+    hold = HeldMemory(nbytes, ("dp", 3, None), numels)
+    deadline = time.monotonic() + 30
+    while hold.touched < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hold.touched == nbytes and _rss() - base >= 0.9 * nbytes
+    dt = SimpleNamespace(switch_hold=hold)
+    rec = SimpleNamespace(prepared_bytes=None, prepared_touch_s=None)
+    tensors = release_switch_memory(dt, rec, key=("dp", 3, None))
+    assert [t.numel() for t in tensors] == numels and all(t.dtype == torch.float32 for t in tensors)
+    assert all(int(t.count_nonzero()) == 0 for t in tensors)  # written: zeros
+    assert rec.prepared_bytes == nbytes and dt.switch_hold is None
+    assert _rss() - base < 4 * sum(numels) + CHUNK_BYTES // 2  # the uint8 piece given back
+    del tensors
+    dt.switch_hold = HeldMemory(4 * sum(numels), ("dp", 3, None), numels)
+    assert release_switch_memory(dt, rec, key=("dp", 4, None)) == []
+
+
 def test_a_release_stops_the_thread_after_the_piece_it_writes():
     nbytes = 512 << 20
     hold = HeldMemory(nbytes, ("tp", 2, 1))
     deadline = time.monotonic() + 30
     while hold.touched < CHUNK_BYTES and time.monotonic() < deadline:
         time.sleep(0.001)
-    touched, seconds = hold.release()
+    touched, seconds, tensors = hold.release()
     assert CHUNK_BYTES <= touched <= nbytes and touched % CHUNK_BYTES == 0 and seconds > 0
-    assert not hold._thread.is_alive() and hold._chunks == []
+    assert not hold._thread.is_alive() and hold._chunks == [] and tensors == []

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_dynatrain.planner import assign_members, plan_transition
+from ds_dynatrain.transition.buffers import allocate_partitions, reused_bytes
 from ds_dynatrain.transition.execute import transition_ranks
 from ds_dynatrain.transition.schedule import Stream, next_pow2, pair_schedule, peer_at
 from ds_dynatrain.vps.layout import ParamMeta, ZeroLayout
@@ -65,6 +66,32 @@ def test_schedule_covers_every_sender_receiver_of_plans():
         assert set(sent) == set(received) == want
         for pair in want:
             assert len(sent[pair]) == 1 and sent[pair] == received[pair], pair
+
+
+def test_new_partitions_are_taken_from_the_memory_held_for_them():
+    """``allocate_partitions(reuse=...)``: each new partition is a held tensor of its length and
+    dtype where one is left (the same object, so the transfer writes into pages already mapped),
+    else a new one; only the elements no transfer writes (DeepSpeed's padding) are zeroed, in
+    held tensors too, and the rest is left for the transfers (NaN here, as it was)."""
+    groups = ((ParamMeta("w", (10, 11), "float32"),), (ParamMeta("b", (7,), "float32"),))
+    old = ZeroLayout(2, groups, stage=2)
+    plan = plan_transition(old, old.with_world_size(3), ("m0", "m1"), ("m0", "m1", "j0"))
+    member = plan.new_members[-1]  # the last rank: its partitions end in padding
+    lengths = [plan.new_layout.partition_numel(g) for g in range(plan.new_layout.num_partitions)]
+    kinds = ("exp_avg", "exp_avg_sq")
+    held = [torch.full((n,), float("nan")) for n in lengths for _ in kinds]
+    other = [torch.full((lengths[0],), float("nan"), dtype=torch.float64), torch.full((lengths[0],), float("nan"))]
+    parts = allocate_partitions(plan, member, kinds, torch.float32, reuse=held[1:] + other)
+    assert parts[0]["exp_avg"] is held[1] and parts[0]["exp_avg_sq"] is other[1]  # fp32, its length
+    assert parts[1]["exp_avg"] is held[2] and parts[1]["exp_avg_sq"] is held[3]
+    assert reused_bytes(parts, held) == 4 * (lengths[0] + 2 * lengths[1])
+    covered = {g: torch.zeros(n, dtype=torch.bool) for g, n in enumerate(lengths)}
+    for _, _, _, _, dst_offset, numel, g in plan.rows_into(member).tolist():
+        covered[g][dst_offset : dst_offset + numel] = True
+    assert any(not bool(c.all()) for c in covered.values())  # there is padding to zero
+    for g, by_kind in parts.items():
+        for t in by_kind.values():
+            assert bool(t[covered[g]].isnan().all()) and bool((t[~covered[g]] == 0).all()), g
 
 
 @settings(max_examples=300, deadline=None)

@@ -162,14 +162,17 @@ def test_a_joiner_holds_its_engine_memory_touched(store):
     nbytes = hold_engine_memory(dt, model, [params], 4, 3)
     n = 1024 * 1024 + 1024  # padded to a multiple of 2 x 4 already
     assert nbytes == n // 4 * 4 * 3 + n * 4
-    (held,) = dt.held
-    assert held.numel() == nbytes and int(held[::4096].sum()) == 0  # every page written
+    # its partitions as fp32 tensors (a quarter of the padded group each, three kinds), then the rest
+    *partitions, rest = dt.held
+    assert [(t.numel(), t.dtype) for t in partitions] == [(n // 4, torch.float32)] * 3
+    assert rest.dtype == torch.uint8 and rest.numel() == n * 4
+    assert all(int(t.count_nonzero()) == 0 for t in dt.held)  # zeros
     off = SimpleNamespace(config=DynatrainConfig(warm_switch_steps=0), held=[], ds_config=ds_config)
     assert hold_engine_memory(off, model, [params], 4, 3) == 0 and off.held == []
     # groups a layout cannot describe (a parameter in two of them) hold nothing and raise nothing
-    assert hold_engine_memory(dt, model, [params, params], 4, 3) == 0 and len(dt.held) == 1
+    assert hold_engine_memory(dt, model, [params, params], 4, 3) == 0 and len(dt.held) == 4
     store.set(GO_KEY.format(3), "1")  # the survivors switch: the joiner must not make them wait
-    assert hold_engine_memory(dt, model, [params], 4, 3) == 0 and len(dt.held) == 1
+    assert hold_engine_memory(dt, model, [params], 4, 3) == 0 and len(dt.held) == 4
 
 
 def test_joiner_joins_cold_when_the_generation_forms_first(store):

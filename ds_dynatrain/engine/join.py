@@ -13,6 +13,7 @@ from ..elastic.priority import return_to_job_priority
 from ..errors import NotAMemberError, TransitionAbortedError
 from ..log import logger
 from ..planner.plan import scalars_for
+from ..transition.buffers import reused_bytes
 from .construct import construct, ds_config_for, keep_returned_optimizer, own_layout
 from .header import install_header_state, join_header
 from .members import evict_groups, form_generation
@@ -90,11 +91,17 @@ def join_generation(
     xfer = build_joiner_xfer(dt, rec, timeout)
     own = own_layout(dt, model, groups, rec.world_size)
     wait_for_switch(dt, rec, timeout)
-    dt.held.clear()  # the warm-up's memory, touched and held until now: the set-up and first step reuse it
+    # the memory held until now (the warm-up's, the engine's): partition tensors among it become
+    # the new partitions; the rest is freed before the set-up and the first step, which reuse it
+    held, dt.held = dt.held, []
     header, plan = join_header(rec, own)
     dests, _, transfer, overlap, xfer = begin_transition(
-        plan, dt, rec.generation, header, None, receives=True, group=xfer.get(timeout)
+        plan, dt, rec.generation, header, None, receives=True, group=xfer.get(timeout), held=held
     )
+    held_bytes = reused_bytes(dests, held)
+    del held
+    if held_bytes:
+        logger.info(f"joiner receives its partitions into {held_bytes / 2**20:.0f} MiB held since its warm-up")
     dt.members = plan.new_members
     dt.generation = rec.generation
     dt.retired = False
@@ -117,6 +124,7 @@ def join_generation(
         group_reused=reused,
         seconds=time.perf_counter() - t0,
         warmup_s=dt.warmup_s,
+        partitions_held_bytes=held_bytes,
     )
     dt.pending = PendingResize(transfer, dests, scalars_for(plan, header.scalars), record, None, xfer)
     if overlap != "step":

@@ -158,6 +158,10 @@ class TransferTotals(Record):
         "rise of the peak resident set above its size before and after (Linux `clear_refs`; 0 where not measurable)"
     )
     peak_staging_bytes: int = _f("largest packing buffers alive at once")
+    partitions_held_bytes: int = _f(
+        "bytes of the new partitions that were memory written ahead (a prepared resize's hold, a joiner's), "
+        "not allocated at the switch"
+    )
     messages: int = _f("messages sent and received")
     bytes_sent: int = _f("bytes sent to other processes")
     bytes_received: int = _f("bytes received from other processes")

@@ -28,6 +28,7 @@ from ..batch import BatchSplit
 from ..elastic.keys import LEFT_KEY
 from ..log import logger
 from ..planner.plan import Plan, plan_transition, scalars_for
+from ..transition.buffers import reused_bytes
 from ..zero.geometry import is_zero3, layout_of, zero_optimizer_of
 from ..zero.rebuild import teardown
 from ..zero.state import PartitionState, extract_partitions, moment_kinds
@@ -168,11 +169,14 @@ def _agree(engine, r: _Resize) -> None:
 
 def _start_transfer(engine, r: _Resize) -> None:
     dt, plan, header = engine._dt, r.plan, r.header
-    # held for this resize (one for another world size too): freed just before the new partitions
-    release_switch_memory(dt, r.record, key=record_key(r.record))
+    # held for this resize (one for another world size too): its partition tensors become the new
+    # partitions, written ahead; the rest is freed here, before the new engine allocates
+    held = release_switch_memory(dt, r.record, key=record_key(r.record))
     r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
-        plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer
+        plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer, held
     )
+    r.record.partitions_held_bytes = reused_bytes(r.dests, held) if r.dests is not None else 0
+    del held
     elsize = r.state.tensors[0]["fp32"].element_size()
     moved_kinds = len(header.kinds) if header.master_moves else len(moment_kinds(header.kinds))
     rec = r.record

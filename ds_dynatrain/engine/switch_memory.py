@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -79,13 +79,19 @@ def switch_bytes(old, new, rank: int, working_size: int, state_kinds: int) -> in
     return partitions + WORKING_COPIES * growth
 
 
-def world_change_bytes(layout, world_size: int, state_kinds: int) -> int:
-    """Bytes a rank that stays in a DP job's change from ZeRO ``layout`` to ``world_size`` ranks
-    will need that it does not hold: its new partitions (every rank's are the same size,
-    padding included), ``state_kinds`` fp32 tensors each. The working parameters stay as they are
-    (ZeRO-1/2; at ZeRO-3 their partitions change too, not counted: an estimate). 0 or more."""
+def world_change_partitions(layout, world_size: int, state_kinds: int) -> List[int]:
+    """Lengths of the fp32 tensors a rank that stays in a DP job's change from ZeRO ``layout`` to
+    ``world_size`` ranks will need that it does not hold: each of its new partitions
+    (``layout.with_world_size(world_size).partition_numel``; every rank's are the same size,
+    padding included) ``state_kinds`` times, in partition order."""
     new = layout.with_world_size(world_size)
-    return sum(new.partition_numel(b) for b in range(new.num_partitions)) * 4 * state_kinds
+    return [new.partition_numel(b) for b in range(new.num_partitions) for _ in range(state_kinds)]
+
+
+def world_change_bytes(layout, world_size: int, state_kinds: int) -> int:
+    """Bytes of :func:`world_change_partitions`. The working parameters stay as they are
+    (ZeRO-1/2; at ZeRO-3 their partitions change too, not counted: an estimate). 0 or more."""
+    return 4 * sum(world_change_partitions(layout, world_size, state_kinds))
 
 
 def memory_cap() -> int:
@@ -97,13 +103,18 @@ def memory_cap() -> int:
 
 class HeldMemory:
     """``nbytes`` bytes allocated and written in a background thread at nice value
-    :data:`TOUCH_NICE` (in pieces of :data:`CHUNK_BYTES`, uint8), held until :meth:`release`.
-    ``key`` names the layout it was prepared for (``("pp"|"tp", world size, degree)``)."""
+    :data:`TOUCH_NICE`, held until :meth:`release`: first one fp32 tensor (1-D) of each length in
+    ``partitions`` (the new partitions a DP resize will receive into, handed over as they are by
+    :meth:`release`), then the rest in uint8 pieces of :data:`CHUNK_BYTES`. Each is written a
+    piece at a time. ``key`` names the layout it was prepared for (``("dp"|"pp"|"tp", world
+    size, degree)``)."""
 
-    def __init__(self, nbytes: int, key: Tuple):
+    def __init__(self, nbytes: int, key: Tuple, partitions: Sequence[int] = ()):
         self.nbytes, self.key = nbytes, key
         self.touched = 0  # bytes touched so far
         self.seconds: Optional[float] = None  # how long the touching took, once done
+        self._partitions = list(partitions)
+        self._tensors: List[torch.Tensor] = []
         self._chunks: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._touch, name="dynatrain-switch-memory", daemon=True)
@@ -112,21 +123,36 @@ class HeldMemory:
     def _touch(self) -> None:
         lower_thread_priority(TOUCH_NICE)  # the CPU time training leaves idle first
         t0 = time.perf_counter()
+        for numel in self._partitions:
+            if self._stop.is_set() or self.touched + numel * 4 > self.nbytes:
+                break
+            tensor = torch.empty(numel, dtype=torch.float32)
+            self._tensors.append(tensor)
+            step = CHUNK_BYTES // 4
+            for pos in range(0, numel, step):
+                if self._stop.is_set():
+                    break
+                n = min(step, numel - pos)
+                tensor.narrow(0, pos, n).fill_(0)  # releases the GIL: training goes on beside it
+                self.touched += n * 4
         while self.touched < self.nbytes and not self._stop.is_set():
             n = min(CHUNK_BYTES, self.nbytes - self.touched)
             chunk = torch.empty(n, dtype=torch.uint8)
-            chunk.fill_(0)  # releases the GIL: training goes on beside it
+            chunk.fill_(0)
             self._chunks.append(chunk)
             self.touched += n
         self.seconds = time.perf_counter() - t0
 
-    def release(self) -> Tuple[int, float]:
-        """Stop the thread (after the piece it is writing), free what it held; returns the bytes
-        held and the seconds the touching took (until now where it was stopped)."""
+    def release(self) -> Tuple[int, float, List[torch.Tensor]]:
+        """Stop the thread (after the piece it is writing) and free the pieces; returns the bytes
+        touched, the seconds the touching took (until now where it was stopped), and the partition
+        tensors, which the caller owns from now on (a tensor the thread was stopped in is written
+        in part)."""
         self._stop.set()
         self._thread.join()
         self._chunks.clear()
-        return self.touched, self.seconds or 0.0
+        tensors, self._tensors = self._tensors, []
+        return self.touched, self.seconds or 0.0, tensors
 
 
 def state_kinds(engine) -> int:
@@ -152,12 +178,12 @@ def prepare_switch(engine, key: Tuple, new_layout: Callable[[], object]) -> int:
     """
     dt = engine._dt
 
-    def nbytes(param: torch.Tensor) -> int:
+    def wanted(param: torch.Tensor) -> Tuple[int, List[int]]:
         new = new_layout()
         old = dt.tp_layout if dt.tp_layout is not None else dt.pp_layout
-        return switch_bytes(old, new, engine.global_rank, param.element_size(), state_kinds(engine))
+        return switch_bytes(old, new, engine.global_rank, param.element_size(), state_kinds(engine)), []
 
-    return _hold(engine, key, nbytes)
+    return _hold(engine, key, wanted)
 
 
 def prepare_world_change(engine, world_size: int) -> int:
@@ -173,17 +199,19 @@ def prepare_world_change(engine, world_size: int) -> int:
     """
     dt = engine._dt
 
-    def nbytes(param: torch.Tensor) -> int:
+    def wanted(param: torch.Tensor) -> Tuple[int, List[int]]:
         if world_size < len(dt.members) and dt.member not in planned_members(engine, world_size):
-            return 0  # let go by the shrink: _hold releases a hold made before and holds nothing
-        return world_change_bytes(layout_of(engine), world_size, state_kinds(engine))
+            return 0, []  # let go by the shrink: _hold releases a hold made before and holds nothing
+        partitions = world_change_partitions(layout_of(engine), world_size, state_kinds(engine))
+        return 4 * sum(partitions), partitions
 
-    return _hold(engine, ("dp", world_size, None), nbytes)
+    return _hold(engine, ("dp", world_size, None), wanted)
 
 
-def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
-    """The hold of :func:`prepare_switch` and :func:`prepare_world_change`: ``nbytes_of(a working
-    parameter)`` bytes, capped by :func:`memory_cap`; its errors go up with the hold as it was."""
+def _hold(engine, key: Tuple, wanted_of: Callable[[torch.Tensor], Tuple[int, List[int]]]) -> int:
+    """The hold of :func:`prepare_switch` and :func:`prepare_world_change`: ``wanted_of(a working
+    parameter)`` is ``(bytes, lengths of the partition tensors among them)``, capped by
+    :func:`memory_cap`; its errors go up with the hold as it was."""
     dt = engine._dt
     if dt.config.warm_switch_steps <= 0:
         return 0
@@ -192,12 +220,12 @@ def _hold(engine, key: Tuple, nbytes_of: Callable[[torch.Tensor], int]) -> int:
     param = next(iter(engine.module.parameters()))
     if param.device.type != "cpu":
         return 0
-    wanted = nbytes_of(param)
+    wanted, partitions = wanted_of(param)
     release_switch_memory(dt)
     nbytes = min(wanted, memory_cap())
     if nbytes <= 0:
         return 0
-    dt.switch_hold = HeldMemory(nbytes, key)
+    dt.switch_hold = HeldMemory(nbytes, key, partitions)
     if engine.global_rank == 0:
         what = (
             f"the resize to world size {key[1]}"
@@ -218,16 +246,19 @@ def record_key(rec) -> Tuple:
     return "dp", rec.to_world_size, None
 
 
-def release_switch_memory(dt, rec=None, key: Optional[Tuple] = None) -> None:
+def release_switch_memory(dt, rec=None, key: Optional[Tuple] = None) -> List[torch.Tensor]:
     """Free the memory held for a switch (none: nothing happens); with ``rec`` (the record of the
     switch it was held for), put the bytes held and the seconds the touching took into it, unless
-    ``key`` is given and the hold was made for another layout (its key differs)."""
+    ``key`` is given and the hold was made for another layout (its key differs). Returns the
+    hold's partition tensors (:class:`HeldMemory`, written ahead) where ``key`` is given and is
+    the hold's, for the new partitions; else none (they are freed)."""
     hold, dt.switch_hold = dt.switch_hold, None
     if hold is None:
-        return
-    nbytes, seconds = hold.release()
+        return []
+    nbytes, seconds, tensors = hold.release()
     if rec is not None and (key is None or hold.key == key):
         rec.prepared_bytes, rec.prepared_touch_s = nbytes, seconds
+    return tensors if key is not None and hold.key == key else []
 
 
 @contextmanager

@@ -3,7 +3,7 @@ partitions, the master phase in the foreground and the moments in a background t
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -69,7 +69,14 @@ def data_plane(plan: Plan, dt: ElasticState, generation: int, group=None):
 
 
 def begin_transition(
-    plan: Plan, dt: ElasticState, generation: int, header: TransitionHeader, sources, receives: bool, group=None
+    plan: Plan,
+    dt: ElasticState,
+    generation: int,
+    header: TransitionHeader,
+    sources,
+    receives: bool,
+    group=None,
+    held: Sequence[torch.Tensor] = (),
 ) -> Tuple[Optional[Dict[int, Dict[str, torch.Tensor]]], TransitionStats, PendingTransition, str, object]:
     """Start moving this process's share of ``plan`` into ``generation`` (survivors, leavers and
     joiners alike, after the header is agreed).
@@ -82,6 +89,8 @@ def begin_transition(
         sources: this process's old partitions (``PartitionState.tensors``), None for a joiner.
         receives: whether this process is in the new world (its new partitions are allocated).
         group: the transition group when it was built ahead (None: built here).
+        held: 1-D tensors written ahead that may become new partitions of their length and dtype
+            (:func:`~ds_dynatrain.transition.buffers.allocate_partitions`).
 
     Returns:
         ``(dests, stats of the master phase, PendingTransition of the moments, overlap mode,
@@ -100,6 +109,7 @@ def begin_transition(
             kinds if header.master_moves else moments,
             getattr(torch, header.dtype),
             get_accelerator().current_device_name(),
+            reuse=held,
         )
     ranks, group, overlap = data_plane(plan, dt, generation, group)
     run = dict(

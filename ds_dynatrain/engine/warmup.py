@@ -44,7 +44,7 @@ from ..elastic.keys import BATCH_KEY, GO_KEY, MODULES_KEY
 from ..log import logger
 from .construct import own_layout
 from .pending import rss_peak_rise, start_peak_rss
-from .switch_memory import memory_cap, world_change_bytes
+from .switch_memory import memory_cap, world_change_bytes, world_change_partitions
 
 _PLAIN = (bool, int, float, str, type(None))
 POLL_S = 0.05
@@ -188,6 +188,21 @@ def held_memory(nbytes: int) -> Optional[torch.Tensor]:
     return held
 
 
+def held_partitions(nbytes: int, partitions: Sequence[int]) -> List[torch.Tensor]:
+    """``nbytes`` bytes written ahead as one fp32 tensor (1-D) of each length in ``partitions``
+    while they fit, in order, then the rest as one uint8 tensor (:func:`held_memory`)."""
+    out: List[torch.Tensor] = []
+    for numel in partitions:
+        if numel * 4 > nbytes:
+            break
+        tensor = torch.empty(numel, dtype=torch.float32)
+        tensor.fill_(0)  # every page written
+        out.append(tensor)
+        nbytes -= numel * 4
+    rest = held_memory(nbytes)
+    return out + ([rest] if rest is not None else [])
+
+
 def engine_bytes(layout, world_size: int) -> int:
     """Bytes a joiner's engine set-up allocates first at ``world_size`` ranks, its model described
     by ZeRO ``layout``: its partitions of the fp32 master and two moments
@@ -204,7 +219,9 @@ def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_siz
     """A DP joiner of ``generation`` before it forms: touch and hold, in ``dt.held`` (freed with
     the warm-up's at the switch), the memory its engine's set-up will allocate first
     (:func:`engine_bytes` of its layout at ``world_size``, at most
-    :func:`~ds_dynatrain.engine.switch_memory.memory_cap`). Returns the bytes held; 0 where
+    :func:`~ds_dynatrain.engine.switch_memory.memory_cap`): its new partitions as fp32 tensors
+    (:func:`held_partitions`; those the moments arrive in are used as they are), the rest as one
+    piece. Returns the bytes held; 0 where
     ``dynatrain.warm_switch_steps`` is 0, the parameters are on an accelerator (the new memory is
     device memory), the generation's go has come (the survivors are switching: touching now would
     make them wait), or the layout cannot be described (logged, never raised: the engine's set-up
@@ -217,14 +234,15 @@ def hold_engine_memory(dt, model: torch.nn.Module, groups: List[list], world_siz
         return 0
     t0 = time.perf_counter()
     try:
-        nbytes = min(engine_bytes(own_layout(dt, model, groups, world_size), world_size), memory_cap())
+        layout = own_layout(dt, model, groups, world_size)
+        nbytes = min(engine_bytes(layout, world_size), memory_cap())
+        partitions = world_change_partitions(layout, world_size, 3)
     except Exception as err:  # noqa: BLE001 - an optimisation: the joiner joins with less held
         logger.info(f"joiner holds no memory for its engine: {type(err).__name__}: {err}")
         return 0
-    held = held_memory(nbytes)
-    if held is None:
+    if nbytes <= 0:
         return 0
-    dt.held.append(held)
+    dt.held.extend(held_partitions(nbytes, partitions))
     logger.info(
         f"joiner holds {nbytes / 2**20:.0f} MiB touched for its engine's partitions until the switch "
         f"({time.perf_counter() - t0:.2f} s)"
