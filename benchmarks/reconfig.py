@@ -26,7 +26,11 @@ of each transition. Per transition N->M:
   up to 2x from one minute to the next); the better of the two is ``link_gbps``;
   ``bound_s = bytes_moved / link``; ``transfer_vs_bound = transfer_s / bound_s``.
   For 2->1 and 1->2 every byte crosses the one link; for 2->3 two senders feed one joiner, so the
-  bound counts the bytes as if they crossed one link.
+  bound counts the bytes as if they crossed one link. A grow also sends the joiners the working
+  parameters (``params_bytes``; ``params_s`` from the start of the moments' transfer to the end
+  of the parameters') beside the moments, over the same link:
+  ``all_vs_bound = max(transfer_s, params_s) / ((bytes_moved + params_bytes) / link)`` is how
+  near the link the two together ran (for a shrink it is ``transfer_vs_bound``).
 
 ``--busy K`` keeps K more processes busy with one-thread matrix products for the whole run (the
 same work beside both routes): the ratio on a machine with other work.
@@ -364,12 +368,21 @@ def transition(n: int, m: int, a, work: str) -> dict:
         "link_gbps_before_after": [before["link_gbps"], after["link_gbps"]],
         "bound_s": bound_s,
         "transfer_vs_bound": rec["transfer_s"] / bound_s if bound_s > 0 else None,
+        "all_vs_bound": all_vs_bound(rec, link["link_gbps"]),
         "peak_extra_bytes": rec.get("peak_extra_bytes"),
         # the issue's memory bound: max(max_inflight_bytes, 1.25 x the largest local partition),
         # a partition being one rank's fp32 master and two Adam moments at the smaller world size
         "peak_bound_bytes": max(256 << 20, int(1.25 * math.ceil(ours["params"] / min(n, m)) * 12)),
         "record": rec,
     }
+
+
+def all_vs_bound(rec: dict, link_gbps: float) -> Optional[float]:
+    """The moments and (a grow) the joiners' working parameters together against the link: the
+    longer of the two transfers over the time all their bytes take at ``link_gbps``."""
+    nbytes = rec["bytes_moved"] + (rec.get("params_bytes") or 0)
+    seconds = max(rec["transfer_s"], rec.get("params_s") or 0.0)
+    return seconds / (nbytes / (link_gbps * 1e9)) if nbytes > 0 else None
 
 
 # ---------------------------------------------------------------------- output
@@ -394,14 +407,18 @@ def print_table(results: List[dict], a) -> None:
     short = {"first_step_excess_s": "excess"}
     print("\nours (seconds)")
     head = f"{'transition':<10} {'ours':>8} " + " ".join(f"{short.get(c, c[:-2]):>9}" for c in cols)
-    print(head + f" {'moved MiB':>10} {'GB/s':>7} {'bound':>8} {'xfer/bound':>10} {'peak+ MiB':>9} {'limit MiB':>9}")
+    print(
+        head + f" {'moved MiB':>10} {'GB/s':>7} {'bound':>8} {'xfer/bound':>10} {'all/bound':>9}"
+        f" {'peak+ MiB':>9} {'limit MiB':>9}"
+    )
     for r in results:
         peak = r["peak_extra_bytes"] / 2**20 if r["peak_extra_bytes"] is not None else None
         print(
             f"{r['transition']:<10} {r['ours_s']:>8.3f} "
             + " ".join(fmt(r.get(c), ".3f", 9) for c in cols)
             + f" {r['bytes_moved'] / 2**20:>10.1f} {fmt(r['transfer_gbps'], '.2f', 7)} {r['bound_s']:>8.3f}"
-            f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(peak, '.1f', 9)} {r['peak_bound_bytes'] / 2**20:>9.0f}"
+            f" {fmt(r['transfer_vs_bound'], '.2f', 10)} {fmt(r['all_vs_bound'], '.2f', 9)}"
+            f" {fmt(peak, '.1f', 9)} {r['peak_bound_bytes'] / 2**20:>9.0f}"
         )
     print("\nDeepSpeed's route: save_checkpoint -> ds_to_universal -> relaunch with load_universal (seconds)")
     print(
@@ -417,7 +434,8 @@ def print_table(results: List[dict], a) -> None:
         )
     print(
         "\nratio = DeepSpeed's route / ours; relaunch = start + load + the first step's excess over iter M; "
-        "bound = bytes moved / the better link bandwidth of the two (all bytes over one link)"
+        "bound = bytes moved / the better link bandwidth of the two (all bytes over one link); "
+        "all/bound: with a grow's working parameters to the joiners, sent beside the moments"
     )
 
 

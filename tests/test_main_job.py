@@ -125,6 +125,11 @@ def test_each_resize_found_its_new_partitions_touched_ahead(main_job):
     # the moments' new partitions (fp32 training: the master is not moved) were received into
     # that memory as it was: two of its three partition tensors
     assert all(r["partitions_held_bytes"] == 2 * r["prepared_bytes"] // 3 for r in resizes.values()), resizes
+    # a grow's joiners each received every working parameter (fp32: half the bytes of the two
+    # moments the plan covers, padding apart) beside the moments; a shrink sends none
+    for r in resizes.values():
+        params = (r["to"] - r["from"]) * (r["bytes_moved"] + r["bytes_kept"]) // 2 if r["to"] > r["from"] else None
+        assert r.get("params_bytes") == params and (params is None) == (r.get("params_s") is None), r
     # each grow's joiner held its engine's partitions and, at ZeRO-2, the flat fp32 copy of the
     # working parameters (about a third of world 1's three partitions), unless the survivors'
     # switch had begun when it got there (this model's steps take milliseconds, a joiner's start

@@ -380,7 +380,8 @@ class ElasticEngine(DeepSpeedEngine):
             return super()._broadcast_model()
         if mode == "none":
             return None
-        send_to_joiners([p.data for _, p in self.module.named_parameters()], list(mode))
+        nbytes = send_to_joiners([p.data for _, p in self.module.named_parameters()], list(mode))
+        dt.params_spread = (nbytes, time.perf_counter())
         return None
 
     def destroy(self):

@@ -116,6 +116,7 @@ def join_generation(
         ds_config_for(dt, dt.split(rec.world_size), client_objects=rebuilt),
         light=True,
     )
+    dt.params_spread = None
     keep_returned_optimizer(engine)
     install_header_state(engine, header, dests, joiner=True)
     record = JoinRecord(

@@ -212,8 +212,19 @@ class ResizeRecord(TransferTotals):
         "pipeline degree before (a PipelineModule job; `from`/`to` are then world sizes, PP x DP)", None, optional=True
     )
     pipeline_parallel_to: Optional[int] = _f("pipeline degree after", None, optional=True)
+    params_bytes: Optional[int] = _f(
+        "a grow: working parameters the joiners received from the survivors in all (each joiner every one), "
+        "sent beside the moments' transfer",
+        None,
+        optional=True,
+    )
+    params_s: Optional[float] = _f(
+        "seconds from the start of the moments' transfer to the end of this process's share of the parameters",
+        None,
+        optional=True,
+    )
     prepared_bytes: Optional[int] = _f(
-        "memory touched ahead in the background and freed at the switch for the new engine "
+        "memory touched ahead in the background, for the new partitions or freed at the switch for the new engine "
         "(`dynatrain.warm_switch_steps`, `engine.prepare_resize`)",
         None,
         optional=True,

@@ -68,6 +68,7 @@ class _Resize:
     transfer: Any = None
     overlap: str = "rebuild"
     xfer: Any = None
+    transfer_t0: float = 0.0  # time.perf_counter() when the transfer began
 
 
 def resize(
@@ -172,6 +173,7 @@ def _start_transfer(engine, r: _Resize) -> None:
     # held for this resize (one for another world size too): its partition tensors become the new
     # partitions, written ahead; the rest is freed here, before the new engine allocates
     held = release_switch_memory(dt, r.record, key=record_key(r.record))
+    r.transfer_t0 = time.perf_counter()
     r.dests, stats, r.transfer, r.overlap, r.xfer = begin_transition(
         plan, dt, r.generation, header, r.state.tensors, r.stays, r.xfer, held
     )
@@ -244,6 +246,7 @@ def _rebuild(engine, r: _Resize) -> None:
     dt.members = plan.new_members
     dt.generation += 1  # before construct: the new snapshot engine keys the store by generation
     dt.rebuild_broadcast = plan.survivor_ranks if r.grow else "none"
+    dt.params_spread = None
     construct(
         engine,
         dt,
@@ -256,6 +259,10 @@ def _rebuild(engine, r: _Resize) -> None:
         reuse_flat=old_flat,
     )
     old_flat = None
+    if dt.params_spread is not None:  # a grow: the joiners' working parameters, beside the moments
+        r.record.params_bytes, end = dt.params_spread
+        r.record.params_s = end - r.transfer_t0
+        dt.params_spread = None
     keep_returned_optimizer(engine)
     install_header_state(engine, r.header, r.dests, joiner=False)
     r.record.rebuild_s = rebuild_s + clock() - t

@@ -23,8 +23,10 @@ memory).
 What is held: for a band switch (:func:`switch_bytes`) the new partitions of the fp32 master and
 the optimizer's moments, plus three times the growth of the rank's working parameters (the
 parameters, their gradients in the reduction bucket, and the bucket's flat copy); for a change of
-world size (:func:`world_change_bytes`) the new partitions; at most a share of the host's available
-memory (:func:`memory_cap`).
+world size (:func:`world_change_bytes`) the new partitions, as fp32 tensors of their lengths: the
+resize receives and keeps the moments (and a bf16/fp16 master) in them as they are, so those bytes
+land in pages already mapped (:func:`release_switch_memory` hands them over); at most a share of
+the host's available memory (:func:`memory_cap`).
 """
 
 from __future__ import annotations

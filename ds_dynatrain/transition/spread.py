@@ -11,7 +11,7 @@ import torch.distributed as tdist
 from ..errors import TransitionAbortedError
 
 
-def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> None:
+def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> int:
     """Fill ``tensors`` on every rank of the default group that is not in ``holders`` (the
     joiners) from the ranks that are: tensor ``k`` from ``holders[k % len(holders)]``, sent to
     each joiner. Every message is posted before any is waited for, so each holder sends over its
@@ -21,6 +21,10 @@ def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> 
     what it held. Collective over the default group: every rank calls it with tensors of the same
     shapes and dtypes in the same order; empty tensors (partitioned ZeRO-3 parameters) are
     skipped.
+
+    Returns:
+        the bytes the joiners receive in all (every joiner each tensor), bytes; 0 where the
+        default group has no joiner or no holder.
 
     Raises:
         ValueError: a tensor is not contiguous (before any message is posted; the other ranks
@@ -32,7 +36,7 @@ def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> 
     holders = list(holders)
     joiners = [r for r in range(world) if r not in holders]
     if not joiners or not holders:
-        return
+        return 0
     bent = [k for k, t in enumerate(tensors) if not t.is_contiguous()]
     if bent:  # before any message is posted
         raise ValueError(f"tensors {bent} are not contiguous: they cannot be sent or received in place")
@@ -51,3 +55,4 @@ def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> 
             work.wait()
         except RuntimeError as err:
             raise TransitionAbortedError(f"parameter {k} to or from rank {peer} after the grow failed: {err}") from err
+    return len(joiners) * sum(t.numel() * t.element_size() for t in tensors)

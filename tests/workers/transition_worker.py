@@ -125,9 +125,12 @@ def spread(store, rank: int, world: int) -> dict:
         holder_values(k, rank) if rank in holders else torch.full(shape, -1, dtype=dtype)
         for k, (shape, dtype) in enumerate(SHAPES)
     ]
-    send_to_joiners(mine, holders)
+    nbytes = send_to_joiners(mine, holders)
     want = [holder_values(k, rank if rank in holders else holders[k % 2]) for k in range(len(SHAPES))]
     ok = all(torch.equal(t, w) for t, w in zip(mine, want))
+    # the bytes the two joiners received in all, the same on every rank
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in SHAPES]
+    ok = ok and nbytes == 2 * sum(sizes)
     tdist.barrier()
     tdist.destroy_process_group()
     return {"ok": ok, "rank": rank}
