@@ -23,7 +23,7 @@ from ..checkpoint.snapshot import SnapshotCheckpointEngine
 from ..elastic.launch_env import LAUNCHER_LIMITS, started_elsewhere
 from ..errors import ResizeRefusedError
 from ..log import logger
-from ..transition.spread import send_to_joiners
+from ..transition.spread import post_to_joiners
 from ..zero.geometry import zero_optimizer_of
 from . import boundary, loading, pending, recover, requests, tp_grow, tp_resize, tp_switch
 from .construct import latest_by_commit
@@ -372,7 +372,8 @@ class ElasticEngine(DeepSpeedEngine):
         after a shrink (every survivor holds them already); after a grow, only the joiners
         receive, each parameter ``k`` from survivor ``k mod S`` (point-to-point messages, all
         posted at once, so the survivors send over their own connections in parallel and no
-        survivor receives what it holds; :func:`~ds_dynatrain.transition.spread.send_to_joiners`);
+        survivor receives what it holds; :func:`~ds_dynatrain.transition.spread.post_to_joiners`,
+        posted already where the resize began them beside the moments' transfer);
         DeepSpeed's own otherwise."""
         dt = self.__dict__.get("_dt")
         mode = dt.rebuild_broadcast if dt is not None else None
@@ -380,8 +381,10 @@ class ElasticEngine(DeepSpeedEngine):
             return super()._broadcast_model()
         if mode == "none":
             return None
-        nbytes = send_to_joiners([p.data for _, p in self.module.named_parameters()], list(mode))
-        dt.params_spread = (nbytes, time.perf_counter())
+        posted, dt.params_posted = dt.params_posted, None  # posted when the transfer began (a grow)
+        if posted is None:
+            posted = post_to_joiners([p.data for _, p in self.module.named_parameters()], list(mode))
+        dt.params_spread = (posted.wait(), time.perf_counter())
         return None
 
     def destroy(self):

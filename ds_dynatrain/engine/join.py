@@ -20,7 +20,7 @@ from .members import evict_groups, form_generation
 from .pending import wait_transition
 from .records import JoinRecord
 from .state import ElasticState, PendingResize
-from .transfer import begin_transition, build_joiner_xfer
+from .transfer import begin_transition, build_joiner_xfer, post_params
 
 POLL_S = 0.02
 
@@ -100,6 +100,7 @@ def join_generation(
     )
     held_bytes = reused_bytes(dests, held)
     del held
+    post_params(dt, plan, model)
     if held_bytes:
         logger.info(f"joiner receives its partitions into {held_bytes / 2**20:.0f} MiB held since its warm-up")
     dt.members = plan.new_members

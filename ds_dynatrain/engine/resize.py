@@ -43,7 +43,7 @@ from .recover import InResize, fall_back_if_dead, is_peer_failure, recover
 from .replicas import close_replicas
 from .state import PendingResize, Preparation
 from .switch_memory import record_key, release_switch_memory
-from .transfer import begin_transition
+from .transfer import begin_transition, post_params
 
 
 @dataclass
@@ -179,6 +179,8 @@ def _start_transfer(engine, r: _Resize) -> None:
     )
     r.record.partitions_held_bytes = reused_bytes(r.dests, held) if r.dests is not None else 0
     del held
+    if r.grow and r.stays:
+        post_params(dt, plan, engine.module)
     elsize = r.state.tensors[0]["fp32"].element_size()
     moved_kinds = len(header.kinds) if header.master_moves else len(moment_kinds(header.kinds))
     rec = r.record

@@ -78,6 +78,7 @@ class ElasticState:
     resizes: List[dict] = field(default_factory=list)
     pending: Optional["PendingResize"] = None
     rebuild_broadcast: Any = None  # how the next construct broadcasts parameters (ElasticEngine._broadcast_model)
+    params_posted: Any = None  # that broadcast's messages, posted ahead of it (transition.spread.PostedSpread)
     params_spread: Optional[Tuple[int, float]] = None  # that broadcast after a grow: (bytes, perf_counter at its end)
     failed: Optional[str] = None
     param_attrs: Dict[str, frozenset] = field(default_factory=dict)  # the client's own attributes (ZeRO-3)

@@ -21,6 +21,8 @@ from ..transition.execute import (
     transition_group,
     transition_ranks,
 )
+from ..transition.spread import post_to_joiners
+from ..zero.geometry import working_dtype
 from ..zero.state import MASTER, moment_kinds
 from .header import TransitionHeader
 from .state import ElasticState
@@ -128,3 +130,22 @@ def begin_transition(
 def _only(parts: Optional[List[Dict[str, torch.Tensor]]], kinds) -> Optional[List[Dict[str, torch.Tensor]]]:
     """``parts`` restricted to ``kinds`` (references, no copies); None stays None."""
     return None if parts is None else [{k: g[k] for k in kinds if k in g} for g in parts]
+
+
+def post_params(dt: ElasticState, plan: Plan, model: torch.nn.Module) -> None:
+    """A grow at ZeRO-1/2, on every member of the new world as its transfer begins: post the
+    messages that give the joiners the working parameters
+    (:func:`~ds_dynatrain.transition.spread.post_to_joiners`, over the new default group), so
+    that they cross beside the moments instead of after the engine set-up's first part; the
+    set-up waits for them (``ElasticEngine._broadcast_model``). Left to the set-up (which posts
+    them itself; each side's messages meet the other's whenever it posts them) at ZeRO-3, whose
+    working parameters are partitioned then, and on a joiner whose parameters DeepSpeed's set-up
+    will replace before its broadcast: cast to bf16/fp16 or moved to the device
+    (``DeepSpeedEngine._configure_distributed_model``)."""
+    if plan.new_layout.stage >= 3:
+        return
+    tensors = [p.data for _, p in model.named_parameters()]
+    dtype = working_dtype(dt.ds_config, model)
+    device = torch.device(get_accelerator().current_device_name())
+    if all(t.dtype == dtype and t.device == device for t in tensors):
+        dt.params_posted = post_to_joiners(tensors, list(plan.survivor_ranks))
