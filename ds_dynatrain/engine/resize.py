@@ -98,6 +98,7 @@ def resize(
         return _finish(engine, r)
     except RuntimeError as err:
         dt = engine._dt
+        dt.params_posted = None  # a grow's parameter messages posted ahead are this resize's only
         rs = dt.replicas
         old_generation = r is not None and dt.generation == r.generation - 1  # not switched yet
         if not (is_peer_failure(err) and old_generation and rs is not None and rs.generation == dt.generation):
