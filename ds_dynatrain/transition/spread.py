@@ -73,16 +73,3 @@ def post_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> 
             works.append((k, src, tdist.irecv(flat, src=src, tag=k)))
     nbytes = len(joiners) * sum(t.numel() * t.element_size() for t in tensors)
     return PostedSpread(works, nbytes, tensors)
-
-
-def send_to_joiners(tensors: Sequence[torch.Tensor], holders: Sequence[int]) -> int:
-    """:func:`post_to_joiners` and :meth:`PostedSpread.wait`: fills the joiners' ``tensors`` and
-    returns the bytes they received in all, bytes (0 where the default group has no joiner or no
-    holder).
-
-    Raises:
-        ValueError: a tensor is not contiguous (before any message is posted).
-        TransitionAbortedError: a message failed or timed out (the group's timeout), naming the
-            peer and the tensor.
-    """
-    return post_to_joiners(tensors, holders).wait()

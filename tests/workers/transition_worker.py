@@ -12,7 +12,7 @@ Mode ``die``: a 3 → 1 transition in which the process of rank ``--victim`` exi
 its first exchange (INJECTED through the engine's ``fault_hook`` seam); the others record the
 error they get and how long it took.
 
-Mode ``spread``: :func:`~ds_dynatrain.transition.spread.send_to_joiners` over a real default gloo
+Mode ``spread``: :func:`~ds_dynatrain.transition.spread.post_to_joiners`, then its wait, over a real default gloo
 group of the 4 processes, ranks 0 and 2 holding tensors of several shapes and dtypes (an empty one
 among them) with values that differ between the two holders, ranks 1 and 3 joining with -1
 everywhere; each process records whether every tensor holds what it must (a joiner: tensor ``k``
@@ -117,7 +117,7 @@ def holder_values(k: int, holder: int) -> torch.Tensor:
 
 
 def spread(store, rank: int, world: int) -> dict:
-    from ds_dynatrain.transition.spread import send_to_joiners
+    from ds_dynatrain.transition.spread import post_to_joiners
 
     tdist.init_process_group("gloo", store=tdist.PrefixStore("spread", store), rank=rank, world_size=world)
     holders = [0, 2]
@@ -125,7 +125,7 @@ def spread(store, rank: int, world: int) -> dict:
         holder_values(k, rank) if rank in holders else torch.full(shape, -1, dtype=dtype)
         for k, (shape, dtype) in enumerate(SHAPES)
     ]
-    nbytes = send_to_joiners(mine, holders)
+    nbytes = post_to_joiners(mine, holders).wait()
     want = [holder_values(k, rank if rank in holders else holders[k % 2]) for k in range(len(SHAPES))]
     ok = all(torch.equal(t, w) for t, w in zip(mine, want))
     # the bytes the two joiners received in all, the same on every rank
