@@ -23,6 +23,7 @@ from ds_dynatrain.engine.warmup import (
     describe_inputs,
     engine_bytes,
     hold_engine_memory,
+    imported_modules,
     loss_of,
     synthetic_inputs,
     warm_joiner,
@@ -233,3 +234,39 @@ def test_joiner_imports_the_modules_rank_0_listed_of_the_packages_it_uses():
     assert got["before"] == {"json.tool": False, "pydoc_data.topics": False, "json.no_such_module": False}
     assert got["after"] == {"json.tool": True, "pydoc_data.topics": False, "json.no_such_module": False}
     assert got["seconds"] is not None and got["seconds"] > 0
+
+
+def test_the_module_list_is_read_while_other_threads_import():
+    """Rank 0 lists its modules at a step boundary while background threads (snapshot, replica
+    and group builders) may import: the list must come from one copy of ``sys.modules``, not an
+    iteration a new import breaks ("dictionary changed size during iteration", which stopped a
+    worker). A thread adds and removes entries as an import would (the seam: ``sys.modules``)."""
+    import sys
+    import threading
+
+    stop = threading.Event()
+
+    added = []
+
+    def churn():
+        while not stop.is_set():
+            if len(added) == 256:  # bounded: take them all back, one at a time
+                while added:
+                    sys.modules.pop(added.pop(), None)
+            name = f"_dynatrain_test_churn_{len(added)}"
+            sys.modules[name] = sys  # any module object
+            added.append(name)
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        sys.setswitchinterval(1e-6)  # let the threads interleave inside the listing
+        for _ in range(2000):
+            names = imported_modules()
+            assert "ds_dynatrain" in names and "__main__" not in names
+    finally:
+        sys.setswitchinterval(0.005)
+        stop.set()
+        t.join()
+        for name in added:
+            sys.modules.pop(name, None)

@@ -140,8 +140,9 @@ def publish_inputs(store, inputs: tuple, kwargs: dict) -> bool:
 
 def imported_modules() -> List[str]:
     """The names of the modules this process has imported (``sys.modules``), sorted, without the
-    script's own (``__main__``, ``__mp_main__``)."""
-    return sorted(n for n in sys.modules if n not in ("__main__", "__mp_main__"))
+    script's own (``__main__``, ``__mp_main__``). Read from one copy of the names (``list`` copies
+    them under the GIL): another thread's import during an iteration would raise RuntimeError."""
+    return sorted(n for n in list(sys.modules) if n not in ("__main__", "__mp_main__"))
 
 
 def publish_modules(store) -> int:
