@@ -19,7 +19,11 @@ write of the same size into the same directory, ``benchmarks.io_bound``), and th
 mean iteration (snapshot steps included, the last snapshot's flush waited for inside the block)
 against the mean iteration without snapshots, and the CPU time rank 0 spent per iteration (every
 thread, user and system) against that baseline's: on a machine whose cores training fills, the
-extra CPU time is what a snapshot takes from training.
+extra CPU time is what a snapshot takes from training. On a virtual machine the host may take
+more: ``host steal`` is the extra CPU time the hypervisor withheld from the machine's CPUs per
+iteration (``/proc/stat``'s ``steal``, all CPUs), as a share of the CPU time of a baseline
+iteration (CPUs x its seconds). Where the host emulates the disk, its work for the snapshot's
+writes lands there, and no change to the writer in the guest can take it back.
 
 The baseline is paired: each engine's job runs ``--steps`` iterations without snapshots, then
 ``--rounds`` times (default 5) ``--steps`` with them and ``--steps`` without again. Each block with
@@ -30,8 +34,9 @@ last and each round's slowdown are printed; with five rounds one outlier, often 
 job's first snapshot, leaves the median alone). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
-paired_drift, round_slowdowns, flush_gbps, bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes
-written straight from the tensors' memory; None for the other engines).
+steal_s, steal_overhead, paired_drift, round_slowdowns, flush_gbps, bound_gbps, from_source_share``
+(the share of rank 0's snapshot bytes written straight from the tensors' memory; None for the
+other engines).
 """
 
 from __future__ import annotations
@@ -154,10 +159,17 @@ def main(argv=None) -> int:
             r["baseline_iter_s"] = r["paired_base_iter_s"]
             r["slowdown"] = statistics.median(r["round_slowdowns"])
             r["cpu_overhead"] = r["cpu_s"] / r["paired_base_cpu_s"] - 1
+            base_steal = r["paired_base_steal_s"]
         else:
             r["baseline_iter_s"] = base["iter_s"] if base else None
             r["slowdown"] = r["iter_s"] / base["iter_s"] - 1 if base else None
             r["cpu_overhead"] = r["cpu_s"] / base["cpu_s"] - 1 if base else None
+            base_steal = base["steal_s"] if base else None
+        # the host's extra steal per iteration, as a share of the machine's CPU time in a baseline
+        # iteration: what the snapshot cost training outside every process of this machine
+        r["steal_overhead"] = (
+            (r["steal_s"] - base_steal) / (r["cpus"] * r["baseline_iter_s"]) if base_steal is not None else None
+        )
     if a.json:
         for r in results:
             print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
@@ -182,16 +194,17 @@ def main(argv=None) -> int:
             )
     print(
         f"{'engine':<14} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
-        f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10}"
+        f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10} {'host steal':>11}"
     )
     for r in results:
         slow = f"{100 * r['slowdown']:>8.1f}%" if r["slowdown"] is not None else f"{'-':>9}"
         cpu = f"{100 * r['cpu_overhead']:>9.1f}%" if r["cpu_overhead"] is not None else f"{'-':>10}"
         vs_torch = f"{r['stall_vs_torch']:>12.3f}" if r["stall_vs_torch"] is not None else f"{'-':>12}"
+        steal = f"{100 * r['steal_overhead']:>10.1f}%" if r["steal_overhead"] is not None else f"{'-':>11}"
         print(
             f"{r['engine']:<14} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
             f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {vs_torch} "
-            f"{r['flush_vs_bound']:>12.2f} {cpu}"
+            f"{r['flush_vs_bound']:>12.2f} {cpu} {steal}"
         )
     return 0
 

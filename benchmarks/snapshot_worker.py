@@ -79,6 +79,20 @@ def cpu_now() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def steal_now() -> float:
+    """CPU seconds the hypervisor has taken from this machine's CPUs so far, all of them together
+    (``steal``, the eighth field of ``/proc/stat``'s ``cpu`` line: time a virtual CPU was ready to
+    run and the host ran something else). 0.0 where the kernel does not report it. On a virtual
+    machine whose disk the host emulates, the host's work for the guest's writes can show up here:
+    CPU time training loses that no process of the guest spent."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 class Loop:
     """The timed training loop of one rank: iterations, snapshots with one engine, and what they
     cost (seconds per iteration, stalls per snapshot, flushes of DCP)."""
@@ -131,8 +145,8 @@ class Loop:
         ``snapshots``; each iteration's seconds appended to ``times`` (and to ``plain`` or
         ``with_snap``). The last snapshot's flush is waited for and its wait added to the last
         iteration (a conservative count: in steady state it overlaps the next iterations).
-        Returns the CPU seconds of the block."""
-        c0 = cpu_now()
+        Returns the CPU seconds of the block and the machine's steal seconds over it (``steal_now``)."""
+        c0, st0 = cpu_now(), steal_now()
         for i in range(count):
             t0 = time.perf_counter()
             ce = self.engine.checkpoint_engine
@@ -153,7 +167,7 @@ class Loop:
             (self.with_snap if snap else self.plain).append(dt)
             if snap:
                 self.stalls.append(stall)
-        return cpu_now() - c0
+        return cpu_now() - c0, steal_now() - st0
 
 
 def flush_figures(a, loop: Loop, snap_bytes: int):
@@ -184,16 +198,19 @@ def main():
     # paired: without, (with, without) x rounds; each block with snapshots is compared with the two
     # blocks without around it, and the rounds' median is the slowdown
     rounds = max(1, a.rounds) if paired else 1
-    main_blocks, plain_blocks, cpu_main, cpu_plain = [], [], 0.0, 0.0
+    main_blocks, plain_blocks = [], []
+    cpu_main = cpu_plain = steal_main = steal_plain = 0.0
     if paired:
         plain_blocks.append([])
-        cpu_plain += loop.block(a.steps, False, plain_blocks[-1])
+        cpu_plain, steal_plain = loop.block(a.steps, False, plain_blocks[-1])
     for _ in range(rounds):
         main_blocks.append([])
-        cpu_main += loop.block(a.steps, snapshots, main_blocks[-1])
+        cpu, steal = loop.block(a.steps, snapshots, main_blocks[-1])
+        cpu_main, steal_main = cpu_main + cpu, steal_main + steal
         if paired:
             plain_blocks.append([])
-            cpu_plain += loop.block(a.steps, False, plain_blocks[-1])
+            cpu, steal = loop.block(a.steps, False, plain_blocks[-1])
+            cpu_plain, steal_plain = cpu_plain + cpu, steal_plain + steal
     main_times = [t for b in main_blocks for t in b]
     plain_times = [t for b in plain_blocks for t in b]
     round_slowdowns = (
@@ -223,8 +240,11 @@ def main():
                     "step_with_snapshot_s": statistics.median(loop.with_snap) if loop.with_snap else None,
                     "iter_s": statistics.mean(main_times),
                     "cpu_s": cpu_main / len(main_times),
+                    "steal_s": steal_main / len(main_times),
+                    "cpus": os.cpu_count(),
                     "paired_base_iter_s": statistics.mean(plain_times) if paired else None,
                     "paired_base_cpu_s": cpu_plain / len(plain_times) if paired else None,
+                    "paired_base_steal_s": steal_plain / len(plain_times) if paired else None,
                     "paired_drift": (
                         statistics.mean(plain_blocks[-1]) / statistics.mean(plain_blocks[0]) - 1 if paired else None
                     ),
