@@ -96,6 +96,10 @@ def test_every_record_field_is_documented_and_the_readme_table_is_current():
         "README.md's records table is stale: python -m ds_dynatrain.cli.readme README.md"
     )
     assert "| | `hidden_fraction` |" in records_markdown() and "| | `from` |" in records_markdown()
+    # one row per event and field: a docstring over two lines would end its row early
+    rows = records_markdown().split("\n")
+    assert all(r.startswith("| ") and r.endswith(" |") for r in rows[2:]), [r for r in rows if not r.endswith("|")]
+    assert sum(r.startswith("| `") for r in rows[2:]) == len(RECORDS)
     with pytest.raises(ValueError, match="no records block"):
         readme_with_records("# a README without the block")
 

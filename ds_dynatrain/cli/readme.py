@@ -13,14 +13,19 @@ README_END = "<!-- records: end -->"
 
 
 def records_markdown(records: Iterable[Type[Record]] = RECORDS) -> str:
-    """The README's table of every record's fields, from the classes' field descriptions."""
+    """The README's table of every record's fields, from the classes' field descriptions. A
+    description that spans lines (a class docstring) is joined into one, so each is one row."""
+
+    def one_line(text: str) -> str:
+        return " ".join(text.split())
+
     lines = ["| `event` | field | meaning |", "|---|---|---|"]
     for cls in records:
-        lines.append(f"| `{cls.EVENT}` | | {cls.__doc__.strip()} |")
+        lines.append(f"| `{cls.EVENT}` | | {one_line(cls.__doc__)} |")
         for f in record_fields(cls):
             name = f.metadata.get("key") or f.name
             opt = " (only when set)" if f.metadata.get("optional") else ""
-            lines.append(f"| | `{name}` | {f.metadata['doc']}{opt} |")
+            lines.append(f"| | `{name}` | {one_line(f.metadata['doc'])}{opt} |")
     lines.append("| every record | `time` | Unix seconds when it was written |")
     return "\n".join(lines)
 
