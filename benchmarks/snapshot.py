@@ -3,7 +3,7 @@
     python -m benchmarks.snapshot [--json] [--hidden 768 --layers 12] [--dir DIR] [--worker-nice N] [--rounds R]
                                   [--unpaired]
 
-One run: a Llama-shaped model (about 100 M parameters at the defaults; byte vocabulary), ZeRO-2,
+One run: a Llama-shaped model (85 M parameters at the defaults; byte vocabulary), ZeRO-2,
 2 ranks on this machine, a snapshot every ``--every`` steps, once per engine:
 
 * ``dynatrain``: ds_dynatrain's asynchronous engine (lazy capture, io_uring + O_DIRECT flush);
