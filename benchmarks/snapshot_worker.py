@@ -198,19 +198,18 @@ def main():
     # paired: without, (with, without) x rounds; each block with snapshots is compared with the two
     # blocks without around it, and the rounds' median is the slowdown
     rounds = max(1, a.rounds) if paired else 1
-    main_blocks, plain_blocks = [], []
-    cpu_main = cpu_plain = steal_main = steal_plain = 0.0
+    main_blocks, plain_blocks, main_costs, plain_costs = [], [], [], []  # costs: (CPU s, steal s) per block
     if paired:
         plain_blocks.append([])
-        cpu_plain, steal_plain = loop.block(a.steps, False, plain_blocks[-1])
+        plain_costs.append(loop.block(a.steps, False, plain_blocks[-1]))
     for _ in range(rounds):
         main_blocks.append([])
-        cpu, steal = loop.block(a.steps, snapshots, main_blocks[-1])
-        cpu_main, steal_main = cpu_main + cpu, steal_main + steal
+        main_costs.append(loop.block(a.steps, snapshots, main_blocks[-1]))
         if paired:
             plain_blocks.append([])
-            cpu, steal = loop.block(a.steps, False, plain_blocks[-1])
-            cpu_plain, steal_plain = cpu_plain + cpu, steal_plain + steal
+            plain_costs.append(loop.block(a.steps, False, plain_blocks[-1]))
+    cpu_main, steal_main = (sum(c) for c in zip(*main_costs))
+    cpu_plain, steal_plain = (sum(c) for c in zip(*plain_costs)) if paired else (0.0, 0.0)
     main_times = [t for b in main_blocks for t in b]
     plain_times = [t for b in plain_blocks for t in b]
     round_slowdowns = (
