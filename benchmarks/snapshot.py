@@ -23,7 +23,9 @@ extra CPU time is what a snapshot takes from training. On a virtual machine the 
 more: ``host steal`` is the extra CPU time the hypervisor withheld from the machine's CPUs per
 iteration (``/proc/stat``'s ``steal``, all CPUs), as a share of the CPU time of a baseline
 iteration (CPUs x its seconds). Where the host emulates the disk, its work for the snapshot's
-writes lands there, and no change to the writer in the guest can take it back.
+writes lands there, and no change to the writer in the guest can take it back. ``less steal`` is
+an estimate of the guest's own share: each round's slowdown less that round's host steal (their
+median), which assumes each CPU-second the host stole cost training one second of one CPU.
 
 The baseline is paired: each engine's job runs ``--steps`` iterations without snapshots, then
 ``--rounds`` times (default 5) ``--steps`` with them and ``--steps`` without again. Each block with
@@ -34,7 +36,8 @@ last and each round's slowdown are printed; with five rounds one outlier, often 
 job's first snapshot, leaves the median alone). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
-steal_s, steal_overhead, paired_drift, round_slowdowns, flush_gbps, bound_gbps, from_source_share``
+steal_s, steal_overhead, slowdown_less_steal, paired_drift, round_slowdowns, round_steal_overheads, flush_gbps,
+bound_gbps, from_source_share``
 (the share of rank 0's snapshot bytes written straight from the tensors' memory; None for the
 other engines).
 """
@@ -170,6 +173,15 @@ def main(argv=None) -> int:
         r["steal_overhead"] = (
             (r["steal_s"] - base_steal) / (r["cpus"] * r["baseline_iter_s"]) if base_steal is not None else None
         )
+        # an estimate of the slowdown the guest caused, each CPU-second the host stole counted as a
+        # second of one CPU lost to training: per round where the blocks are paired
+        if r.get("round_steal_overheads"):
+            pairs = zip(r["round_slowdowns"], r["round_steal_overheads"])
+            r["slowdown_less_steal"] = statistics.median(x - st for x, st in pairs)
+        elif r["slowdown"] is not None and r["steal_overhead"] is not None:
+            r["slowdown_less_steal"] = r["slowdown"] - r["steal_overhead"]
+        else:
+            r["slowdown_less_steal"] = None
     if a.json:
         for r in results:
             print(json.dumps({k: v for k, v in r.items() if k != "stalls"}))
@@ -194,17 +206,18 @@ def main(argv=None) -> int:
             )
     print(
         f"{'engine':<14} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
-        f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10} {'host steal':>11}"
+        f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10} {'host steal':>11} {'less steal':>11}"
     )
     for r in results:
         slow = f"{100 * r['slowdown']:>8.1f}%" if r["slowdown"] is not None else f"{'-':>9}"
         cpu = f"{100 * r['cpu_overhead']:>9.1f}%" if r["cpu_overhead"] is not None else f"{'-':>10}"
         vs_torch = f"{r['stall_vs_torch']:>12.3f}" if r["stall_vs_torch"] is not None else f"{'-':>12}"
         steal = f"{100 * r['steal_overhead']:>10.1f}%" if r["steal_overhead"] is not None else f"{'-':>11}"
+        less = f"{100 * r['slowdown_less_steal']:>10.1f}%" if r["slowdown_less_steal"] is not None else f"{'-':>11}"
         print(
             f"{r['engine']:<14} {r['stall_s']:>13.3f} s {r['iter_s']:>8.2f} s {slow} "
             f"{r['flush_gbps']:>7.2f} GB/s {r['bound_gbps']:>7.2f} GB/s {vs_torch} "
-            f"{r['flush_vs_bound']:>12.2f} {cpu} {steal}"
+            f"{r['flush_vs_bound']:>12.2f} {cpu} {steal} {less}"
         )
     return 0
 

@@ -212,14 +212,13 @@ def main():
     cpu_plain, steal_plain = (sum(c) for c in zip(*plain_costs)) if paired else (0.0, 0.0)
     main_times = [t for b in main_blocks for t in b]
     plain_times = [t for b in plain_blocks for t in b]
-    round_slowdowns = (
-        [
-            statistics.mean(on) / statistics.mean(plain_blocks[k] + plain_blocks[k + 1]) - 1
-            for k, on in enumerate(main_blocks)
-        ]
-        if paired
-        else []
-    )
+    round_slowdowns, round_steals = [], []  # per round: slowdown, and the extra steal as a share of CPU time
+    for k, on in enumerate(main_blocks if paired else []):
+        around = plain_blocks[k] + plain_blocks[k + 1]
+        base_iter = statistics.mean(around)
+        round_slowdowns.append(statistics.mean(on) / base_iter - 1)
+        base_steal = (plain_costs[k][1] + plain_costs[k + 1][1]) / len(around)
+        round_steals.append((main_costs[k][1] / len(on) - base_steal) / (os.cpu_count() * base_iter))
     torch.distributed.barrier()
     save_dir = loop.save_dir
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith("global_step")) if os.path.isdir(save_dir) else []
@@ -248,6 +247,7 @@ def main():
                         statistics.mean(plain_blocks[-1]) / statistics.mean(plain_blocks[0]) - 1 if paired else None
                     ),
                     "round_slowdowns": round_slowdowns or None,
+                    "round_steal_overheads": round_steals or None,
                     "snapshot_bytes": snap_bytes,
                     "persist_s": persist,
                     "flush_gbps": flush_gbps,
