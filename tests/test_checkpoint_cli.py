@@ -190,7 +190,9 @@ def test_verify_finds_a_flipped_byte_in_every_item(tinylm, tmp_path, stage):
             hit = [p for p in rep.problems if name in p and re.search(rf"item '?{re.escape(it.key)}\b", p)]
             assert hit, (name, it.key, rep.problems)
             tried += 1
-    assert tried == {2: 19, 3: 36}[stage]  # every non-empty item of every file (ZeRO-3 module tensors are empty)
+    # every non-empty item of every file: ZeRO-3 module tensors are empty, and so are ZeRO-2's
+    # trainable ones (left to the fp32 master, snapshot.module_from_master)
+    assert tried == {2: 11, 3: 36}[stage]
     assert verify_checkpoint(str(d)).ok  # every byte restored
 
 

@@ -32,6 +32,7 @@ from ..zero.geometry import fp32_partitions, layout_of, zero_optimizer_of
 from ..zero.state import install_master, install_optimizer_state, working_from_master
 from . import resharded_bands
 from .fit import check_frozen, check_model, check_param_groups, check_partition_order
+from .module_master import MARKER
 from .saved import MOMENTS, SavedCheckpoint, SavedFile, TensorRef, numel_of, partitions_of
 
 
@@ -309,9 +310,10 @@ def _read_frozen(engine, saved: SavedCheckpoint) -> List[Tuple[torch.Tensor, tor
     return [(v, t) for v, (_src, t) in zip(values, targets)]
 
 
-# the model-state file's keys DeepSpeed owns; the others are the client state
+# the model-state file's keys DeepSpeed (and the snapshot engine) owns; the others are the client state
 DEEPSPEED_KEYS = frozenset(
     {
+        MARKER,
         "module",
         "buffer_names",
         "optimizer",

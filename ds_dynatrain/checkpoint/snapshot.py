@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -64,6 +64,8 @@ from state_providers import DictStateProvider, TensorItem
 from ..errors import ConfigError, DynatrainError, SnapshotWriteError
 from ..log import logger, plural
 from .device_stage import PinnedStage
+from .module_master import strip_working
+from .saved import MODEL_FILE
 from .snapshot_outcome import OutcomeTracking, SnapshotOutcome, cause, encode, rank_report, sum_reports
 from .state_file import ReadAhead, read_state_file
 
@@ -231,6 +233,9 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         # path in the saved dict -> footer attributes of that tensor (the VPS coordinates of ZeRO
         # partitions, set by the elastic engine); None: none
         self.tensor_attrs = None
+        # names of ``module`` entries of the ZeRO-1/2 model-state file left to the fp32 master
+        # partitions, rebuilt from them on read (:mod:`.module_master`; set by the elastic engine)
+        self.module_from_master: Sequence[str] = ()
         # set by ElasticEngine.save_checkpoint, which keeps DeepSpeed from writing ``latest`` itself
         # (non-atomically) and has this engine's commit publish it instead; None: DeepSpeed's flag
         self.publish_latest = None
@@ -431,6 +436,8 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
             self._current.saved_step = state_dict["global_steps"]
         if self._current.error is not None:
             return  # this rank cannot write this snapshot; the commit reports why
+        if self.module_from_master and os.path.basename(path) == MODEL_FILE and isinstance(state_dict, dict):
+            state_dict = strip_working(state_dict, self.module_from_master)
         job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
         if torch.cuda.is_available():
             job.ready = torch.cuda.Event()

@@ -18,6 +18,7 @@ import torch
 from io_engine.format import MAGIC
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError
+from .module_master import MARKER, rebuild_working
 from .saved import MODEL_FILE, MODEL_FILE_ZERO3
 from .saved_file import safe_globals
 
@@ -27,12 +28,15 @@ def read_state_file(path: str, map_location=None) -> Any:
 
     This project's files are read with every item's checksum verified (tensors come back as
     tensors of their saved dtype and shape, moved to ``map_location`` when it is a device or its
-    name); DeepSpeed's are loaded with ``torch.load(weights_only=True)`` (DeepSpeed's types
-    allow-listed: no code from a file runs).
+    name; a ZeRO-1/2 model-state file's working parameters left to the fp32 master are rebuilt
+    from the directory's optimizer-state files, :mod:`.module_master`); DeepSpeed's are loaded
+    with ``torch.load(weights_only=True)`` (DeepSpeed's types allow-listed: no code from a file
+    runs).
 
     Raises:
         CheckpointCorruptError: a checksum mismatch (naming the file, the item and the byte range).
-        CheckpointIncompleteError: the file is missing, truncated or its metadata is damaged.
+        CheckpointIncompleteError: the file is missing, truncated or its metadata is damaged; an
+            optimizer-state file a model-state file's working parameters are rebuilt from is.
     """
     from io_engine import read_snapshot_file
     from io_engine.errors import ChecksumMismatchError, IOEngineError
@@ -66,9 +70,12 @@ def read_state_file(path: str, map_location=None) -> Any:
                 if isinstance(map_location, (str, torch.device)):
                     t = t.to(map_location)
             items[key] = t
-        return DictStateProvider.rebuild(items)
+        state = DictStateProvider.rebuild(items)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise CheckpointIncompleteError(f"damaged file {path}: its items do not rebuild a state ({err})") from None
+    if isinstance(state, dict) and MARKER in state:  # working parameters the snapshot left to the master
+        state = rebuild_working(state, path, map_location)
+    return state
 
 
 def files_loaded_by(saved, rank: int) -> List[str]:

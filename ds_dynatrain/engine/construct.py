@@ -120,7 +120,9 @@ def construct(
 def attach_snapshot_engine(engine, dt: ElasticState) -> None:
     """Give a built ``engine`` (DP, AutoTP or pipeline) the snapshot engine of this generation as
     DeepSpeed's ``checkpoint_engine``. A DP job's files record each fragment's VPS attributes; an
-    AutoTP or pipeline job's record none (a load checks their ``param_shapes``)."""
+    AutoTP or pipeline job's record none (a load checks their ``param_shapes``). A ZeRO-1/2 DP job's
+    model-state file leaves its trainable parameters to the fp32 master (``snapshot.module_from_master``,
+    :mod:`~ds_dynatrain.checkpoint.module_master`)."""
     snap = dt.config.snapshot
     engine.checkpoint_engine = SnapshotCheckpointEngine(
         store_address=store_address(dt),
@@ -136,7 +138,10 @@ def attach_snapshot_engine(engine, dt: ElasticState) -> None:
         write_from_memory=snap.write_from_memory,
     )
     if dt.tp_layout is None and dt.pp_layout is None:
-        engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout_of(engine), tdist.get_rank())
+        layout = layout_of(engine)
+        engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout, tdist.get_rank())
+        if snap.module_from_master and layout.stage in (1, 2):  # working = cast of the master at each step
+            engine.checkpoint_engine.module_from_master = tuple(p.key for g in layout.groups for p in g)
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
         engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
 

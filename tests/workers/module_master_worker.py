@@ -1,0 +1,69 @@
+"""Test worker: a ZeRO-2 snapshot leaves the working parameters to the fp32 master.
+
+Trains TinyLM 3 optimizer steps and saves the same step twice: ``OUT/stripped`` as the plugin writes it
+(``snapshot.module_from_master``, the default) and ``OUT/whole`` with the engine's
+``module_from_master`` emptied (a SEAM: the same engine writes every ``module`` entry). Rank 0
+writes the working parameters gathered at that step (``OUT/oracle.pt``, torch's format: the test's
+oracle). Then it trains to step 5, loads ``OUT/stripped`` at the same world size (DeepSpeed's
+own load, the module state read from the stripped file) and writes the gathered state before and
+after (``OUT/result.json``: ``equal``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import ds_dynatrain  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+
+
+def main():
+    out, cfg_path = sys.argv[1], sys.argv[sys.argv.index("--deepspeed_config") + 1]
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine, _o, loader, _s = ds_dynatrain.initialize(
+        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=cfg_path
+    )
+    it = iter(loader)
+
+    def train_to(step):
+        while engine.global_steps < step:
+            engine.backward(engine(next(it)))
+            engine.step()
+
+    train_to(3)
+    ce = engine.checkpoint_engine
+    listed = list(ce.module_from_master)
+    engine.save_checkpoint(os.path.join(out, "stripped"), tag="s3")
+    ce.wait()
+    ce.module_from_master = ()  # SEAM: the same engine writing every module entry
+    engine.save_checkpoint(os.path.join(out, "whole"), tag="s3")
+    ce.wait()
+    ce.module_from_master = tuple(listed)
+    at_3 = gather_state(engine)
+    if engine.global_rank == 0:
+        torch.save({n: v["param"] for n, v in at_3.items() if not n.startswith("__")}, os.path.join(out, "oracle.pt"))
+    train_to(5)
+    engine.load_checkpoint(os.path.join(out, "stripped"), tag="s3")
+    back = gather_state(engine)
+    equal = all(
+        torch.equal(at_3[n][kind], back[n][kind])
+        for n in at_3
+        if not n.startswith("__")
+        for kind in ("param", "fp32", "exp_avg", "exp_avg_sq")
+    )
+    if engine.global_rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"listed": listed, "equal": equal, "step": engine.global_steps}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
