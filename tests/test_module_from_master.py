@@ -44,9 +44,15 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
     oracle = torch.load(tmp_path / "oracle.pt", weights_only=True)
 
     stripped, whole = tmp_path / "stripped" / "s3" / MODEL, tmp_path / "whole" / "s3" / MODEL
-    # TinyLM has no buffers: the whole file's tensors are the module's parameters, the stripped one's none
-    tensor_bytes = [sum(m.nbytes for m in read_footer(str(f)).items if m.kind == "tensor") for f in (stripped, whole)]
-    assert tensor_bytes == [0, sum(t.numel() for t in oracle.values()) * torch.empty((), dtype=dtype).element_size()]
+    # TinyLM has no buffers: the whole file's tensors are the module's parameters, the stripped one's
+    # none; a save right after a load writes them whole, the one after the next step does not
+    after_load = [tmp_path / "after_load" / tag / MODEL for tag in ("l3", "l4")]
+    tensor_bytes = [
+        sum(m.nbytes for m in read_footer(str(f)).items if m.kind == "tensor") for f in (stripped, whole, *after_load)
+    ]
+    module_bytes = sum(t.numel() for t in oracle.values()) * torch.empty((), dtype=dtype).element_size()
+    assert tensor_bytes == [0, module_bytes, module_bytes, 0]
+    assert torch.equal(read_state_file(str(after_load[0]))["module"]["mix.weight"].float(), oracle["mix.weight"])
 
     got, want = read_state_file(str(stripped)), read_state_file(str(whole))
     assert MARKER not in got and list(got) == list(want)
@@ -68,5 +74,21 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
                 read_state_file(str(damaged / MODEL))["module"]["head.weight"].float(), oracle["head.weight"]
             )
         else:
-            with pytest.raises(CheckpointIncompleteError, match=f"{rank1.name}: missing"):
+            with pytest.raises(
+                CheckpointIncompleteError, match=f"trainable parameters to the fp32 master.*{rank1.name}: missing"
+            ):
                 read_state_file(str(damaged / MODEL))
+
+
+def test_strip_keeps_entries_of_another_shape_and_the_state_it_was_given():
+    """Only floating-point entries of the layout's shape are stripped (a state-dict hook may give a
+    parameter another shape); the dict DeepSpeed passed is left as it was."""
+    from ds_dynatrain.checkpoint.module_master import MARKER, strip_working
+
+    module = {"a": torch.ones(2, 3), "b": torch.ones(6), "ids": torch.arange(4), "c": torch.ones(1)}
+    state = {"module": module, "global_steps": 7}
+    out = strip_working(state, {"a": (2, 3), "b": (2, 3), "ids": (4,), "gone": (1,)})
+    assert out[MARKER] == ["a"] and out["module"]["a"].numel() == 0 and out["module"]["a"].dtype == torch.float32
+    assert list(out["module"]) == list(module) and out["module"]["b"] is module["b"] and out["global_steps"] == 7
+    assert state["module"] is module and module["a"].shape == (2, 3) and MARKER not in state
+    assert strip_working(state, {"b": (2, 3)}) is state and strip_working({"x": 1}, {"a": (2, 3)}) == {"x": 1}

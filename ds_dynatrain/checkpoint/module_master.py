@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, Iterable, List
+from typing import Dict, List, Mapping, Tuple
 
 import torch
 
@@ -25,15 +25,21 @@ from ..errors import CheckpointIncompleteError
 MARKER = "dynatrain_module_from_master"  # model-state key: the module entries rebuilt from the master
 
 
-def strip_working(state: dict, names: Iterable[str]) -> dict:
+def strip_working(state: dict, shapes: Mapping[str, Tuple[int, ...]]) -> dict:
     """``state`` (a model-state dict DeepSpeed is saving) with each floating-point ``module`` entry
-    in ``names`` replaced by an empty tensor of its dtype (shape ``(0,)``) and their names listed
-    under :data:`MARKER`; ``state`` itself is not changed. Names not in ``module`` are skipped; a
-    state without a ``module`` dict, or with none of ``names``, is returned as it is."""
+    named in ``shapes`` (trainable parameter name -> its shape) and of that shape replaced by an
+    empty tensor of its dtype (shape ``(0,)``), their names listed under :data:`MARKER`; ``state``
+    itself is not changed. Other entries (a name not in ``module``, another shape, as a state-dict
+    hook may give) are kept; a state without a ``module`` dict, or with none to strip, is returned
+    as it is."""
     module = state.get("module")
     if not isinstance(module, dict):
         return state
-    stripped = [n for n in names if torch.is_tensor(module.get(n)) and module[n].is_floating_point()]
+    stripped = [
+        n
+        for n, shape in shapes.items()
+        if torch.is_tensor(module.get(n)) and module[n].is_floating_point() and tuple(module[n].shape) == shape
+    ]
     if not stripped:
         return state
     kept = dict(module)
@@ -62,7 +68,13 @@ def rebuild_working(state: dict, model_path: str, map_location=None) -> dict:
     from .saved import SavedCheckpoint, partitions_of
 
     tag_dir = os.path.dirname(os.path.abspath(model_path))
-    saved = SavedCheckpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    try:
+        saved = SavedCheckpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    except CheckpointIncompleteError as err:  # its subclasses too: the same class, the reason first
+        raise type(err)(
+            f"{model_path} leaves the module's trainable parameters to the fp32 master partitions of the "
+            f"optimizer-state files beside it (snapshot.module_from_master), and {err}"
+        ) from None
     try:
         layout = saved.layout_from_metadata()
         shapes = {p.key: p.shape for g in layout.groups for p in g}

@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -235,7 +235,10 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
         self.tensor_attrs = None
         # names of ``module`` entries of the ZeRO-1/2 model-state file left to the fp32 master
         # partitions, rebuilt from them on read (:mod:`.module_master`; set by the elastic engine)
-        self.module_from_master: Sequence[str] = ()
+        self.module_from_master: Mapping[str, Tuple[int, ...]] = {}  # name -> shape
+        # True from a load until the next optimizer step: the loaded working parameters need not be
+        # the cast of the loaded master (a file of another precision), so they are written whole
+        self.hold_module = False
         # set by ElasticEngine.save_checkpoint, which keeps DeepSpeed from writing ``latest`` itself
         # (non-atomically) and has this engine's commit publish it instead; None: DeepSpeed's flag
         self.publish_latest = None
@@ -436,7 +439,12 @@ class SnapshotCheckpointEngine(OutcomeTracking, CheckpointEngine):
             self._current.saved_step = state_dict["global_steps"]
         if self._current.error is not None:
             return  # this rank cannot write this snapshot; the commit reports why
-        if self.module_from_master and os.path.basename(path) == MODEL_FILE and isinstance(state_dict, dict):
+        if (
+            self.module_from_master
+            and not self.hold_module
+            and os.path.basename(path) == MODEL_FILE
+            and isinstance(state_dict, dict)
+        ):
             state_dict = strip_working(state_dict, self.module_from_master)
         job = _FileJob(self._redirect(path), DictStateProvider(state_dict, tensor_attrs=self.tensor_attrs))
         if torch.cuda.is_available():

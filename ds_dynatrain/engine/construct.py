@@ -23,6 +23,7 @@ from ..zero.comm import start_deepspeed_comm
 from ..zero.geometry import layout_for_model, layout_of, working_dtype
 from ..zero.quiet import scheduler_start_quiet, use_current_collectives
 from ..zero.rebuild import light_rebuild
+from ..zero.state import working_is_cast_of_master
 from ..zero.zero3 import client_attrs
 from .device import bind_device, engine_args
 from .records import SnapshotRecord
@@ -140,8 +141,8 @@ def attach_snapshot_engine(engine, dt: ElasticState) -> None:
     if dt.tp_layout is None and dt.pp_layout is None:
         layout = layout_of(engine)
         engine.checkpoint_engine.tensor_attrs = VPSAttributes(layout, tdist.get_rank())
-        if snap.module_from_master and layout.stage in (1, 2):  # working = cast of the master at each step
-            engine.checkpoint_engine.module_from_master = tuple(p.key for g in layout.groups for p in g)
+        if snap.module_from_master and working_is_cast_of_master(engine):
+            engine.checkpoint_engine.module_from_master = {p.key: tuple(p.shape) for g in layout.groups for p in g}
     if tdist.get_rank() == 0:  # every snapshot's outcome, committed or failed, is a record of rank 0
         engine.checkpoint_engine.on_outcome = lambda outcome: dt.metrics.write(SnapshotRecord.of(outcome))
 

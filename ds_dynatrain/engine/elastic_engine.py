@@ -289,6 +289,10 @@ class ElasticEngine(DeepSpeedEngine):
                 self._dt.snapshot_stall_s += self.checkpoint_engine.wait_captured()
         super().step(lr_kwargs=lr_kwargs)
         if self.global_steps != before:
+            if isinstance(self.checkpoint_engine, SnapshotCheckpointEngine) and not getattr(
+                self.optimizer, "overflow", False
+            ):
+                self.checkpoint_engine.hold_module = False  # the step cast the master into the working parameters
             dt = self._dt
             if not dt.modules_published and dt.membership is not None and self.global_rank == 0:
                 dt.modules_published = True  # what a joiner imports before it joins (names only)

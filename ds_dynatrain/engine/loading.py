@@ -83,6 +83,10 @@ def load_checkpoint(
     raise_on_every_rank(problem, CheckpointIncompleteError, f"loading {load_dir} failed")
     if out[0] is not None:
         relink_optimizer_state(engine)
+        if isinstance(engine.checkpoint_engine, SnapshotCheckpointEngine):
+            # DeepSpeed's own load set the working parameters from the file's module, which need not
+            # be the cast of the loaded master: snapshots write them whole until the next step
+            engine.checkpoint_engine.hold_module = True
     return out
 
 

@@ -195,3 +195,16 @@ def master_from_working(engine) -> bool:
     resize need not move the master (deepspeed/runtime/zero/stage_1_and_2.py ``step``)."""
     zopt = zero_optimizer_of(engine)
     return all(p.dtype == f.dtype for grp, f in zip(working_partitions(zopt), fp32_partitions(zopt)) for p in grp[:1])
+
+
+def working_is_cast_of_master(engine) -> bool:
+    """True when every optimizer step makes each working parameter the exact cast of its fp32
+    master: DeepSpeed's own ZeRO-1/2 optimizer, whose ``step`` copies each updated fp32 partition
+    into the working partition and all-gathers it, and whose set-up clones the master from the
+    working parameters (``DeepSpeedZeroOptimizer``, deepspeed/runtime/zero/stage_1_and_2.py). Not a
+    subclass that updates working parameters itself (ZenFlow's selective step writes columns into
+    them and brings the master up to date later), not ZeRO-3 (whose model-state files hold no
+    parameters), not another optimizer wrapper."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return type(engine.optimizer) is DeepSpeedZeroOptimizer

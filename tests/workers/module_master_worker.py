@@ -6,7 +6,8 @@ Trains TinyLM 3 optimizer steps and saves the same step twice: ``OUT/stripped`` 
 writes the working parameters gathered at that step (``OUT/oracle.pt``, torch's format: the test's
 oracle). Then it trains to step 5, loads ``OUT/stripped`` at the same world size (DeepSpeed's
 own load, the module state read from the stripped file) and writes the gathered state before and
-after (``OUT/result.json``: ``equal``).
+after (``OUT/result.json``: ``equal``); it saves ``OUT/after_load`` at once (tag ``l3``) and after
+the next step (``l4``).
 """
 
 from __future__ import annotations
@@ -40,19 +41,24 @@ def main():
 
     train_to(3)
     ce = engine.checkpoint_engine
-    listed = list(ce.module_from_master)
+    listed = dict(ce.module_from_master)  # name -> shape
     engine.save_checkpoint(os.path.join(out, "stripped"), tag="s3")
     ce.wait()
-    ce.module_from_master = ()  # SEAM: the same engine writing every module entry
+    ce.module_from_master = {}  # SEAM: the same engine writing every module entry
     engine.save_checkpoint(os.path.join(out, "whole"), tag="s3")
     ce.wait()
-    ce.module_from_master = tuple(listed)
+    ce.module_from_master = listed
     at_3 = gather_state(engine)
     if engine.global_rank == 0:
         torch.save({n: v["param"] for n, v in at_3.items() if not n.startswith("__")}, os.path.join(out, "oracle.pt"))
     train_to(5)
     engine.load_checkpoint(os.path.join(out, "stripped"), tag="s3")
-    back = gather_state(engine)
+    back, loaded_step = gather_state(engine), engine.global_steps
+    # right after a load the module is written whole; after the next step it is left to the master
+    engine.save_checkpoint(os.path.join(out, "after_load"), tag="l3")
+    train_to(4)
+    engine.save_checkpoint(os.path.join(out, "after_load"), tag="l4")
+    ce.wait()
     equal = all(
         torch.equal(at_3[n][kind], back[n][kind])
         for n in at_3
@@ -61,7 +67,7 @@ def main():
     )
     if engine.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"listed": listed, "equal": equal, "step": engine.global_steps}, f)
+            json.dump({"listed": sorted(listed), "equal": equal, "step": loaded_step}, f)
     return 0
 
 
