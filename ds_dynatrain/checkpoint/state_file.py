@@ -4,7 +4,7 @@ format checked first, and files read ahead so a load can refuse damage before it
 DeepSpeed's own load reads a rank's files one after the other (the model-state file, installed into
 the module, then the optimizer-state file): a damaged optimizer file found second would leave the
 module holding the checkpoint's weights beside the old optimizer state. :class:`ReadAhead` reads
-every file a rank will load first, keeps what it read, and hands each back when DeepSpeed asks for
+every file a rank will load first, keeps what it read, and hands it back whenever DeepSpeed asks for
 it (no second read), so a damaged file fails the load before anything changes.
 """
 
@@ -87,10 +87,14 @@ def files_loaded_by(saved, rank: int) -> List[str]:
 
 
 class ReadAhead:
-    """Files read (and checked) before a load, handed back once each when the load asks for them.
+    """Files read (and checked) before a load, handed back whenever the load asks for them until
+    :meth:`clear`: DeepSpeed's own load reads the model-state file twice (``SDLoaderBase.
+    check_ckpt_list``, then ``load``; deepspeed/runtime/state_dict_factory.py), and a ZeRO-1/2
+    snapshot's rebuilds its module from every rank's master partitions each time it is read.
 
     ``read(paths)`` reads every path with :func:`read_state_file` (raising its errors, nothing kept
-    on failure); ``take(path)`` returns and forgets what was read for ``path``, or None.
+    on failure); ``take(path)`` returns what was read for ``path`` (the same object each time), or
+    None; ``clear()`` forgets everything.
     """
 
     def __init__(self):
@@ -103,7 +107,7 @@ class ReadAhead:
         self._kept = kept
 
     def take(self, path: str) -> Any:
-        return self._kept.pop(os.path.abspath(path), None)
+        return self._kept.get(os.path.abspath(path))
 
     def clear(self) -> None:
         self._kept.clear()
