@@ -81,6 +81,14 @@ class Tokens(Dataset):
         return self.data[i]
 
 
+def train_to(engine, batches, step: int) -> None:
+    """Forward, backward and ``engine.step()`` on the next batch of the iterator ``batches`` until
+    ``engine.global_steps`` reaches ``step`` (every micro-batch of each accumulation)."""
+    while engine.global_steps < step:
+        engine.backward(engine(next(batches)))
+        engine.step()
+
+
 def gather_state(engine) -> dict:
     """Full fp32 master weights, Adam moments and step of every trainable parameter, gathered with
     ``deepspeed.utils.safe_get_full_*`` (collective: every rank calls it)."""

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, gather_state, train_to  # noqa: E402
 
 
 def main():
@@ -34,12 +34,7 @@ def main():
     )
     it = iter(loader)
 
-    def train_to(step):
-        while engine.global_steps < step:
-            engine.backward(engine(next(it)))
-            engine.step()
-
-    train_to(3)
+    train_to(engine, it, 3)
     ce = engine.checkpoint_engine
     listed = dict(ce.module_from_master)  # name -> shape
     engine.save_checkpoint(os.path.join(out, "stripped"), tag="s3")
@@ -51,12 +46,12 @@ def main():
     at_3 = gather_state(engine)
     if engine.global_rank == 0:
         torch.save({n: v["param"] for n, v in at_3.items() if not n.startswith("__")}, os.path.join(out, "oracle.pt"))
-    train_to(5)
+    train_to(engine, it, 5)
     engine.load_checkpoint(os.path.join(out, "stripped"), tag="s3")
     back, loaded_step = gather_state(engine), engine.global_steps
     # right after a load the module is written whole; after the next step it is left to the master
     engine.save_checkpoint(os.path.join(out, "after_load"), tag="l3")
-    train_to(4)
+    train_to(engine, it, 4)
     engine.save_checkpoint(os.path.join(out, "after_load"), tag="l4")
     ce.wait()
     equal = all(

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
 from ds_dynatrain.errors import SnapshotWriteError  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state, train_to  # noqa: E402
 
 
 def main():
@@ -37,15 +37,10 @@ def main():
     result = {}
     it = iter(loader)
 
-    def train_to(step):
-        while engine.global_steps < step:
-            engine.backward(engine(next(it)))
-            engine.step()
-
-    train_to(2)
+    train_to(engine, it, 2)
     engine.save_checkpoint(snap)
     at_2 = gather_state(engine)
-    train_to(4)
+    train_to(engine, it, 4)
     ce = engine.checkpoint_engine
     ce._ensure_worker()
     real_writer = ce._writer
@@ -77,7 +72,7 @@ def main():
         for kind in ("fp32", "exp_avg", "exp_avg_sq")
     )
     result["steps"] = [at_2["__step__"], back["__step__"], engine.global_steps]
-    train_to(engine.global_steps + 1)
+    train_to(engine, it, engine.global_steps + 1)
     errors = [None] * 2
     import torch.distributed as tdist
 
