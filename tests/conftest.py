@@ -38,6 +38,24 @@ class Job:
     output: str
 
 
+def skip_unless_torch_computes_fp16() -> None:
+    """The fp16 runs need torch to run the model in fp16 on this CPU (forward and backward). They do
+    not need mkldnn's fp16 kernels: where DeepSpeed's CPU accelerator reports fp16 unsupported for
+    want of them, the workers override that check at a seam (``tests/workers/common.py``
+    ``allow_cpu_fp16``); set ``DT_TEST_MKLDNN_FP16=0`` to have mkldnn report them missing on any CPU.
+    Where torch itself cannot compute the model in fp16, the run is skipped, naming the reason."""
+    import torch
+    from workers.common import Tokens
+    from workers.groups_worker import GroupsLM
+
+    try:
+        torch.manual_seed(0)
+        model = GroupsLM().half()
+        model(Tokens(n=2)[:]).backward()
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch cannot train the model in fp16 on this CPU: {err}")
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group ``proc`` leads (started with ``start_new_session``) and reap it."""
     try:

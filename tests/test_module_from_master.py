@@ -2,7 +2,8 @@
 (``snapshot.module_from_master``) and reading it gives them back bitwise.
 
 Multi-process (``tests/workers/module_master_worker.py``, a 2-rank ZeRO-2 TinyLM job, fp32 and
-bf16): the same step saved stripped and whole. Oracles: the working parameters gathered with
+bf16; a ZeRO-1 fp16 job of a model with a frozen embedding, tied input/output embeddings and two
+parameter groups, marked slow): the same step saved stripped and whole. Oracles: the working parameters gathered with
 DeepSpeed's own accessors at that step (the stripped file read back equals them, dtype included,
 and equals the whole file read back, key order included), and the state after DeepSpeed's own load
 of the stripped snapshot equals the state at the save, bitwise.
@@ -16,16 +17,36 @@ import shutil
 
 import pytest
 import torch
-from conftest import WORKERS, launch
+from conftest import WORKERS, launch, skip_unless_torch_computes_fp16
 
 pytestmark = pytest.mark.multiprocess
 
 TRAINABLE = {"embed.weight", "mix.weight", "mix.bias", "norm.weight", "norm.bias", "gain", "head.weight", "head.bias"}
+# GroupsLM: frozen.weight is never trained; head.weight is tok.weight (DeepSpeed names it tok.weight)
+GROUPS_TRAINABLE = {
+    "tok.weight",
+    "proj.weight",
+    "proj.bias",
+    "mix.weight",
+    "mix.bias",
+    "norm.weight",
+    "norm.bias",
+    "gain",
+}
 MODEL = "mp_rank_00_model_states.pt"
+# a loss scale at which these small models' fp16 gradients do not overflow: every step is a real step
+FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 3, "min_loss_scale": 1}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path, precision):
+@pytest.mark.parametrize(
+    "precision,stage,model",
+    [
+        ("fp32", 2, "tiny"),
+        ("bf16", 2, "tiny"),
+        pytest.param("fp16", 1, "groups", marks=pytest.mark.slow),
+    ],
+)
+def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path, precision, stage, model):
     from workers.common import base_config
 
     from ds_dynatrain.checkpoint.module_master import MARKER
@@ -33,25 +54,34 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
     from ds_dynatrain.errors import CheckpointIncompleteError
     from io_engine import read_footer
 
-    cfg = base_config(2)
+    cfg = base_config(stage)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    job = launch(tmp_path, os.path.join(WORKERS, "module_master_worker.py"), 2, cfg, [str(tmp_path)], timeout=180)
+    elif precision == "fp16":
+        skip_unless_torch_computes_fp16()
+        cfg["fp16"] = dict(FP16)
+    args = [str(tmp_path), "--model", model]
+    job = launch(tmp_path, os.path.join(WORKERS, "module_master_worker.py"), 2, cfg, args, timeout=180)
     assert job.returncode == 0, job.output[-5000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert set(r["listed"]) == TRAINABLE and r["equal"] is True and r["step"] == 3
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    trainable = GROUPS_TRAINABLE if model == "groups" else TRAINABLE
+    assert set(r["listed"]) == trainable and r["equal"] is True and r["step"] == 3 and r["skipped"] == 0
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     oracle = torch.load(tmp_path / "oracle.pt", weights_only=True)
 
     stripped, whole = tmp_path / "stripped" / "s3" / MODEL, tmp_path / "whole" / "s3" / MODEL
-    # TinyLM has no buffers: the whole file's tensors are the module's parameters, the stripped one's
-    # none; a save right after a load writes them whole, the one after the next step does not
+    # the stripped file's tensors are the whole one's less the trainable parameters (GroupsLM keeps
+    # its frozen embedding and the tied head.weight, a name DeepSpeed's layout does not list); a save
+    # right after a load writes the module whole, the one after the next step does not
     after_load = [tmp_path / "after_load" / tag / MODEL for tag in ("l3", "l4")]
     tensor_bytes = [
         sum(m.nbytes for m in read_footer(str(f)).items if m.kind == "tensor") for f in (stripped, whole, *after_load)
     ]
-    module_bytes = sum(t.numel() for t in oracle.values()) * torch.empty((), dtype=dtype).element_size()
-    assert tensor_bytes == [0, module_bytes, module_bytes, 0]
+    trainable_bytes = sum(oracle[n].numel() for n in trainable) * torch.empty((), dtype=dtype).element_size()
+    whole_bytes = tensor_bytes[1]
+    assert tensor_bytes == [whole_bytes - trainable_bytes, whole_bytes, whole_bytes, whole_bytes - trainable_bytes]
+    if model == "tiny":  # no buffers, nothing frozen or tied: the module is the trainable parameters
+        assert whole_bytes == trainable_bytes
     assert torch.equal(read_state_file(str(after_load[0]))["module"]["mix.weight"].float(), oracle["mix.weight"])
 
     got, want = read_state_file(str(stripped)), read_state_file(str(whole))
@@ -59,9 +89,12 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
     assert list(got["module"]) == list(want["module"])
     for name, t in want["module"].items():
         assert got["module"][name].dtype == t.dtype and torch.equal(got["module"][name], t), name
-    for name in TRAINABLE:
-        # the oracle is the working parameter as fp32 (exact for bf16)
+    for name in trainable:
+        # the oracle is the working parameter as fp32 (exact for bf16 and fp16)
         assert got["module"][name].dtype == dtype and torch.equal(got["module"][name].float(), oracle[name]), name
+    if model == "groups":
+        assert torch.equal(got["module"]["head.weight"], got["module"]["tok.weight"])
+        assert not torch.equal(got["module"]["frozen.weight"], torch.zeros_like(got["module"]["frozen.weight"]))
 
     # the stripped file needs the optimizer files; the whole one does not
     for src, ok in ((tmp_path / "stripped" / "s3", False), (tmp_path / "whole" / "s3", True)):
@@ -71,7 +104,7 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
         rank1.unlink()
         if ok:
             assert torch.equal(
-                read_state_file(str(damaged / MODEL))["module"]["head.weight"].float(), oracle["head.weight"]
+                read_state_file(str(damaged / MODEL))["module"]["mix.weight"].float(), oracle["mix.weight"]
             )
         else:
             with pytest.raises(

@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from conftest import WORKERS, launch, read_jsonl
+from conftest import WORKERS, launch, read_jsonl, skip_unless_torch_computes_fp16
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,23 +77,6 @@ def _cfg(stage: int, precision: str, metrics: str) -> dict:
     return cfg
 
 
-def _skip_unless_torch_computes_fp16() -> None:
-    """The fp16 runs need torch to run the model in fp16 on this CPU (forward and backward). They do
-    not need mkldnn's fp16 kernels: where DeepSpeed's CPU accelerator reports fp16 unsupported for
-    want of them, the workers override that check at a seam (``tests/workers/common.py``
-    ``allow_cpu_fp16``); set ``DT_TEST_MKLDNN_FP16=0`` to have mkldnn report them missing on any CPU.
-    Where torch itself cannot compute the model in fp16, the run is skipped, naming the reason."""
-    from workers.common import Tokens
-    from workers.groups_worker import GroupsLM
-
-    try:
-        torch.manual_seed(0)
-        model = GroupsLM().half()
-        model(Tokens(n=2)[:]).backward()
-    except (RuntimeError, NotImplementedError) as err:
-        pytest.skip(f"torch cannot train the model in fp16 on this CPU: {err}")
-
-
 def _run(tmp, name, stage, precision, nproc, steps, resizes, schedule):
     out = tmp / name
     out.mkdir()
@@ -124,7 +107,7 @@ def runs(request, tmp_path_factory):
     stage, precision = request.param
     fp16 = precision == "fp16"
     if fp16:
-        _skip_unless_torch_computes_fp16()
+        skip_unless_torch_computes_fp16()
     tmp = tmp_path_factory.mktemp(f"zero{stage}_{precision}")
     steps, resizes = (FP16_STEPS, FP16_RESIZES) if fp16 else (STEPS, RESIZES)
     elastic = _run(tmp, "elastic", stage, precision, 2, steps, resizes, schedule=fp16)

@@ -21,16 +21,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ds_dynatrain  # noqa: E402
-from tests.workers.common import TinyLM, Tokens, gather_state, train_to  # noqa: E402
+from tests.workers.common import TinyLM, Tokens, allow_cpu_fp16, gather_state, train_to  # noqa: E402
+from tests.workers.groups_worker import GroupsLM, param_groups  # noqa: E402
 
 
 def main():
     out, cfg_path = sys.argv[1], sys.argv[sys.argv.index("--deepspeed_config") + 1]
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
     torch.manual_seed(0)
-    model = TinyLM()
+    groups = "--model" in sys.argv and sys.argv[sys.argv.index("--model") + 1] == "groups"
+    model = GroupsLM() if groups else TinyLM()
     engine, _o, loader, _s = ds_dynatrain.initialize(
-        model=model, model_parameters=model.parameters(), training_data=Tokens(), config=cfg_path
+        model=model,
+        model_parameters=param_groups(model) if groups else model.parameters(),
+        training_data=Tokens(),
+        config=cfg_path,
     )
     it = iter(loader)
 
@@ -62,7 +68,9 @@ def main():
     )
     if engine.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"listed": sorted(listed), "equal": equal, "step": loaded_step}, f)
+            json.dump(
+                {"listed": sorted(listed), "equal": equal, "step": loaded_step, "skipped": engine.skipped_steps}, f
+            )
     return 0
 
 
