@@ -37,9 +37,12 @@ job's first snapshot, leaves the median alone). ``--unpaired`` runs the blocks
 with snapshots alone and compares them with a job of engine ``none``. ``--json`` prints one object
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
 steal_s, steal_overhead, slowdown_less_steal, paired_drift, round_slowdowns, round_steal_overheads, flush_gbps,
-bound_gbps, from_source_share``
-(the share of rank 0's snapshot bytes written straight from the tensors' memory; None for the
-other engines).
+bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes written straight from the
+tensors' memory; None for the other engines), and for ours ``writer_cpu_s, writer_cpu_share``: the
+CPU seconds one rank's optimizer-state file (half the snapshot) costs our writer written alone
+after the jobs (``benchmarks.io_bound.writer_cpu``: CRC-32C and the kernel's O_DIRECT writes), and
+that as a share of one CPU over the ``--every`` baseline iterations between two snapshots, the
+floor of the slowdown on a machine whose CPUs training fills.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ def main(argv=None) -> int:
         for e in a.engines.split(","):
             results.append(run_engine(e, a, work))
     from benchmarks.io_bound import run as io_run
+    from benchmarks.io_bound import writer_cpu
 
     base = next((r for r in results if r["engine"] == "none"), None)
     results = [r for r in results if r["engine"] != "none"]
@@ -153,9 +157,15 @@ def main(argv=None) -> int:
         return 0
     size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
     bound = io_run(size_mib, a.dir, 1, 32, 8, 64)["results"]["device_bound_odirect_uring"]["gib_per_s"] * 1.073741824
+    # the CPU our writer costs one rank per snapshot apart from training (its largest file: the
+    # optimizer state), as a share of one CPU over the steps between two snapshots
+    own = writer_cpu(max(1 << 20, results[0]["snapshot_bytes"] // 2), a.dir)
     torch_stall = next((r["stall_s"] for r in results if r["engine"] == "torch"), None)
     for r in results:
         r["bound_gbps"] = bound
+        if r["engine"].startswith("dynatrain"):
+            r["writer_cpu_s"] = own["cpu_s"]
+            r["writer_cpu_share"] = own["cpu_s"] / (a.every * (r.get("paired_base_iter_s") or r["iter_s"]))
         r["stall_vs_torch"] = r["stall_s"] / torch_stall if torch_stall else None
         r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
         if r.get("paired_base_iter_s"):  # the same job's blocks without snapshots, before and after
@@ -204,6 +214,14 @@ def main(argv=None) -> int:
                 f"(drift from the first block to the last: {100 * r['paired_drift']:+.1f} %); slowdown of each "
                 f"round: {', '.join(f'{100 * x:.1f} %' for x in r['round_slowdowns'])}"
             )
+    ours = next((r for r in results if "writer_cpu_share" in r), None)
+    if ours:
+        print(
+            f"our writer alone: {own['cpu_s']:.3f} CPU s per rank's file of {own['size_bytes'] / 2**20:.0f} MiB "
+            f"(user {own['user_s']:.3f}, system {own['system_s']:.3f}; {own['wall_s']:.3f} s wall; the first "
+            f"write {own['first_cpu_s']:.3f}), {100 * ours['writer_cpu_share']:.1f} % of one CPU over the "
+            f"{a.every} steps between snapshots: the floor of the slowdown where training fills the CPUs"
+        )
     print(
         f"{'engine':<14} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "
         f"{'stall/torch':>12} {'flush/bound':>12} {'extra CPU':>10} {'host steal':>11} {'less steal':>11}"
