@@ -38,11 +38,14 @@ with snapshots alone and compares them with a job of engine ``none``. ``--json``
 per engine with ``engine, stall_s, step_s, iter_s, baseline_iter_s, slowdown, cpu_s, cpu_overhead,
 steal_s, steal_overhead, slowdown_less_steal, paired_drift, round_slowdowns, round_steal_overheads, flush_gbps,
 bound_gbps, from_source_share`` (the share of rank 0's snapshot bytes written straight from the
-tensors' memory; None for the other engines), and for ours ``writer_cpu_s, writer_cpu_share``: the
-CPU seconds one rank's optimizer-state file (half the snapshot) costs our writer written alone
-after the jobs (``benchmarks.io_bound.writer_cpu``: CRC-32C and the kernel's O_DIRECT writes), and
-that as a share of one CPU over the ``--every`` baseline iterations between two snapshots, the
-floor of the slowdown on a machine whose CPUs training fills.
+tensors' memory; None for the other engines), and for ``dynatrain`` ``writer_cpu_s, writer_user_s,
+writer_system_s, writer_wall_s, writer_first_cpu_s, writer_cpu_share``: the CPU seconds one rank's
+optimizer-state file (the snapshot's share of a rank) costs our writer, written alone after the
+jobs as ``dynatrain`` writes it (``benchmarks.io_bound.writer_cpu``: CRC-32C and the kernel's
+O_DIRECT writes; the user/system split is the kernel's tick estimate, and system time misses
+deferred kernel work), and every rank's such file as a share of the machine's CPU time over the
+``--every`` baseline iterations between two snapshots: what the writing takes from training at
+least, where training fills the CPUs.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY = "dynatrain-copy"  # ours with ``snapshot.write_from_memory: false``
+RANKS = 2  # processes of each engine's job
 
 
 def run_engine(engine: str, a, workdir: str) -> dict:
@@ -84,7 +88,7 @@ def run_engine(engine: str, a, workdir: str) -> dict:
         "ds_dynatrain.cli",
         "launch",
         "--nproc",
-        "2",
+        str(RANKS),
         "--config",
         cfg_path,
         os.path.join(ROOT, "benchmarks", "snapshot_worker.py"),
@@ -158,14 +162,12 @@ def main(argv=None) -> int:
     size_mib = max(8, results[0]["snapshot_bytes"] >> 20)
     bound = io_run(size_mib, a.dir, 1, 32, 8, 64)["results"]["device_bound_odirect_uring"]["gib_per_s"] * 1.073741824
     # the CPU our writer costs one rank per snapshot apart from training (its largest file: the
-    # optimizer state), as a share of one CPU over the steps between two snapshots
-    own = writer_cpu(max(1 << 20, results[0]["snapshot_bytes"] // 2), a.dir)
+    # optimizer state, half the snapshot), written from the tensors' memory as `dynatrain` writes it
+    ours = next((r for r in results if r["engine"] == "dynatrain"), None)
+    own = writer_cpu(max(1 << 20, ours["snapshot_bytes"] // RANKS), a.dir) if ours else None
     torch_stall = next((r["stall_s"] for r in results if r["engine"] == "torch"), None)
     for r in results:
         r["bound_gbps"] = bound
-        if r["engine"].startswith("dynatrain"):
-            r["writer_cpu_s"] = own["cpu_s"]
-            r["writer_cpu_share"] = own["cpu_s"] / (a.every * (r.get("paired_base_iter_s") or r["iter_s"]))
         r["stall_vs_torch"] = r["stall_s"] / torch_stall if torch_stall else None
         r["flush_vs_bound"] = r["flush_gbps"] / bound if bound else None
         if r.get("paired_base_iter_s"):  # the same job's blocks without snapshots, before and after
@@ -178,6 +180,13 @@ def main(argv=None) -> int:
             r["slowdown"] = r["iter_s"] / base["iter_s"] - 1 if base else None
             r["cpu_overhead"] = r["cpu_s"] / base["cpu_s"] - 1 if base else None
             base_steal = base["steal_s"] if base else None
+        if r is ours:
+            # every rank writes one such file per snapshot: their CPU over the machine's CPU time in
+            # the baseline iterations between two snapshots, what they take from training at least
+            # where training fills the CPUs (system time misses the kernel's deferred work: a bound)
+            r.update({f"writer_{k}": v for k, v in own.items() if k.endswith("_s")})
+            base_iter = r["baseline_iter_s"]
+            r["writer_cpu_share"] = RANKS * own["cpu_s"] / (r["cpus"] * a.every * base_iter) if base_iter else None
         # the host's extra steal per iteration, as a share of the machine's CPU time in a baseline
         # iteration: what the snapshot cost training outside every process of this machine
         r["steal_overhead"] = (
@@ -214,13 +223,12 @@ def main(argv=None) -> int:
                 f"(drift from the first block to the last: {100 * r['paired_drift']:+.1f} %); slowdown of each "
                 f"round: {', '.join(f'{100 * x:.1f} %' for x in r['round_slowdowns'])}"
             )
-    ours = next((r for r in results if "writer_cpu_share" in r), None)
-    if ours:
+    if ours and ours["writer_cpu_share"] is not None:
         print(
             f"our writer alone: {own['cpu_s']:.3f} CPU s per rank's file of {own['size_bytes'] / 2**20:.0f} MiB "
-            f"(user {own['user_s']:.3f}, system {own['system_s']:.3f}; {own['wall_s']:.3f} s wall; the first "
-            f"write {own['first_cpu_s']:.3f}), {100 * ours['writer_cpu_share']:.1f} % of one CPU over the "
-            f"{a.every} steps between snapshots: the floor of the slowdown where training fills the CPUs"
+            f"(about {own['user_s']:.3f} user, {own['system_s']:.3f} system; {own['wall_s']:.3f} s wall; the "
+            f"first write {own['first_cpu_s']:.3f}); {RANKS} ranks' files: {100 * ours['writer_cpu_share']:.1f} % "
+            f"of the {ours['cpus']} CPUs' time over the {a.every} steps between snapshots"
         )
     print(
         f"{'engine':<14} {'stall/snapshot':>15} {'iteration':>10} {'slowdown':>9} {'flush':>11} {'bound':>11} "

@@ -1,8 +1,9 @@
-"""Test worker: a ZeRO-2 snapshot leaves the working parameters to the fp32 master.
+"""Test worker: a ZeRO-1/2 snapshot leaves the working parameters to the fp32 master.
 
-Trains TinyLM 3 optimizer steps and saves the same step twice: ``OUT/stripped`` as the plugin writes it
-(``snapshot.module_from_master``, the default) and ``OUT/whole`` with the engine's
-``module_from_master`` emptied (a SEAM: the same engine writes every ``module`` entry). Rank 0
+Trains TinyLM (or ``--model groups``: GroupsLM, below) 3 optimizer steps and saves the same step
+twice: ``OUT/stripped`` as the plugin writes it (``snapshot.module_from_master``, the default)
+and ``OUT/whole`` with the engine's ``module_from_master`` emptied (a SEAM: the same engine writes
+every ``module`` entry). Rank 0
 writes the working parameters gathered at that step (``OUT/oracle.pt``, torch's format: the test's
 oracle). Then it trains to step 5, loads ``OUT/stripped`` at the same world size (DeepSpeed's
 own load, the module state read from the stripped file) and writes the gathered state before and
@@ -28,9 +29,10 @@ from tests.workers.groups_worker import GroupsLM, param_groups  # noqa: E402
 def main():
     out, cfg_path = sys.argv[1], sys.argv[sys.argv.index("--deepspeed_config") + 1]
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
-    torch.manual_seed(0)
     groups = "--model" in sys.argv and sys.argv[sys.argv.index("--model") + 1] == "groups"
+    if groups:
+        allow_cpu_fp16()  # SEAM: DeepSpeed's CPU fp16 check (see tests/workers/common.py)
+    torch.manual_seed(0)
     model = GroupsLM() if groups else TinyLM()
     engine, _o, loader, _s = ds_dynatrain.initialize(
         model=model,
