@@ -22,17 +22,6 @@ from conftest import WORKERS, launch, skip_unless_torch_computes_fp16
 pytestmark = pytest.mark.multiprocess
 
 TRAINABLE = {"embed.weight", "mix.weight", "mix.bias", "norm.weight", "norm.bias", "gain", "head.weight", "head.bias"}
-# GroupsLM: frozen.weight is never trained; head.weight is tok.weight (DeepSpeed names it tok.weight)
-GROUPS_TRAINABLE = {
-    "tok.weight",
-    "proj.weight",
-    "proj.bias",
-    "mix.weight",
-    "mix.bias",
-    "norm.weight",
-    "norm.bias",
-    "gain",
-}
 MODEL = "mp_rank_00_model_states.pt"
 # a loss scale at which these small models' fp16 gradients do not overflow: the worker's count of
 # skipped steps (steps 1-3 and the step after its load, which restored the count) is asserted 0
@@ -49,6 +38,7 @@ FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_
 )
 def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path, precision, stage, model):
     from workers.common import VOCAB, base_config
+    from workers.groups_worker import TRAINABLE_NAMES, GroupsLM
 
     from ds_dynatrain.checkpoint.module_master import MARKER
     from ds_dynatrain.checkpoint.state_file import read_state_file
@@ -65,7 +55,7 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
     job = launch(tmp_path, os.path.join(WORKERS, "module_master_worker.py"), 2, cfg, args, timeout=180)
     assert job.returncode == 0, job.output[-5000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    trainable = GROUPS_TRAINABLE if model == "groups" else TRAINABLE
+    trainable = set(TRAINABLE_NAMES) if model == "groups" else TRAINABLE
     assert set(r["listed"]) == trainable and r["equal"] is True and r["step"] == 3 and r["skipped"] == 0
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     oracle = torch.load(tmp_path / "oracle.pt", weights_only=True)
@@ -96,8 +86,6 @@ def test_model_state_file_without_working_parameters_reads_back_bitwise(tmp_path
         # the oracle is the working parameter as fp32 (exact for bf16 and fp16)
         assert got["module"][name].dtype == dtype and torch.equal(got["module"][name].float(), oracle[name]), name
     if model == "groups":  # the frozen embedding as initialised (the worker's seed), in fp16
-        from workers.groups_worker import GroupsLM
-
         torch.manual_seed(0)
         assert torch.equal(got["module"]["frozen.weight"], GroupsLM().frozen.weight.detach().half())
 

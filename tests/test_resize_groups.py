@@ -157,22 +157,10 @@ def test_state_bitwise_equal_across_every_resize(runs):
 
 
 def test_groups_keep_their_parameters_and_hyperparameters(runs):
-    from workers.groups_worker import GROUP_HPARAMS, group_of
+    from workers.groups_worker import GROUP_HPARAMS, TRAINABLE_NAMES, group_of
 
     out = runs["elastic"]
-    expected = {
-        n: group_of(n)
-        for n in (
-            "gain",
-            "tok.weight",
-            "proj.weight",
-            "proj.bias",
-            "mix.weight",
-            "mix.bias",
-            "norm.weight",
-            "norm.bias",
-        )
-    }
+    expected = {n: group_of(n) for n in TRAINABLE_NAMES}
     assert set(expected.values()) == {0, 1}
     for before_tag, after_tag, new_ws in _tags(runs):
         before, after = _facts(out, before_tag), _facts(out, after_tag)

@@ -67,6 +67,20 @@ class GroupsLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+# GroupsLM's trainable parameters as DeepSpeed names them: frozen.weight is never trained, and the
+# tied head.weight is tok.weight (named_parameters lists it once)
+TRAINABLE_NAMES = (
+    "gain",
+    "tok.weight",
+    "proj.weight",
+    "proj.bias",
+    "mix.weight",
+    "mix.bias",
+    "norm.weight",
+    "norm.bias",
+)
+
+
 def group_of(name: str) -> int:
     """The client's group of a parameter: 0 for matrices and embeddings, 1 for the rest."""
     return 0 if name.endswith("weight") and not name.startswith("norm") else 1
